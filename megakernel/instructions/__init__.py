@@ -1,0 +1,23 @@
+"""The fused instruction set: one module per stage (its record operands, what it reads and writes,
+its torch reference), one opcode enum, one record format. The device code of each stage lives in
+megakernel.kernel, dispatched on the same enum."""
+
+from __future__ import annotations
+
+from . import argmax, attention, embed, matvec_stages
+from .opcodes import Opcode, Stage
+from .record import WORDS, Instruction, deserialize, serialize
+
+STAGE_MODULES = {
+    Opcode.EMBED: embed,
+    Opcode.QKV: matvec_stages,
+    Opcode.O_PROJ: matvec_stages,
+    Opcode.GATE_UP: matvec_stages,
+    Opcode.DOWN: matvec_stages,
+    Opcode.LM_HEAD: matvec_stages,
+    Opcode.ATTN_PARTIAL: attention,
+    Opcode.ATTN_REDUCE: attention,
+    Opcode.ARGMAX: argmax,
+}
+
+__all__ = ["Opcode", "Stage", "Instruction", "WORDS", "serialize", "deserialize", "STAGE_MODULES"]

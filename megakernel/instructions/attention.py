@@ -1,0 +1,122 @@
+"""ATTN_PARTIAL and ATTN_REDUCE: flash-decoding over the paged KV cache.
+
+ATTN_PARTIAL operands: a0 = sequence b, a1 = kv head, a2 = split index, a3 = number of splits.
+It takes the raw q/k/v of the new token from qkv[l][b], applies QK-norm (Qwen3) and RoPE at
+positions[b], and scores the group's query heads against the cached tokens of its split:
+split s of n covers cached positions [s*c, min((s+1)*c, pos)) with c = ceil(pos / n). The new token
+is never read back from the cache within the step: the last split adds it from registers and is the
+one that appends its (bf16-rounded) k and v to the cache, so no split reads a slot another writes.
+Outputs per query head and split: o normalized within the split, and lse = log(sum(exp(score))),
+-inf for an empty split.
+
+ATTN_REDUCE operands: a0 = b, a1 = kv head, a3 = number of splits. Merges the splits of the group's
+query heads: out = sum_s exp(lse_s - LSE) * o_s, LSE = logsumexp_s(lse_s).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .context import StageContext, f32, rms_normalize
+from .opcodes import Opcode
+from .record import Instruction
+
+OPCODES = (Opcode.ATTN_PARTIAL, Opcode.ATTN_REDUCE)
+
+
+def split_range(pos: int, split: int, num_splits: int) -> tuple[int, int]:
+    chunk = -(-pos // num_splits)
+    lo = min(split * chunk, pos)
+    return lo, min(lo + chunk, pos)
+
+
+def reads(ins: Instruction, layout) -> list:
+    c = layout.config
+    g, d = c.gqa_group, c.head_dim
+    if ins.opcode == Opcode.ATTN_PARTIAL:
+        kvh = ins.a1
+        row = ins.a0 * c.qkv_rows
+        return [("positions", 0, ins.a0, ins.a0 + 1),
+                ("qkv", ins.layer, row + kvh * g * d, row + (kvh + 1) * g * d),
+                ("qkv", ins.layer, row + c.q_size + kvh * d, row + c.q_size + (kvh + 1) * d),
+                ("qkv", ins.layer, row + c.q_size + c.kv_size + kvh * d,
+                 row + c.q_size + c.kv_size + (kvh + 1) * d)]
+    first = (ins.a0 * c.num_heads + ins.a1 * g) * ins.a3      # all splits of the group's heads
+    return [("attn_part", ins.layer, first, first + g * ins.a3)]
+
+
+def writes(ins: Instruction, layout) -> list:
+    c = layout.config
+    g = c.gqa_group
+    if ins.opcode == Opcode.ATTN_PARTIAL:
+        # region index ((b * Hq + head) * splits + split): one slot per head of the group
+        base = (ins.a0 * c.num_heads + ins.a1 * g) * ins.a3 + ins.a2
+        return [("attn_part", ins.layer, base + h * ins.a3, base + h * ins.a3 + 1) for h in range(g)]
+    row = ins.a0 * c.q_size
+    return [("attn_out", ins.layer, row + ins.a1 * g * c.head_dim, row + (ins.a1 + 1) * g * c.head_dim)]
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [n, D]; cos/sin [D/2] -> HF rotate-half RoPE."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[:, :half], x[:, half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def new_token_qkv(ctx: StageContext, layer: int, b: int, kvh: int):
+    """(q [G, D], k [D], v [D]) of the current token for one kv head, after QK-norm and RoPE;
+    k and v rounded to the cache dtype, as they will be read back in later steps."""
+    c, w, bufs = ctx.layout.config, ctx.weights, ctx.bufs
+    g, d = c.gqa_group, c.head_dim
+    row = bufs.qkv[layer, b]
+    q = row[kvh * g * d:(kvh + 1) * g * d].view(g, d)
+    k = row[c.q_size + kvh * d:c.q_size + (kvh + 1) * d].view(1, d)
+    v = row[c.q_size + c.kv_size + kvh * d:c.q_size + c.kv_size + (kvh + 1) * d]
+    if c.qk_norm:
+        q = rms_normalize(q, w.q_norm[layer], c.rms_norm_eps)
+        k = rms_normalize(k, w.k_norm[layer], c.rms_norm_eps)
+    pos = int(bufs.positions[b])
+    cos, sin = w.rope_cos[pos], w.rope_sin[pos]
+    q = _rope(q, cos, sin)
+    k = _rope(k, cos, sin)[0]
+    kdt = ctx.k_cache.dtype
+    return q, f32(k.to(kdt)), f32(v.to(kdt)), k.to(kdt), v.to(kdt)
+
+
+def reference(ins: Instruction, ctx: StageContext) -> None:
+    c, bufs = ctx.layout.config, ctx.bufs
+    g, d = c.gqa_group, c.head_dim
+    l, b, kvh = ins.layer, ins.a0, ins.a1
+    heads = slice(kvh * g, (kvh + 1) * g)
+    if ins.opcode == Opcode.ATTN_REDUCE:
+        lse = bufs.attn_part_lse[l, b, heads]                 # [G, S]
+        o = bufs.attn_part_o[l, b, heads]                     # [G, S, D]
+        total = torch.logsumexp(lse, dim=-1, keepdim=True)    # [G, 1]
+        wgt = torch.exp(lse - total)
+        bufs.attn_out[l, b, kvh * g * d:(kvh + 1) * g * d] = (wgt[..., None] * o).sum(1).reshape(-1)
+        return
+    split, num_splits = ins.a2, ins.a3
+    pos = int(bufs.positions[b])
+    q, k_new, v_new, k_store, v_store = new_token_qkv(ctx, l, b, kvh)
+    lo, hi = split_range(pos, split, num_splits)
+    bs = ctx.layout.block_size
+    t = torch.arange(lo, hi)
+    blocks = bufs.block_table[b, t // bs].long()
+    keys = f32(ctx.k_cache[l, blocks, t % bs, kvh])          # [n, D]
+    vals = f32(ctx.v_cache[l, blocks, t % bs, kvh])
+    if split == num_splits - 1:
+        keys = torch.cat([keys, k_new[None]])
+        vals = torch.cat([vals, v_new[None]])
+        blk = int(bufs.block_table[b, pos // bs])
+        ctx.k_cache[l, blk, pos % bs, kvh] = k_store
+        ctx.v_cache[l, blk, pos % bs, kvh] = v_store
+    if keys.shape[0] == 0:
+        bufs.attn_part_lse[l, b, heads, split] = -math.inf
+        bufs.attn_part_o[l, b, heads, split] = 0.0
+        return
+    scores = (q @ keys.T) / math.sqrt(d)                     # [G, n]
+    lse = torch.logsumexp(scores, dim=-1)
+    bufs.attn_part_lse[l, b, heads, split] = lse
+    bufs.attn_part_o[l, b, heads, split] = torch.exp(scores - lse[:, None]) @ vals

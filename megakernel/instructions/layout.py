@@ -1,0 +1,190 @@
+"""The shapes of one decode step: weights packed the way the tiles read them, and the activation
+buffers every stage writes (each stage its own buffer per layer, so no stage overwrites what
+another CTA may still be reading: write-after-read is then no hazard at all)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+
+from ..model.config import ModelConfig
+from ..model.ops import rope_inv_freq
+from ..model.weights import ModelWeights
+
+# Rows a CTA's 8 consumer warps process side by side: every matvec tile is a multiple of it.
+ROW_GROUP = 8
+# Columns one warp covers per pass: 32 lanes x 8 bf16 (one 16-byte load each).
+COL_PASS = 256
+MAX_BATCH = 8
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Everything static about a decode step: model shape, batch bucket, KV splits, cache geometry."""
+
+    config: ModelConfig
+    batch: int
+    kv_splits: int
+    block_size: int
+    max_blocks_per_seq: int
+    num_sms: int
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.block_size * self.max_blocks_per_seq
+
+    def validate(self) -> None:
+        """Raise ValueError for a shape the kernel cannot run, before anything is launched."""
+        c = self.config
+        if not 1 <= self.batch <= MAX_BATCH:
+            raise ValueError(f"batch={self.batch} is outside the supported range 1..{MAX_BATCH}")
+        for name, k in (("hidden_size", c.hidden_size), ("intermediate_size", c.intermediate_size),
+                        ("num_heads*head_dim", c.q_size)):
+            if k % COL_PASS:
+                raise ValueError(f"{name}={k} must be a multiple of {COL_PASS} (one 16-byte load per lane)")
+        for name, rows in (("vocab_size", c.vocab_size), ("hidden_size", c.hidden_size),
+                           ("qkv rows", c.qkv_rows), ("intermediate_size", c.intermediate_size)):
+            if rows % ROW_GROUP:
+                raise ValueError(f"{name}={rows} must be a multiple of {ROW_GROUP} rows")
+        if c.head_dim not in (64, 128):
+            raise ValueError(f"head_dim={c.head_dim} is not supported (64 or 128)")
+        if c.gqa_group > ROW_GROUP:
+            raise ValueError(f"num_heads/num_kv_heads={c.gqa_group} exceeds {ROW_GROUP} query heads per kv head")
+        if self.kv_splits < 1:
+            raise ValueError(f"kv_splits={self.kv_splits} must be >= 1")
+        if self.num_sms < 1:
+            raise ValueError(f"num_sms={self.num_sms} must be >= 1")
+        if self.block_size < 1 or self.max_blocks_per_seq < 1:
+            raise ValueError(f"block_size={self.block_size} and max_blocks_per_seq={self.max_blocks_per_seq} must be >= 1")
+
+
+def default_kv_splits(config: ModelConfig, batch: int, num_sms: int) -> int:
+    """Enough (sequence, kv head, split) items to give every SM about one."""
+    items = batch * config.num_kv_heads
+    return max(1, min(32, math.ceil(num_sms / items)))
+
+
+@dataclass
+class PackedWeights:
+    """Weights stacked per matrix kind across layers, in the row order the tiles stream.
+
+    ``gate_up`` interleaves groups of ROW_GROUP gate rows with the matching ROW_GROUP up rows, so a
+    tile of 2*n*ROW_GROUP consecutive rows holds n complete (gate, up) pairs.
+    """
+
+    embed: torch.Tensor        # [V, H]
+    qkv: torch.Tensor          # [L, qkv_rows, H]
+    o_proj: torch.Tensor       # [L, H, q_size]
+    gate_up: torch.Tensor      # [L, 2F, H] interleaved by ROW_GROUP
+    down: torch.Tensor         # [L, H, F]
+    lm_head: torch.Tensor      # [V, H]
+    attn_norm: torch.Tensor    # [L, H]
+    mlp_norm: torch.Tensor     # [L, H]
+    final_norm: torch.Tensor   # [H]
+    q_norm: torch.Tensor       # [L, D] (ones when the model has no QK-norm; unused then)
+    k_norm: torch.Tensor       # [L, D]
+    rope_cos: torch.Tensor     # [max_seq_len, D/2] float32
+    rope_sin: torch.Tensor     # [max_seq_len, D/2] float32
+
+    def to(self, device) -> "PackedWeights":
+        return PackedWeights(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def interleave_gate_up(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
+    """[2F, H] (gate rows then up rows) -> [2F, H] with groups of ROW_GROUP gate/up rows alternating."""
+    f, h = intermediate_size, gate_up.shape[-1]
+    gate = gate_up[:f].reshape(f // ROW_GROUP, ROW_GROUP, h)
+    up = gate_up[f:].reshape(f // ROW_GROUP, ROW_GROUP, h)
+    return torch.stack([gate, up], dim=1).reshape(2 * f, h)
+
+
+def pack_weights(weights: ModelWeights, max_seq_len: int) -> PackedWeights:
+    c = weights.config
+    layers = weights.layers
+    dtype = weights.embed.dtype
+    if c.qk_norm:
+        q_norm = torch.stack([lw.q_norm for lw in layers])
+        k_norm = torch.stack([lw.k_norm for lw in layers])
+    else:
+        q_norm = torch.ones(c.num_layers, c.head_dim, dtype=dtype, device=weights.embed.device)
+        k_norm = q_norm.clone()
+    # float32 angles, then cos/sin: the same table rope_cos_sin gives the reference decoder
+    angles = torch.arange(max_seq_len, dtype=torch.float32)[:, None] * rope_inv_freq(c).float()[None, :]
+    return PackedWeights(
+        embed=weights.embed,
+        qkv=torch.stack([lw.qkv for lw in layers]).contiguous(),
+        o_proj=torch.stack([lw.o_proj for lw in layers]).contiguous(),
+        gate_up=torch.stack([interleave_gate_up(lw.gate_up, c.intermediate_size) for lw in layers]).contiguous(),
+        down=torch.stack([lw.down for lw in layers]).contiguous(),
+        lm_head=weights.lm_head,
+        attn_norm=torch.stack([lw.attn_norm for lw in layers]).contiguous(),
+        mlp_norm=torch.stack([lw.mlp_norm for lw in layers]).contiguous(),
+        final_norm=weights.final_norm,
+        q_norm=q_norm.contiguous(),
+        k_norm=k_norm.contiguous(),
+        rope_cos=torch.cos(angles).contiguous(),
+        rope_sin=torch.sin(angles).contiguous(),
+    )
+
+
+@dataclass
+class StepBuffers:
+    """Device (or CPU, for the VM) state of decode steps. Inputs: tokens, positions, block_table.
+    Outputs: out_tokens, logits. Everything else is scratch the stages hand to each other."""
+
+    tokens: torch.Tensor       # int32 [B]
+    positions: torch.Tensor    # int32 [B]: position of the token being decoded (seq_len - 1)
+    block_table: torch.Tensor  # int32 [B, max_blocks_per_seq]
+    x: torch.Tensor            # f32 [L+1, B, H]: residual stream entering layer l (x[L] leaves the last)
+    h: torch.Tensor            # f32 [L, B, H]: residual after attention
+    qkv: torch.Tensor          # f32 [L, B, qkv_rows]
+    attn_part_o: torch.Tensor  # f32 [L, B, Hq, S, D]
+    attn_part_lse: torch.Tensor  # f32 [L, B, Hq, S]
+    attn_out: torch.Tensor     # f32 [L, B, q_size]
+    act: torch.Tensor          # f32 [L, B, F]
+    logits: torch.Tensor       # f32 [B, V]
+    lm_max: torch.Tensor       # f32 [B, T]
+    lm_idx: torch.Tensor       # int32 [B, T]
+    out_tokens: torch.Tensor   # int32 [B]
+    counters: torch.Tensor     # int32 [num_counters]
+    sync: torch.Tensor         # int32 [4]: epoch, CTAs done, spare, spare
+    error: torch.Tensor        # int32 [4]: code, instruction index, counter, observed value
+
+    def poison(self) -> None:
+        """NaN every float scratch buffer, so a value a stage forgot to write fails the checks."""
+        for f in fields(self):
+            t = getattr(self, f.name)
+            if t.is_floating_point() and f.name not in ("logits",):
+                t.fill_(float("nan"))
+        self.logits.fill_(float("nan"))
+        self.out_tokens.fill_(-1)
+
+
+def allocate_buffers(layout: StepLayout, lm_tiles: int, num_counters: int, device="cpu") -> StepBuffers:
+    c, b, s = layout.config, layout.batch, layout.kv_splits
+    f32 = dict(dtype=torch.float32, device=device)
+    i32 = dict(dtype=torch.int32, device=device)
+    L, H = c.num_layers, c.hidden_size
+    bufs = StepBuffers(
+        tokens=torch.zeros(b, **i32),
+        positions=torch.zeros(b, **i32),
+        block_table=torch.zeros(b, layout.max_blocks_per_seq, **i32),
+        x=torch.empty(L + 1, b, H, **f32),
+        h=torch.empty(L, b, H, **f32),
+        qkv=torch.empty(L, b, c.qkv_rows, **f32),
+        attn_part_o=torch.empty(L, b, c.num_heads, s, c.head_dim, **f32),
+        attn_part_lse=torch.empty(L, b, c.num_heads, s, **f32),
+        attn_out=torch.empty(L, b, c.q_size, **f32),
+        act=torch.empty(L, b, c.intermediate_size, **f32),
+        logits=torch.empty(b, c.vocab_size, **f32),
+        lm_max=torch.empty(b, lm_tiles, **f32),
+        lm_idx=torch.zeros(b, lm_tiles, **i32),
+        out_tokens=torch.zeros(b, **i32),
+        counters=torch.zeros(num_counters, **i32),
+        sync=torch.zeros(4, **i32),
+        error=torch.zeros(4, **i32),
+    )
+    bufs.poison()
+    return bufs

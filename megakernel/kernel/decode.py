@@ -1,0 +1,695 @@
+"""The persistent decode megakernel: one CTA per SM interprets its queue of fused-stage instructions.
+
+Device layout of a CTA: 8 warps (256 threads). Each instruction:
+  1. thread 0 asks the copy engine to prefetch the *next* instruction's weight tile into L2 (weights
+     never depend on activations, so HBM keeps streaming while this CTA waits or computes);
+  2. thread 0 spins (ld.acquire.gpu, bounded by globaltimer) until the counter it waits on reaches
+     epoch-relative target; a timeout writes the error word and aborts the CTA's queue;
+  3. the stage body runs (opcode dispatch by `if`; every body is inlined once);
+  4. after a CTA barrier, thread 0 signals its stage counter with red.release.gpu.
+The last CTA to finish advances the epoch, so counters are never reset and a CUDA graph can replay
+steps with no host work.
+
+Every buffer is addressed through a raw Int64 address passed as a kernel argument; strides are
+compile-time constants of the StepLayout. Matvec tiles: warp w owns rows w and w+8 of each pair of
+8-row groups; lane l reads 16 bytes of each row per 256-column pass, so every weight load is a
+coalesced 512-byte warp request.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Float32, Int32, Int64
+
+from ..instructions.layout import COL_PASS, ROW_GROUP, StepLayout
+from ..instructions.opcodes import Opcode
+from ..instructions.record import (W_A0, W_A1, W_A2, W_A3, W_INDEX, W_LAYER, W_OPCODE, W_SIGNAL_ID,
+                                   W_WAIT_COUNT, W_WAIT_ID, WORDS)
+from .ptx import (atomic_add_acq_rel, atomic_cas, load_acquire, load_f32x4, load_weights_bf16x8,
+                  prefetch_l2, red_release_add, store_relaxed, warp_sum)
+
+THREADS = 256
+WARPS = THREADS // 32
+MAX_PASS_UNROLL = 8        # 256-column passes per loop iteration: up to 8 x 16 B loads in flight per row
+LOG2E = 1.4426950408889634
+
+# Error codes written to error[0] (the first error wins).
+ERR_TIMEOUT = 1
+ERR_POSITION = 2
+ERR_TOKEN = 3
+
+OP_EMBED, OP_QKV, OP_ATTN_PARTIAL, OP_ATTN_REDUCE = int(Opcode.EMBED), int(Opcode.QKV), int(Opcode.ATTN_PARTIAL), int(Opcode.ATTN_REDUCE)
+OP_O_PROJ, OP_GATE_UP, OP_DOWN, OP_LM_HEAD, OP_ARGMAX = int(Opcode.O_PROJ), int(Opcode.GATE_UP), int(Opcode.DOWN), int(Opcode.LM_HEAD), int(Opcode.ARGMAX)
+
+# Kernel arguments, in order: every one a global address (Int64).
+ARG_NAMES = (
+    "queue", "lengths",
+    "w_embed", "w_qkv", "w_o", "w_gate_up", "w_down", "w_lm_head",
+    "attn_norm", "mlp_norm", "final_norm", "ones", "q_norm", "k_norm", "rope_cos", "rope_sin",
+    "tokens", "positions", "block_table",
+    "x", "h", "qkv", "attn_part_o", "attn_part_lse", "attn_out", "act",
+    "logits", "lm_max", "lm_idx", "out_tokens",
+    "counters", "sync", "error", "k_cache", "v_cache", "trace",
+)
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    trace: bool = False                      # record per-instruction globaltimer stamps
+    timeout_ns: int = 2_000_000_000          # bounded spin on a counter
+    prefetch_bytes: int = 256 * 1024         # cap on the L2 prefetch of the next weight tile
+    prefetch: bool = True
+
+
+@cute.jit
+def ld_i32(addr: Int64) -> Int32:
+    return cute.arch.inline_ptx("ld.global.b32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[addr])
+
+
+@cute.jit
+def ld_f32(addr: Int64) -> Float32:
+    return cute.arch.inline_ptx("ld.global.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[addr])
+
+
+@cute.jit
+def ld_bf16(addr: Int64) -> Float32:
+    return cute.arch.inline_ptx("{ .reg .b16 t; ld.global.nc.b16 t, [{$r0}]; cvt.f32.bf16 {$w0}, t; }",
+                                write_only_types=[Float32], read_only_args=[addr])
+
+
+@cute.jit
+def st_f32(addr: Int64, v: Float32):
+    cute.arch.inline_ptx("st.global.f32 [{$r0}], {$r1};", read_only_args=[addr, v])
+
+
+@cute.jit
+def st_i32(addr: Int64, v: Int32):
+    cute.arch.inline_ptx("st.global.b32 [{$r0}], {$r1};", read_only_args=[addr, v])
+
+
+@cute.jit
+def st_bf16(addr: Int64, v: Float32):
+    cute.arch.inline_ptx("{ .reg .b16 t; cvt.rn.bf16.f32 t, {$r1}; st.global.b16 [{$r0}], t; }",
+                         read_only_args=[addr, v])
+
+
+@cute.jit
+def round_bf16(v: Float32) -> Float32:
+    return cute.arch.inline_ptx("{ .reg .b16 t; cvt.rn.bf16.f32 t, {$r0}; cvt.f32.bf16 {$w0}, t; }",
+                                write_only_types=[Float32], read_only_args=[v])
+
+
+@cute.jit
+def ex2(v: Float32) -> Float32:
+    return cute.arch.inline_ptx("ex2.approx.ftz.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[v])
+
+
+@cute.jit
+def lg2(v: Float32) -> Float32:
+    return cute.arch.inline_ptx("lg2.approx.ftz.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[v])
+
+
+@cute.jit
+def rsqrt(v: Float32) -> Float32:
+    return cute.arch.inline_ptx("rsqrt.approx.ftz.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[v])
+
+
+@cute.jit
+def globaltimer_lo() -> Int32:
+    return Int32(cute.arch.globaltimer() & Int64(0x7FFFFFFF))
+
+
+class DecodeKernel:
+    """Compiled once per (StepLayout, options): model shape, batch bucket, KV splits and cache
+    geometry are compile-time constants; every address is a runtime argument."""
+
+    def __init__(self, layout: StepLayout, lm_tiles: int, num_counters: int, max_queue_len: int,
+                 num_blocks: int, options: KernelOptions = KernelOptions()):
+        layout.validate()
+        c = layout.config
+        self.layout, self.options = layout, options
+        self.num_sms = layout.num_sms
+        self.max_queue_len = max_queue_len
+        self.L, self.B, self.H = c.num_layers, layout.batch, c.hidden_size
+        self.F, self.V = c.intermediate_size, c.vocab_size
+        self.Hq, self.Hkv, self.D, self.G = c.num_heads, c.num_kv_heads, c.head_dim, c.gqa_group
+        self.Q, self.KV, self.QKV = c.q_size, c.kv_size, c.qkv_rows
+        self.S = layout.kv_splits
+        self.bs, self.max_blocks, self.num_blocks = layout.block_size, layout.max_blocks_per_seq, num_blocks
+        self.max_seq_len = layout.max_seq_len
+        self.T = lm_tiles
+        self.num_counters = num_counters
+        self.eps = float(c.rms_norm_eps)
+        self.qk_norm = bool(c.qk_norm)
+        self.E = self.D // 32                     # head elements per lane
+        self.scale_log2 = LOG2E / math.sqrt(self.D)
+        passes = [k // COL_PASS for k in (self.H, self.Q, self.F)]
+        self.unroll = next(u for u in (MAX_PASS_UNROLL, 4, 2, 1) if all(p % u == 0 for p in passes))
+
+    # ------------------------------------------------------------------ host entry
+    @cute.jit
+    def __call__(self, queue: Int64, lengths: Int64, w_embed: Int64, w_qkv: Int64, w_o: Int64,
+                 w_gate_up: Int64, w_down: Int64, w_lm_head: Int64, attn_norm: Int64, mlp_norm: Int64,
+                 final_norm: Int64, ones: Int64, q_norm: Int64, k_norm: Int64, rope_cos: Int64,
+                 rope_sin: Int64, tokens: Int64, positions: Int64, block_table: Int64, x: Int64, h: Int64,
+                 qkv: Int64, attn_part_o: Int64, attn_part_lse: Int64, attn_out: Int64, act: Int64,
+                 logits: Int64, lm_max: Int64, lm_idx: Int64, out_tokens: Int64, counters: Int64,
+                 sync: Int64, error: Int64, k_cache: Int64, v_cache: Int64, trace: Int64,
+                 stream):
+        self.kernel(queue, lengths, w_embed, w_qkv, w_o, w_gate_up, w_down, w_lm_head, attn_norm, mlp_norm,
+                    final_norm, ones, q_norm, k_norm, rope_cos, rope_sin, tokens, positions, block_table,
+                    x, h, qkv, attn_part_o, attn_part_lse, attn_out, act, logits, lm_max, lm_idx, out_tokens,
+                    counters, sync, error, k_cache, v_cache, trace).launch(
+            grid=[self.num_sms, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    # ------------------------------------------------------------------ device: weight geometry
+    @cute.jit
+    def weight_tile(self, op: Int32, layer: Int32, row0: Int32, w_qkv: Int64, w_o: Int64,
+                    w_gate_up: Int64, w_down: Int64, w_lm_head: Int64):
+        """(address of the tile's first row, K) of a matvec stage; (0, 0) for other opcodes."""
+        addr = Int64(0)
+        k = Int32(0)
+        l64 = Int64(layer)
+        r64 = Int64(row0)
+        if op == OP_QKV:
+            addr = w_qkv + (l64 * self.QKV + r64) * (self.H * 2)
+            k = Int32(self.H)
+        if op == OP_O_PROJ:
+            addr = w_o + (l64 * self.H + r64) * (self.Q * 2)
+            k = Int32(self.Q)
+        if op == OP_GATE_UP:
+            addr = w_gate_up + (l64 * (2 * self.F) + r64) * (self.H * 2)
+            k = Int32(self.H)
+        if op == OP_DOWN:
+            addr = w_down + (l64 * self.H + r64) * (self.F * 2)
+            k = Int32(self.F)
+        if op == OP_LM_HEAD:
+            addr = w_lm_head + r64 * (self.H * 2)
+            k = Int32(self.H)
+        return addr, k
+
+    # ------------------------------------------------------------------ device: the interpreter
+    @cute.kernel
+    def kernel(self, queue: Int64, lengths: Int64, w_embed: Int64, w_qkv: Int64, w_o: Int64,
+               w_gate_up: Int64, w_down: Int64, w_lm_head: Int64, attn_norm: Int64, mlp_norm: Int64,
+               final_norm: Int64, ones: Int64, q_norm: Int64, k_norm: Int64, rope_cos: Int64,
+               rope_sin: Int64, tokens: Int64, positions: Int64, block_table: Int64, x: Int64, h: Int64,
+               qkv: Int64, attn_part_o: Int64, attn_part_lse: Int64, attn_out: Int64, act: Int64,
+               logits: Int64, lm_max: Int64, lm_idx: Int64, out_tokens: Int64, counters: Int64,
+               sync: Int64, error: Int64, k_cache: Int64, v_cache: Int64, trace: Int64):
+        tidx, _, _ = cute.arch.thread_idx()
+        sm, _, _ = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+
+        smem = cutlass.utils.SmemAllocator()
+        s_ctrl = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=16)       # epoch, abort
+        s_red = smem.allocate_tensor(Float32, cute.make_layout((WARPS * 8,)), byte_alignment=16)
+        s_ired = smem.allocate_tensor(Int32, cute.make_layout((WARPS * 8,)), byte_alignment=16)
+        s_q = smem.allocate_tensor(Float32, cute.make_layout((self.G * self.D,)), byte_alignment=16)
+        s_kv = smem.allocate_tensor(Float32, cute.make_layout((2 * self.D,)), byte_alignment=16)
+        s_m = smem.allocate_tensor(Float32, cute.make_layout((WARPS * self.G,)), byte_alignment=16)
+        s_l = smem.allocate_tensor(Float32, cute.make_layout((WARPS * self.G,)), byte_alignment=16)
+        s_o = smem.allocate_tensor(Float32, cute.make_layout((WARPS * self.G * self.D,)), byte_alignment=16)
+
+        if tidx == 0:
+            s_ctrl[0] = ld_i32(sync)
+            s_ctrl[1] = Int32(0)
+        cute.arch.sync_threads()
+        epoch = s_ctrl[0]
+        n = ld_i32(lengths + Int64(sm) * 4)
+        qbase = queue + Int64(sm) * (self.max_queue_len * WORDS * 4)
+
+        # prefetch the first instruction's tile: later ones are prefetched one instruction ahead
+        if cutlass.const_expr(self.options.prefetch):
+            if tidx == 0 and n > 0:
+                self.prefetch_instruction(qbase, w_qkv, w_o, w_gate_up, w_down, w_lm_head)
+
+        i = Int32(0)
+        aborted = Int32(0)
+        while i < n and aborted == 0:
+            ins = qbase + Int64(i) * (WORDS * 4)
+            op = ld_i32(ins + W_OPCODE * 4)
+            layer = ld_i32(ins + W_LAYER * 4)
+            a0 = ld_i32(ins + W_A0 * 4)
+            a1 = ld_i32(ins + W_A1 * 4)
+            a2 = ld_i32(ins + W_A2 * 4)
+            a3 = ld_i32(ins + W_A3 * 4)
+            wait_id = ld_i32(ins + W_WAIT_ID * 4)
+            wait_count = ld_i32(ins + W_WAIT_COUNT * 4)
+            signal_id = ld_i32(ins + W_SIGNAL_ID * 4)
+            index = ld_i32(ins + W_INDEX * 4)
+            t_begin = Int32(0)
+            t_ready = Int32(0)
+            if cutlass.const_expr(self.options.trace):
+                t_begin = globaltimer_lo()
+
+            if cutlass.const_expr(self.options.prefetch):
+                if tidx == 0 and i + 1 < n:
+                    self.prefetch_instruction(ins + WORDS * 4, w_qkv, w_o, w_gate_up, w_down, w_lm_head)
+
+            # ---- wait for the producing stage (thread 0 spins, the CTA barrier broadcasts)
+            if tidx == 0 and wait_id >= 0:
+                target = (epoch + 1) * wait_count
+                caddr = counters + Int64(wait_id) * 4
+                seen = load_acquire(caddr)
+                t0 = cute.arch.globaltimer()
+                ok = Boolean(True)
+                while seen - target < 0 and ok:
+                    seen = load_acquire(caddr)
+                    if cute.arch.globaltimer() - t0 > self.options.timeout_ns:
+                        ok = Boolean(False)
+                if not ok:
+                    if atomic_cas(error, Int32(0), Int32(ERR_TIMEOUT)) == 0:
+                        store_relaxed(error + 4, index)
+                        store_relaxed(error + 8, wait_id)
+                        store_relaxed(error + 12, seen)
+                    s_ctrl[1] = Int32(1)
+            cute.arch.sync_threads()
+            aborted = s_ctrl[1]
+            if cutlass.const_expr(self.options.trace):
+                t_ready = globaltimer_lo()
+
+            if aborted == 0:
+                if op == OP_EMBED:
+                    self.embed(tidx, w_embed, tokens, x, error, index)
+                if op == OP_ATTN_PARTIAL:
+                    self.attn_partial(tidx, warp, lane, layer, a0, a1, a2, a3, index, qkv, q_norm, k_norm,
+                                      rope_cos, rope_sin, positions, block_table, k_cache, v_cache,
+                                      attn_part_o, attn_part_lse, error, s_q, s_kv, s_m, s_l, s_o)
+                if op == OP_ATTN_REDUCE:
+                    self.attn_reduce(tidx, layer, a0, a1, a3, attn_part_o, attn_part_lse, attn_out)
+                if op == OP_ARGMAX:
+                    self.argmax(tidx, a0, lm_max, lm_idx, out_tokens, tokens, positions)
+                if op >= OP_QKV and op != OP_ATTN_PARTIAL and op != OP_ATTN_REDUCE and op != OP_ARGMAX:
+                    self.matvec(tidx, warp, lane, op, layer, a0, a1, a2, w_qkv, w_o, w_gate_up, w_down,
+                                w_lm_head, attn_norm, mlp_norm, final_norm, ones, x, h, qkv, attn_out, act,
+                                logits, lm_max, lm_idx, s_red, s_ired)
+
+            # ---- signal: every thread's stores precede the barrier; the release orders them
+            cute.arch.sync_threads()
+            if tidx == 0 and aborted == 0 and signal_id >= 0:
+                red_release_add(counters + Int64(signal_id) * 4, Int32(1))
+            if cutlass.const_expr(self.options.trace):
+                if tidx == 0:
+                    rec = trace + (Int64(sm) * self.max_queue_len + Int64(i)) * 32
+                    st_i32(rec, index)
+                    st_i32(rec + 4, op)
+                    st_i32(rec + 8, t_begin)
+                    st_i32(rec + 12, t_ready)
+                    st_i32(rec + 16, globaltimer_lo())
+                    st_i32(rec + 20, sm)
+            i = i + 1
+
+        # ---- the last CTA out advances the epoch for the next step
+        if tidx == 0:
+            done = atomic_add_acq_rel(sync + 4, Int32(1))
+            if done == self.num_sms - 1:
+                store_relaxed(sync + 4, Int32(0))
+                store_relaxed(sync, epoch + 1)
+
+    @cute.jit
+    def prefetch_instruction(self, ins: Int64, w_qkv: Int64, w_o: Int64, w_gate_up: Int64, w_down: Int64,
+                             w_lm_head: Int64):
+        op = ld_i32(ins + W_OPCODE * 4)
+        addr, k = self.weight_tile(op, ld_i32(ins + W_LAYER * 4), ld_i32(ins + W_A0 * 4),
+                                   w_qkv, w_o, w_gate_up, w_down, w_lm_head)
+        if k > 0:
+            nbytes = ld_i32(ins + W_A1 * 4) * k * 2
+            if nbytes > self.options.prefetch_bytes:
+                nbytes = Int32(self.options.prefetch_bytes)
+            prefetch_l2(addr, nbytes)
+
+    # ------------------------------------------------------------------ stage bodies
+    @cute.jit
+    def embed(self, tidx: Int32, w_embed: Int64, tokens: Int64, x: Int64, error: Int64, index: Int32):
+        for t in range(tidx, self.B * self.H, THREADS):
+            b = t // self.H
+            k = t - b * self.H
+            tok = ld_i32(tokens + Int64(b) * 4)
+            if tok < 0 or tok >= self.V:
+                if k == 0:
+                    if atomic_cas(error, Int32(0), Int32(ERR_TOKEN)) == 0:
+                        store_relaxed(error + 4, index)
+                        store_relaxed(error + 12, tok)
+                tok = Int32(0)
+            st_f32(x + Int64(t) * 4, ld_bf16(w_embed + (Int64(tok) * self.H + Int64(k)) * 2))
+
+    @cute.jit
+    def matvec(self, tidx: Int32, warp: Int32, lane: Int32, op: Int32, layer: Int32, a0: Int32, a1: Int32,
+               tile: Int32, w_qkv: Int64, w_o: Int64, w_gate_up: Int64, w_down: Int64, w_lm_head: Int64,
+               attn_norm: Int64, mlp_norm: Int64, final_norm: Int64, ones: Int64, x: Int64, h: Int64,
+               qkv: Int64, attn_out: Int64, act: Int64, logits: Int64, lm_max: Int64, lm_idx: Int64,
+               s_red: cute.Tensor, s_ired: cute.Tensor):
+        B, H = self.B, self.H
+        l64 = Int64(layer)
+        w_addr, K = self.weight_tile(op, layer, a0, w_qkv, w_o, w_gate_up, w_down, w_lm_head)
+        # input rows (one per sequence, width K), norm weights, output rows, residual rows
+        in_addr = Int64(0)
+        norm_addr = ones
+        has_norm = Boolean(False)
+        out_addr = Int64(0)
+        out_w = Int32(0)
+        res_addr = Int64(0)
+        has_res = Boolean(False)
+        if op == OP_QKV:
+            in_addr = x + l64 * (B * H * 4)
+            norm_addr = attn_norm + l64 * (H * 2)
+            has_norm = Boolean(True)
+            out_addr = qkv + (l64 * (B * self.QKV) + Int64(a0)) * 4
+            out_w = Int32(self.QKV)
+        if op == OP_O_PROJ:
+            in_addr = attn_out + l64 * (B * self.Q * 4)
+            out_addr = h + (l64 * (B * H) + Int64(a0)) * 4
+            out_w = Int32(H)
+            res_addr = x + (l64 * (B * H) + Int64(a0)) * 4
+            has_res = Boolean(True)
+        if op == OP_GATE_UP:
+            in_addr = h + l64 * (B * H * 4)
+            norm_addr = mlp_norm + l64 * (H * 2)
+            has_norm = Boolean(True)
+            out_addr = act + (l64 * (B * self.F) + Int64(a0 // 2)) * 4
+            out_w = Int32(self.F)
+        if op == OP_DOWN:
+            in_addr = act + l64 * (B * self.F * 4)
+            out_addr = x + ((l64 + 1) * (B * H) + Int64(a0)) * 4
+            out_w = Int32(H)
+            res_addr = h + (l64 * (B * H) + Int64(a0)) * 4
+            has_res = Boolean(True)
+        if op == OP_LM_HEAD:
+            in_addr = x + Int64(self.L) * (B * H * 4)
+            norm_addr = final_norm
+            has_norm = Boolean(True)
+            out_addr = logits + Int64(a0) * 4
+            out_w = Int32(self.V)
+        is_gate_up = op == OP_GATE_UP
+        is_lm = op == OP_LM_HEAD
+
+        best_v = cute.make_rmem_tensor((B,), Float32)
+        best_i = cute.make_rmem_tensor((B,), Int32)
+        for b in cutlass.range_constexpr(B):
+            best_v[b] = Float32(-math.inf)
+            best_i[b] = Int32(0x7FFFFFFF)
+
+        # RMSNorm needs sum(x^2) over the whole input row; every warp streams the whole row anyway, so
+        # it accumulates the statistic beside the dot products: no prologue pass, no CTA barrier.
+        acc = cute.make_rmem_tensor((2 * B,), Float32)
+        ssq = cute.make_rmem_tensor((B,), Float32)
+        n_groups = a1 // ROW_GROUP
+        n_iter = K // (COL_PASS * self.unroll)
+        for g2 in range(0, n_groups, 2):
+            r0 = g2 * ROW_GROUP + warp
+            r1 = r0 + ROW_GROUP
+            second = r1 < a1
+            r1c = r0
+            if second:
+                r1c = r1
+            for j in cutlass.range_constexpr(2 * B):
+                acc[j] = Float32(0.0)
+            for b in cutlass.range_constexpr(B):
+                ssq[b] = Float32(0.0)
+            wrow0 = w_addr + Int64(r0) * Int64(K) * 2
+            wrow1 = w_addr + Int64(r1c) * Int64(K) * 2
+            for it in range(n_iter):
+                for u in cutlass.range_constexpr(self.unroll):
+                    col = (it * self.unroll + u) * COL_PASS + lane * 8
+                    c64 = Int64(col)
+                    w0 = load_weights_bf16x8(wrow0 + c64 * 2)
+                    w1 = load_weights_bf16x8(wrow1 + c64 * 2)
+                    nw = load_weights_bf16x8(norm_addr + c64 * 2)
+                    for b in cutlass.range_constexpr(B):
+                        xa = load_f32x4(in_addr + (Int64(b) * Int64(K) + c64) * 4)
+                        xb = load_f32x4(in_addr + (Int64(b) * Int64(K) + c64) * 4 + 16)
+                        s0 = acc[2 * b]
+                        s1 = acc[2 * b + 1]
+                        sq = ssq[b]
+                        for e in cutlass.range_constexpr(4):
+                            xn = xa[e] * nw[e]
+                            sq = sq + xa[e] * xa[e]
+                            s0 = s0 + w0[e] * xn
+                            s1 = s1 + w1[e] * xn
+                        for e in cutlass.range_constexpr(4):
+                            xn = xb[e] * nw[4 + e]
+                            sq = sq + xb[e] * xb[e]
+                            s0 = s0 + w0[4 + e] * xn
+                            s1 = s1 + w1[4 + e] * xn
+                        acc[2 * b] = s0
+                        acc[2 * b + 1] = s1
+                        ssq[b] = sq
+            for j in cutlass.range_constexpr(2 * B):
+                acc[j] = warp_sum(acc[j])
+            scale = cute.make_rmem_tensor((B,), Float32)
+            for b in cutlass.range_constexpr(B):
+                scale[b] = Float32(1.0)
+                if has_norm:
+                    scale[b] = rsqrt(warp_sum(ssq[b]) / Float32(K) + Float32(self.eps))
+            # ---- epilogue (lane 0 stores; every lane tracks the tile argmax identically)
+            for b in cutlass.range_constexpr(B):
+                y0 = acc[2 * b] * scale[b]
+                y1 = acc[2 * b + 1] * scale[b]
+                ob = out_addr + Int64(b) * Int64(out_w) * 4
+                if is_gate_up:
+                    if lane == 0:
+                        silu = y0 / (Float32(1.0) + ex2(-y0 * Float32(LOG2E)))
+                        st_f32(ob + Int64((g2 // 2) * ROW_GROUP + warp) * 4, silu * y1)
+                else:
+                    if has_res:
+                        rb = res_addr + Int64(b) * Int64(H) * 4
+                        y0 = y0 + ld_f32(rb + Int64(r0) * 4)
+                        if second:
+                            y1 = y1 + ld_f32(rb + Int64(r1) * 4)
+                    if lane == 0:
+                        st_f32(ob + Int64(r0) * 4, y0)
+                        if second:
+                            st_f32(ob + Int64(r1) * 4, y1)
+                    if is_lm:
+                        if y0 > best_v[b]:
+                            best_v[b] = y0
+                            best_i[b] = a0 + r0
+                        if second and y1 > best_v[b]:
+                            best_v[b] = y1
+                            best_i[b] = a0 + r1
+
+        # ---- LM head: reduce the tile's (max, argmax) over warps; ties -> lowest index
+        if is_lm:
+            if lane == 0:
+                for b in cutlass.range_constexpr(B):
+                    s_red[warp * 8 + b] = best_v[b]
+                    s_ired[warp * 8 + b] = best_i[b]
+            cute.arch.sync_threads()
+            if tidx < B:
+                bv = s_red[tidx]
+                bi = s_ired[tidx]
+                for w in cutlass.range_constexpr(1, WARPS):
+                    v = s_red[w * 8 + tidx]
+                    vi = s_ired[w * 8 + tidx]
+                    if v > bv or (v == bv and vi < bi):
+                        bv = v
+                        bi = vi
+                st_f32(lm_max + (Int64(tidx) * self.T + Int64(tile)) * 4, bv)
+                st_i32(lm_idx + (Int64(tidx) * self.T + Int64(tile)) * 4, bi)
+
+    @cute.jit
+    def attn_partial(self, tidx: Int32, warp: Int32, lane: Int32, layer: Int32, b: Int32, kvh: Int32,
+                     split: Int32, num_splits: Int32, index: Int32, qkv: Int64, q_norm: Int64, k_norm: Int64,
+                     rope_cos: Int64, rope_sin: Int64, positions: Int64, block_table: Int64, k_cache: Int64,
+                     v_cache: Int64, attn_part_o: Int64, attn_part_lse: Int64, error: Int64,
+                     s_q: cute.Tensor, s_kv: cute.Tensor, s_m: cute.Tensor, s_l: cute.Tensor, s_o: cute.Tensor):
+        D, E, G, half = self.D, self.E, self.G, self.D // 2
+        pos = ld_i32(positions + Int64(b) * 4)
+        bad = pos < 0 or pos >= self.max_seq_len
+        if bad:
+            if tidx == 0:
+                if atomic_cas(error, Int32(0), Int32(ERR_POSITION)) == 0:
+                    store_relaxed(error + 4, index)
+                    store_relaxed(error + 12, pos)
+            pos = Int32(0)
+        last = split == num_splits - 1
+        row = qkv + (Int64(layer) * self.B + Int64(b)) * (self.QKV * 4)
+        # slot of the new token in the paged cache: ((layer, block, offset, kv head), D)
+        blk = ld_i32(block_table + (Int64(b) * self.max_blocks + Int64(pos // self.bs)) * 4)
+        slot = ((Int64(layer) * self.num_blocks + Int64(blk)) * self.bs + Int64(pos % self.bs)) * self.Hkv + Int64(kvh)
+
+        # ---- phase A: q heads of the group, then k, then v of the new token -> smem
+        for hh in range(warp, G + 2, WARPS):
+            off = Int32(0)
+            if hh < G:
+                off = (kvh * G + hh) * D
+            if hh == G:
+                off = Int32(self.Q) + kvh * D
+            if hh == G + 1:
+                off = Int32(self.Q + self.KV) + kvh * D
+            vals = cute.make_rmem_tensor((E,), Float32)
+            for e in cutlass.range_constexpr(E):
+                vals[e] = ld_f32(row + Int64(off + lane * E + e) * 4)
+            if cutlass.const_expr(self.qk_norm):
+                if hh <= G:
+                    ss = Float32(0.0)
+                    for e in cutlass.range_constexpr(E):
+                        ss = ss + vals[e] * vals[e]
+                    ss = warp_sum(ss)
+                    r = rsqrt(ss / Float32(D) + Float32(self.eps))
+                    nbase = q_norm
+                    if hh == G:
+                        nbase = k_norm
+                    for e in cutlass.range_constexpr(E):
+                        vals[e] = vals[e] * r * ld_bf16(nbase + (Int64(layer) * D + Int64(lane * E + e)) * 2)
+            if hh <= G:
+                for e in cutlass.range_constexpr(E):
+                    partner = cute.arch.shuffle_sync_bfly(vals[e], offset=16)
+                    fi = (lane * E + e) % half
+                    cs = ld_f32(rope_cos + (Int64(pos) * half + Int64(fi)) * 4)
+                    sn = ld_f32(rope_sin + (Int64(pos) * half + Int64(fi)) * 4)
+                    rot = vals[e] * cs + partner * sn
+                    if lane < 16:
+                        rot = vals[e] * cs - partner * sn
+                    vals[e] = rot
+            if hh < G:
+                for e in cutlass.range_constexpr(E):
+                    s_q[hh * D + lane * E + e] = vals[e]
+            else:
+                cache = k_cache
+                if hh == G + 1:
+                    cache = v_cache
+                for e in cutlass.range_constexpr(E):
+                    rv = round_bf16(vals[e])
+                    s_kv[(hh - G) * D + lane * E + e] = rv
+                    if last:
+                        st_bf16(cache + (slot * D + Int64(lane * E + e)) * 2, rv)
+        cute.arch.sync_threads()
+
+        # ---- phase B: online softmax over the split's cached tokens, one token per warp at a time
+        chunk = (pos + num_splits - 1) // num_splits
+        lo = split * chunk
+        if lo > pos:
+            lo = pos
+        hi = lo + chunk
+        if hi > pos:
+            hi = pos
+        qv = cute.make_rmem_tensor((G * E,), Float32)
+        for g in cutlass.range_constexpr(G):
+            for e in cutlass.range_constexpr(E):
+                qv[g * E + e] = s_q[g * D + lane * E + e]
+        m = cute.make_rmem_tensor((G,), Float32)
+        lsum = cute.make_rmem_tensor((G,), Float32)
+        o = cute.make_rmem_tensor((G * E,), Float32)
+        for g in cutlass.range_constexpr(G):
+            m[g] = Float32(-math.inf)
+            lsum[g] = Float32(0.0)
+            for e in cutlass.range_constexpr(E):
+                o[g * E + e] = Float32(0.0)
+        kv_l = Int64(layer) * self.num_blocks
+        n_tok = hi - lo
+        extra = Int32(0)
+        if last and warp == 0:
+            extra = Int32(1)
+        n_mine = (n_tok - warp + WARPS - 1) // WARPS
+        if n_tok <= warp:
+            n_mine = Int32(0)
+        for j in range(n_mine + extra):
+            kk = cute.make_rmem_tensor((E,), Float32)
+            vv = cute.make_rmem_tensor((E,), Float32)
+            if j < n_mine:
+                t = lo + warp + j * WARPS
+                tb = ld_i32(block_table + (Int64(b) * self.max_blocks + Int64(t // self.bs)) * 4)
+                ts = ((kv_l + Int64(tb)) * self.bs + Int64(t % self.bs)) * self.Hkv + Int64(kvh)
+                for e in cutlass.range_constexpr(E):
+                    kk[e] = ld_bf16(k_cache + (ts * D + Int64(lane * E + e)) * 2)
+                    vv[e] = ld_bf16(v_cache + (ts * D + Int64(lane * E + e)) * 2)
+            else:
+                for e in cutlass.range_constexpr(E):
+                    kk[e] = s_kv[lane * E + e]
+                    vv[e] = s_kv[D + lane * E + e]
+            for g in cutlass.range_constexpr(G):
+                dot = Float32(0.0)
+                for e in cutlass.range_constexpr(E):
+                    dot = dot + qv[g * E + e] * kk[e]
+                s = warp_sum(dot) * Float32(self.scale_log2)
+                m_new = m[g]
+                if s > m_new:
+                    m_new = s
+                corr = ex2(m[g] - m_new)
+                p = ex2(s - m_new)
+                lsum[g] = lsum[g] * corr + p
+                for e in cutlass.range_constexpr(E):
+                    o[g * E + e] = o[g * E + e] * corr + p * vv[e]
+                m[g] = m_new
+
+        # ---- phase C: merge the warps' (m, l, o) and write the split's partial
+        for g in cutlass.range_constexpr(G):
+            if lane == 0:
+                s_m[warp * G + g] = m[g]
+                s_l[warp * G + g] = lsum[g]
+            for e in cutlass.range_constexpr(E):
+                s_o[(warp * G + g) * D + lane * E + e] = o[g * E + e]
+        cute.arch.sync_threads()
+        for t in range(tidx, G * D, THREADS):
+            g = t // D
+            d = t - g * D
+            mx = Float32(-math.inf)
+            for w in cutlass.range_constexpr(WARPS):
+                mw = s_m[w * G + g]
+                if mw > mx:
+                    mx = mw
+            tot = Float32(0.0)
+            acc_o = Float32(0.0)
+            if mx > Float32(-math.inf):
+                for w in cutlass.range_constexpr(WARPS):
+                    f = ex2(s_m[w * G + g] - mx)
+                    tot = tot + s_l[w * G + g] * f
+                    acc_o = acc_o + s_o[(w * G + g) * D + d] * f
+            head = kvh * G + g
+            pidx = ((Int64(layer) * self.B + Int64(b)) * self.Hq + Int64(head)) * self.S + Int64(split)
+            outv = Float32(0.0)
+            lse = Float32(-math.inf)
+            if tot > Float32(0.0):
+                outv = acc_o / tot
+                lse = (mx + lg2(tot)) * Float32(1.0 / LOG2E)
+            st_f32(attn_part_o + (pidx * D + Int64(d)) * 4, outv)
+            if d == 0:
+                st_f32(attn_part_lse + pidx * 4, lse)
+
+    @cute.jit
+    def attn_reduce(self, tidx: Int32, layer: Int32, b: Int32, kvh: Int32, num_splits: Int32,
+                    attn_part_o: Int64, attn_part_lse: Int64, attn_out: Int64):
+        D, G = self.D, self.G
+        for t in range(tidx, G * D, THREADS):
+            g = t // D
+            d = t - g * D
+            head = kvh * G + g
+            base = ((Int64(layer) * self.B + Int64(b)) * self.Hq + Int64(head)) * self.S
+            mx = Float32(-math.inf)
+            for s in range(num_splits):
+                v = ld_f32(attn_part_lse + (base + Int64(s)) * 4)
+                if v > mx:
+                    mx = v
+            tot = Float32(0.0)
+            acc_o = Float32(0.0)
+            for s in range(num_splits):
+                lse = ld_f32(attn_part_lse + (base + Int64(s)) * 4)
+                if lse > Float32(-math.inf):
+                    f = ex2((lse - mx) * Float32(LOG2E))
+                    tot = tot + f
+                    acc_o = acc_o + f * ld_f32(attn_part_o + ((base + Int64(s)) * D + Int64(d)) * 4)
+            st_f32(attn_out + ((Int64(layer) * self.B + Int64(b)) * self.Q + Int64(head * D + d)) * 4, acc_o / tot)
+
+    @cute.jit
+    def argmax(self, tidx: Int32, num_tiles: Int32, lm_max: Int64, lm_idx: Int64, out_tokens: Int64,
+               tokens: Int64, positions: Int64):
+        if tidx < self.B:
+            bv = Float32(-math.inf)
+            bi = Int32(0x7FFFFFFF)
+            for t in range(num_tiles):
+                v = ld_f32(lm_max + (Int64(tidx) * self.T + Int64(t)) * 4)
+                vi = ld_i32(lm_idx + (Int64(tidx) * self.T + Int64(t)) * 4)
+                if v > bv or (v == bv and vi < bi):
+                    bv = v
+                    bi = vi
+            st_i32(out_tokens + Int64(tidx) * 4, bi)
+            # advance the inputs: the next launch decodes the token just chosen, one position on
+            st_i32(tokens + Int64(tidx) * 4, bi)
+            st_i32(positions + Int64(tidx) * 4, ld_i32(positions + Int64(tidx) * 4) + 1)

@@ -1,0 +1,87 @@
+"""Small device helpers over raw global addresses (Int64), written as inline PTX where CuTe DSL has
+no wrapper: read-only weight loads that skip L1, activation loads, bulk L2 prefetch, the bf16
+unpack, and the counter primitives of the step's dependency protocol."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+
+@cute.jit
+def load_weights_bf16x8(addr: Int64):
+    """8 bf16 weights at a 16-byte aligned address -> 8 float32. Weights never change during a step,
+    so the load takes the read-only path, does not allocate in L1 (each weight is read once) and
+    asks L2 for 256-byte sectors."""
+    r = cute.arch.inline_ptx(
+        "{ .reg .b32 t0, t1, t2, t3;\n"
+        "ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {t0, t1, t2, t3}, [{$r0}];\n"
+        "shl.b32 {$w0}, t0, 16; and.b32 {$w1}, t0, 0xffff0000;\n"
+        "shl.b32 {$w2}, t1, 16; and.b32 {$w3}, t1, 0xffff0000;\n"
+        "shl.b32 {$w4}, t2, 16; and.b32 {$w5}, t2, 0xffff0000;\n"
+        "shl.b32 {$w6}, t3, 16; and.b32 {$w7}, t3, 0xffff0000; }",
+        write_only_types=[Float32] * 8, read_only_args=[addr])
+    return r
+
+
+@cute.jit
+def load_f32x4(addr: Int64):
+    """4 float32 activations written earlier in this step by other CTAs (coherent path)."""
+    return cute.arch.inline_ptx(
+        "ld.global.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[Float32] * 4, read_only_args=[addr])
+
+
+@cute.jit
+def prefetch_l2(addr: Int64, nbytes: Int32):
+    """Ask the copy engine to stream `nbytes` (multiple of 16) at `addr` into L2, without waiting."""
+    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};", read_only_args=[addr, nbytes])
+
+
+@cute.jit
+def load_acquire(addr: Int64) -> Int32:
+    return cute.arch.inline_ptx("ld.acquire.gpu.global.b32 {$w0}, [{$r0}];",
+                                write_only_types=[Int32], read_only_args=[addr])
+
+
+@cute.jit
+def red_release_add(addr: Int64, value: Int32):
+    cute.arch.inline_ptx("red.release.gpu.global.add.s32 [{$r0}], {$r1};", read_only_args=[addr, value])
+
+
+@cute.jit
+def atomic_add_acq_rel(addr: Int64, value: Int32) -> Int32:
+    return cute.arch.inline_ptx("atom.acq_rel.gpu.global.add.s32 {$w0}, [{$r0}], {$r1};",
+                                write_only_types=[Int32], read_only_args=[addr, value])
+
+
+@cute.jit
+def atomic_cas(addr: Int64, compare: Int32, value: Int32) -> Int32:
+    return cute.arch.inline_ptx("atom.relaxed.gpu.global.cas.b32 {$w0}, [{$r0}], {$r1}, {$r2};",
+                                write_only_types=[Int32], read_only_args=[addr, compare, value])
+
+
+@cute.jit
+def store_relaxed(addr: Int64, value: Int32):
+    cute.arch.inline_ptx("st.relaxed.gpu.global.b32 [{$r0}], {$r1};", read_only_args=[addr, value])
+
+
+@cute.jit
+def nanosleep(ns: Int32):
+    cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[ns])
+
+
+@cute.jit
+def warp_sum(v: Float32) -> Float32:
+    for off in [16, 8, 4, 2, 1]:
+        v = v + cute.arch.shuffle_sync_bfly(v, offset=off)
+    return v
+
+
+def addr_of(tensor: cute.Tensor) -> Int64:
+    """Int64 global address of a tensor's first element."""
+    return tensor.iterator.toint()
+
+
+__all__ = [name for name in dir() if not name.startswith("_") and name not in ("cutlass", "cute", "annotations")]

@@ -1,0 +1,251 @@
+"""The megakernel on a GPU: device buffers, the KV cache, the compiled kernel and its launch.
+
+`MegakernelEngine.launch()` is the hot path: one kernel launch, no host sync, no allocation, so it
+can be captured in a CUDA graph; the kernel advances tokens/positions itself, so replaying the graph
+decodes the next token. `step()` is the checked user path: it validates inputs before the launch,
+and reads the error word after it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..instructions.layout import (MAX_BATCH, StepLayout, allocate_buffers, default_kv_splits,
+                                   pack_weights)
+from ..instructions.opcodes import Opcode
+from ..instructions.record import serialize
+from ..kernel.decode import ARG_NAMES, ERR_POSITION, ERR_TIMEOUT, ERR_TOKEN, KernelOptions
+from ..model.weights import ModelWeights
+from ..schedule import assign, build_program, simulate
+
+
+class MegakernelError(RuntimeError):
+    """The kernel reported an error through its error word (the step's outputs are invalid)."""
+
+
+@dataclass
+class ErrorWord:
+    code: int
+    instruction: int
+    counter: int
+    value: int
+
+    def describe(self, program) -> str:
+        ins = program.instructions[self.instruction] if 0 <= self.instruction < len(program.instructions) else None
+        what = f"instruction #{self.instruction} {ins.opcode.name} (layer {ins.layer})" if ins else \
+            f"instruction #{self.instruction}"
+        if self.code == ERR_TIMEOUT:
+            return (f"{what} timed out waiting on counter {self.counter} (last value {self.value}): "
+                    f"a producer never signalled; the schedule or the kernel is broken")
+        if self.code == ERR_POSITION:
+            return f"{what}: position {self.value} is past the KV cache"
+        if self.code == ERR_TOKEN:
+            return f"{what}: token id {self.value} is outside the vocabulary"
+        return f"unknown error code {self.code} at {what}"
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class MegakernelEngine:
+    """One model, one batch bucket, one KV-cache geometry: a compiled kernel and its buffers."""
+
+    max_batch = MAX_BATCH
+
+    def __init__(self, weights: ModelWeights, batch: int, max_seq_len: int, *, block_size: int = 16,
+                 num_blocks: int | None = None, num_sms: int | None = None, policy: str = "balanced",
+                 kv_splits: int | None = None, options: KernelOptions = KernelOptions(),
+                 device: str | torch.device = "cuda"):
+        from cutlass import Int64
+
+        config = weights.config
+        self.device = torch.device(device)
+        if self.device.type != "cuda" or not torch.cuda.is_available():
+            raise RuntimeError("the megakernel needs a CUDA GPU (Hopper, sm_90a)")
+        major, minor = torch.cuda.get_device_capability(self.device)
+        if (major, minor) != (9, 0):
+            raise RuntimeError(f"the megakernel is built for sm_90a (Hopper); this GPU is sm_{major}{minor}")
+        sms = _sm_count(self.device)
+        num_sms = num_sms or sms
+        if num_sms > sms:
+            raise ValueError(f"num_sms={num_sms} exceeds the {sms} SMs of this GPU (the persistent kernel "
+                             f"needs every CTA resident at once)")
+        if max_seq_len > config.max_position_embeddings:
+            raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings="
+                             f"{config.max_position_embeddings}")
+        blocks_per_seq = -(-max_seq_len // block_size)
+        self.layout = StepLayout(config=config, batch=batch,
+                                 kv_splits=kv_splits or default_kv_splits(config, batch, num_sms),
+                                 block_size=block_size, max_blocks_per_seq=blocks_per_seq, num_sms=num_sms)
+        self.layout.validate()
+        self.num_blocks = num_blocks or batch * blocks_per_seq
+        self.program = build_program(self.layout)
+        self.queues = assign(self.program, policy)
+        simulate(self.queues, self.program.num_counters)      # deadlock-free, proven before any launch
+        table, lengths = serialize(self.queues)
+        self.queue_table = table.to(self.device)
+        self.queue_lengths = lengths.to(self.device)
+
+        self.weights = pack_weights(weights.to(device=self.device), self.layout.max_seq_len).to(self.device)
+        c = config
+        self.ones = torch.ones(max(c.hidden_size, c.q_size, c.intermediate_size), dtype=torch.bfloat16,
+                               device=self.device)
+        self.bufs = allocate_buffers(self.layout, self.program.lm_tiles, self.program.num_counters, self.device)
+        shape = (c.num_layers, self.num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        self.k_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=self.device)
+        self.v_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=self.device)
+        self.trace_buf = torch.zeros(num_sms, table.shape[1], 8, dtype=torch.int32, device=self.device)
+        self.options = options
+
+        from ..kernel.compile import KernelKey, compile_decode_kernel
+        self.key = KernelKey(self.layout, self.program.lm_tiles, self.program.num_counters, table.shape[1],
+                             self.num_blocks, options)
+        self.compiled = compile_decode_kernel(self.key)
+        tensors = self._arg_tensors()
+        self._args = [Int64(tensors[name].data_ptr()) for name in ARG_NAMES]
+        self.steps = 0
+
+    def _arg_tensors(self) -> dict[str, torch.Tensor]:
+        w, b = self.weights, self.bufs
+        return {
+            "queue": self.queue_table, "lengths": self.queue_lengths,
+            "w_embed": w.embed, "w_qkv": w.qkv, "w_o": w.o_proj, "w_gate_up": w.gate_up, "w_down": w.down,
+            "w_lm_head": w.lm_head, "attn_norm": w.attn_norm, "mlp_norm": w.mlp_norm,
+            "final_norm": w.final_norm, "ones": self.ones, "q_norm": w.q_norm, "k_norm": w.k_norm,
+            "rope_cos": w.rope_cos, "rope_sin": w.rope_sin, "tokens": b.tokens, "positions": b.positions,
+            "block_table": b.block_table, "x": b.x, "h": b.h, "qkv": b.qkv, "attn_part_o": b.attn_part_o,
+            "attn_part_lse": b.attn_part_lse, "attn_out": b.attn_out, "act": b.act, "logits": b.logits,
+            "lm_max": b.lm_max, "lm_idx": b.lm_idx, "out_tokens": b.out_tokens, "counters": b.counters,
+            "sync": b.sync, "error": b.error, "k_cache": self.k_cache, "v_cache": self.v_cache,
+            "trace": self.trace_buf,
+        }
+
+    # ---------------------------------------------------------------- hot path
+    def launch(self, stream: torch.cuda.Stream | None = None) -> None:
+        """One decode step of the whole batch from the current device inputs: one kernel launch."""
+        import cuda.bindings.driver as cuda
+
+        stream = stream or torch.cuda.current_stream(self.device)
+        self.compiled(*self._args, cuda.CUstream(stream.cuda_stream))
+        self.steps += 1
+
+    # ---------------------------------------------------------------- checked path
+    def set_inputs(self, tokens: torch.Tensor, positions: torch.Tensor,
+                   block_table: torch.Tensor | None = None) -> None:
+        """Validate and copy the step inputs (raises ValueError before anything is launched)."""
+        c, lay = self.layout.config, self.layout
+        tokens = torch.as_tensor(tokens)
+        positions = torch.as_tensor(positions)
+        if tokens.shape != (lay.batch,) or positions.shape != (lay.batch,):
+            raise ValueError(f"tokens and positions must have shape ({lay.batch},); got "
+                             f"{tuple(tokens.shape)} and {tuple(positions.shape)}")
+        t_cpu, p_cpu = tokens.cpu(), positions.cpu()
+        if int(t_cpu.min()) < 0 or int(t_cpu.max()) >= c.vocab_size:
+            raise ValueError(f"token ids must be in [0, {c.vocab_size}); got {t_cpu.tolist()}")
+        if int(p_cpu.min()) < 0 or int(p_cpu.max()) >= lay.max_seq_len:
+            raise ValueError(f"positions must be in [0, {lay.max_seq_len}) (the KV cache size); got {p_cpu.tolist()}")
+        if block_table is not None:
+            bt = torch.as_tensor(block_table)
+            if bt.shape != (lay.batch, lay.max_blocks_per_seq):
+                raise ValueError(f"block_table must have shape ({lay.batch}, {lay.max_blocks_per_seq}); "
+                                 f"got {tuple(bt.shape)}")
+            bt_cpu = bt.cpu()
+            if int(bt_cpu.min()) < 0 or int(bt_cpu.max()) >= self.num_blocks:
+                raise ValueError(f"block_table entries must be in [0, {self.num_blocks})")
+            self.bufs.block_table.copy_(bt.to(torch.int32))
+        self.bufs.tokens.copy_(tokens.to(device=self.device, dtype=torch.int32))
+        self.bufs.positions.copy_(positions.to(device=self.device, dtype=torch.int32))
+
+    def check(self) -> None:
+        """Raise MegakernelError if the last launches reported an error (syncs the device)."""
+        word = self.bufs.error.tolist()
+        if word[0] != 0:
+            err = ErrorWord(*word)
+            self.reset_sync()
+            raise MegakernelError(err.describe(self.program))
+
+    def reset_sync(self) -> None:
+        """Zero counters, epoch and error word (after an error, or to start over)."""
+        self.bufs.counters.zero_()
+        self.bufs.sync.zero_()
+        self.bufs.error.zero_()
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor | None = None,
+             check: bool = True) -> torch.Tensor:
+        """Validated step -> next tokens int32 [B] (a view of the output buffer; clone to keep)."""
+        self.set_inputs(tokens, positions, block_table)
+        self.launch()
+        if check:
+            self.check()
+        return self.bufs.out_tokens
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self.bufs.logits
+
+    def trace_records(self) -> list[dict]:
+        """Per-instruction (sm, index, opcode, begin, ready, end) of the last launch (trace mode)."""
+        if not self.options.trace:
+            raise RuntimeError("trace records need KernelOptions(trace=True)")
+        t = self.trace_buf.cpu()
+        lengths = self.queue_lengths.cpu().tolist()
+        # stamps are globaltimer ns modulo 2^31: unwrap them relative to the earliest begin
+        base = min(int(t[sm, 0, 2]) for sm, n in enumerate(lengths) if n) if any(lengths) else 0
+        wrap = 1 << 31
+        out = []
+        for sm, n in enumerate(lengths):
+            for i in range(n):
+                idx, op, begin, ready, end, _sm = (int(v) for v in t[sm, i, :6])
+                out.append({"sm": sm, "index": idx, "opcode": Opcode(op).name, "begin": (begin - base) % wrap,
+                            "ready": (ready - base) % wrap, "end": (end - base) % wrap})
+        return out
+
+
+class MegakernelBackend:
+    """The engine behind the DecodeBackend protocol (megakernel.integrations.backends)."""
+
+    name = "megakernel"
+    max_batch = MAX_BATCH
+
+    def __init__(self, weights: ModelWeights, device: str | torch.device = "cuda", **engine_kw):
+        self.weights = weights
+        self.device = torch.device(device)
+        self.engine_kw = engine_kw
+        self.engine: MegakernelEngine | None = None
+        self._shape: tuple[int, int] | None = None
+
+    def reset(self, batch: int, max_seq_len: int) -> None:
+        if batch > MAX_BATCH:
+            raise ValueError(f"batch={batch} exceeds the megakernel's maximum batch {MAX_BATCH}")
+        # the cache is sized in whole blocks; round up so equal requests reuse one compiled kernel
+        bs = self.engine_kw.get("block_size", 16)
+        max_seq_len = max(bs, 1 << math.ceil(math.log2(max(max_seq_len, 1))))
+        if self.engine is None or self._shape != (batch, max_seq_len):
+            self.engine = MegakernelEngine(self.weights, batch, max_seq_len, device=self.device, **self.engine_kw)
+            self._shape = (batch, max_seq_len)
+        else:
+            self.engine.k_cache.fill_(float("nan"))
+            self.engine.v_cache.fill_(float("nan"))
+        from ..model.kv_cache import contiguous_block_table
+        self.engine.bufs.block_table.copy_(contiguous_block_table(
+            batch, self.engine.layout.max_seq_len, self.engine.layout.block_size, self.device))
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        eng = self.engine
+        if eng is None:
+            raise RuntimeError("megakernel: call reset(batch, max_seq_len) before step()")
+        eng.bufs.tokens.copy_(tokens)
+        eng.bufs.positions.copy_(positions)
+        eng.launch()
+        return eng.bufs.out_tokens.long()
+
+    def last_logits(self) -> torch.Tensor | None:
+        return None if self.engine is None else self.engine.logits
+
+    def check(self) -> None:
+        if self.engine is not None:
+            self.engine.check()

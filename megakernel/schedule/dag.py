@@ -1,0 +1,120 @@
+"""The instruction DAG of one decode step: instructions in a global topological order, each waiting
+on one counter (the stage it reads from) and signalling the counter of its own stage.
+
+Every edge is a (layer, stage) counter: a consumer waits until all instructions of the producing
+stage have signalled. Release/acquire chains make that transitive, so an instruction sees every
+store that happened before the stage it waits on (e.g. O_PROJ reads x[l], written by DOWN of layer
+l-1, two stages before the ATTN_REDUCE it waits for).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..instructions.attention import split_range  # noqa: F401  (re-exported for schedule users)
+from ..instructions.layout import ROW_GROUP, StepLayout
+from ..instructions.matvec_stages import weight_rows
+from ..instructions.opcodes import (Opcode, Stage, argmax_counter, counter_id, embed_counter,
+                                    lm_head_counter, num_counters)
+from ..instructions.record import NO_COUNTER, Instruction
+
+# Cost model: bytes a stage reads from HBM plus a fixed cost per instruction (in bytes of time).
+FIXED_COST_BYTES = 16 * 1024
+
+
+@dataclass(frozen=True)
+class StepProgram:
+    """The DAG of a step: instructions in global topological order, plus counter bookkeeping."""
+
+    layout: StepLayout
+    instructions: tuple[Instruction, ...]
+    num_counters: int
+    lm_tiles: int
+
+
+def tile_rows(rows: int, num_sms: int, group: int = ROW_GROUP) -> int:
+    """Rows per tile: a multiple of `group`, so that the stage spreads over about num_sms tiles."""
+    groups = rows // group
+    return group * max(1, math.ceil(groups / num_sms))
+
+
+def _tiles(rows: int, per_tile: int) -> list[tuple[int, int]]:
+    return [(lo, min(per_tile, rows - lo)) for lo in range(0, rows, per_tile)]
+
+
+def build_program(layout: StepLayout, tile_rows_override: dict | None = None) -> StepProgram:
+    layout.validate()
+    c = layout.config
+    L, B, S = c.num_layers, layout.batch, layout.kv_splits
+    out: list[Instruction] = []
+    elem = 2  # bf16 weights
+
+    def rows_per_tile(op: Opcode) -> int:
+        rows, _ = weight_rows(op, layout)
+        group = 2 * ROW_GROUP if op == Opcode.GATE_UP else ROW_GROUP
+        if tile_rows_override and op in tile_rows_override:
+            return tile_rows_override[op]
+        return tile_rows(rows, layout.num_sms, group)
+
+    def add(**kw) -> None:
+        out.append(Instruction(index=len(out), **kw))
+
+    def matvec_stage(op: Opcode, layer: int, wait: tuple[int, int], signal: int) -> int:
+        rows, k = weight_rows(op, layout)
+        tiles = _tiles(rows, rows_per_tile(op))
+        for t, (lo, n) in enumerate(tiles):
+            add(opcode=op, layer=layer, a0=lo, a1=n, a2=t, wait_id=wait[0], wait_count=wait[1],
+                signal_id=signal, cost=n * k * elem + FIXED_COST_BYTES)
+        return len(tiles)
+
+    add(opcode=Opcode.EMBED, signal_id=embed_counter(L), cost=B * c.hidden_size * elem + FIXED_COST_BYTES)
+    prev = (embed_counter(L), 1)
+    kv_bytes_per_split = 2 * c.head_dim * elem * max(1, layout.max_seq_len // S)
+    for l in range(L):
+        n = matvec_stage(Opcode.QKV, l, prev, counter_id(l, Stage.QKV))
+        for b in range(B):
+            for kvh in range(c.num_kv_heads):
+                for s in range(S):
+                    add(opcode=Opcode.ATTN_PARTIAL, layer=l, a0=b, a1=kvh, a2=s, a3=S,
+                        wait_id=counter_id(l, Stage.QKV), wait_count=n,
+                        signal_id=counter_id(l, Stage.ATTN_PARTIAL),
+                        cost=kv_bytes_per_split + FIXED_COST_BYTES)
+        n_attn = B * c.num_kv_heads * S
+        for b in range(B):
+            for kvh in range(c.num_kv_heads):
+                add(opcode=Opcode.ATTN_REDUCE, layer=l, a0=b, a1=kvh, a3=S,
+                    wait_id=counter_id(l, Stage.ATTN_PARTIAL), wait_count=n_attn,
+                    signal_id=counter_id(l, Stage.ATTN_REDUCE), cost=FIXED_COST_BYTES)
+        n_red = B * c.num_kv_heads
+        n = matvec_stage(Opcode.O_PROJ, l, (counter_id(l, Stage.ATTN_REDUCE), n_red), counter_id(l, Stage.O_PROJ))
+        n = matvec_stage(Opcode.GATE_UP, l, (counter_id(l, Stage.O_PROJ), n), counter_id(l, Stage.GATE_UP))
+        n = matvec_stage(Opcode.DOWN, l, (counter_id(l, Stage.GATE_UP), n), counter_id(l, Stage.DOWN))
+        prev = (counter_id(l, Stage.DOWN), n)
+    lm_tiles = matvec_stage(Opcode.LM_HEAD, 0, prev, lm_head_counter(L))
+    add(opcode=Opcode.ARGMAX, a0=lm_tiles, wait_id=lm_head_counter(L), wait_count=lm_tiles,
+        signal_id=argmax_counter(L), cost=FIXED_COST_BYTES)
+    return StepProgram(layout=layout, instructions=tuple(out), num_counters=num_counters(L), lm_tiles=lm_tiles)
+
+
+def producers(program: StepProgram) -> dict[int, list[int]]:
+    """counter id -> indices of the instructions that signal it."""
+    out: dict[int, list[int]] = {}
+    for ins in program.instructions:
+        if ins.signal_id != NO_COUNTER:
+            out.setdefault(ins.signal_id, []).append(ins.index)
+    return out
+
+
+def dependency_closure(program: StepProgram) -> list[set[int]]:
+    """For each instruction, every instruction that must have finished before it may start."""
+    prod = producers(program)
+    closure: list[set[int]] = []
+    for ins in program.instructions:   # global order is topological, so predecessors are done
+        deps: set[int] = set()
+        if ins.wait_id != NO_COUNTER:
+            for p in prod.get(ins.wait_id, []):
+                deps.add(p)
+                deps |= closure[p]
+        closure.append(deps)
+    return closure

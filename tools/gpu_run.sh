@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One call on the GPU host: stage the CuTe DSL bundle, run the GPU test suite and the benchmarks,
+# and write every log under $OUT. Usage: bash tools/gpu_run.sh [tests|bench|smoke|all] [extra args]
+set -uo pipefail
+source tools/gpu_env.sh
+what=${1:-all}; shift || true
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import cutlass, torch; print('cutlass-dsl', cutlass.__version__ if hasattr(cutlass,'__version__') else '?', 'torch', torch.__version__)" || exit 1
+case "$what" in
+  smoke) python3 tools/gpu_smoke.py "$@" 2>&1 | tee "$OUT/smoke.log" ;;
+  tests) python3 -m pytest -m "gpu and not perf" -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/tests.log" ;;
+  bench) python3 -m pytest -m perf -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/perf.log" ;;
+  all)
+    python3 -m pytest -m "gpu and not perf" -q -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
+    python3 -m pytest -m perf -q -p no:cacheprovider 2>&1 | tee "$OUT/perf.log" ;;
+  *) echo "unknown stage $what"; exit 2 ;;
+esac
