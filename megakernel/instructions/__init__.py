@@ -5,6 +5,7 @@ megakernel.kernel, dispatched on the same enum."""
 from __future__ import annotations
 
 from . import argmax, attention, embed, matvec_stages
+from .deepseek import DEEPSEEK_STAGE_MODULES
 from .opcodes import Opcode, Stage
 from .record import WORDS, Instruction, deserialize, serialize
 
@@ -18,6 +19,7 @@ STAGE_MODULES = {
     Opcode.ATTN_PARTIAL: attention,
     Opcode.ATTN_REDUCE: attention,
     Opcode.ARGMAX: argmax,
+    **DEEPSEEK_STAGE_MODULES,
 }
 
 __all__ = ["Opcode", "Stage", "Instruction", "WORDS", "serialize", "deserialize", "STAGE_MODULES"]

@@ -17,6 +17,20 @@ class Opcode(IntEnum):
     DOWN = 7           # rows of Wdown . act + residual
     LM_HEAD = 8        # rows of Wlm . rmsnorm(x[L]) -> logits and (max, argmax) of the tile
     ARGMAX = 9         # reduce the tiles' (max, argmax) -> next token
+    # DeepSeek-V3 / Kimi-K2 (MLA + MoE); stage modules in megakernel/instructions/deepseek/
+    MLA_QKV_A = 10       # rows of [q_a | kv_a] . rmsnorm(x[l])
+    MLA_Q_B = 11         # rows of Wq_b . rmsnorm(q_a) (q LoRA only)
+    MLA_ABSORB = 12      # rows of W_UK^T (per head) . q_nope -> query in the latent space
+    MLA_PARTIAL = 13     # one (sequence, head group, KV split) over the latent cache, + latent append
+    MLA_REDUCE = 14      # merge the splits of one head, then rows of W_UV -> attention output
+    MLA_O_PROJ = 15      # rows of Wo . attn + residual
+    ROUTER = 16          # rows (experts) of the router . rmsnorm(h[l]) -> sigmoid scores
+    ROUTER_TOPK = 17     # group-limited top-k of the biased scores -> expert ids + weights per slot
+    SHARED_GATE_UP = 18  # rows of the shared experts' [gate; up] . rmsnorm(h[l]) -> silu(gate) * up
+    SHARED_DOWN = 19     # rows of the shared experts' down . act
+    EXPERT_GATE_UP = 20  # one (sequence, slot, row tile) of the routed expert read from the router buffer
+    EXPERT_DOWN = 21     # one (sequence, slot, row tile) of that expert's down projection
+    MOE_COMBINE = 22     # rows: residual + shared + sum over slots of weight * routed, in slot order
 
 
 # Counter stages, one counter per (layer, stage): a producer adds 1 per finished instruction,

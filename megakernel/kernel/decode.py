@@ -34,6 +34,7 @@ from .ptx import (atomic_add_acq_rel, atomic_cas, load_acquire, load_f32x4, load
 
 THREADS = 256
 WARPS = THREADS // 32
+CHUNK_ROWS = 128           # matvec rows whose partials share memory at once
 MAX_PASS_UNROLL = 8        # 256-column passes per loop iteration: up to 8 x 16 B loads in flight per row
 LOG2E = 1.4426950408889634
 
@@ -63,6 +64,8 @@ class KernelOptions:
     timeout_ns: int = 2_000_000_000          # bounded spin on a counter
     prefetch_bytes: int = 256 * 1024         # cap on the L2 prefetch of the next weight tile
     prefetch: bool = True
+    prefetch_rows_ahead: int = 4             # row pairs a warp prefetches ahead within a tile (0: off)
+    warps: int = 16                          # warps per CTA (a multiple of 8: 8 warps share a row group)
 
 
 @cute.jit
@@ -146,9 +149,16 @@ class DecodeKernel:
         self.eps = float(c.rms_norm_eps)
         self.qk_norm = bool(c.qk_norm)
         self.E = self.D // 32                     # head elements per lane
+        if options.warps % ROW_GROUP or not ROW_GROUP <= options.warps <= 32:
+            raise ValueError(f"warps={options.warps} must be a multiple of {ROW_GROUP} in 8..32")
+        self.warps = options.warps
+        self.threads = 32 * options.warps
         self.scale_log2 = LOG2E / math.sqrt(self.D)
         passes = [k // COL_PASS for k in (self.H, self.Q, self.F)]
         self.unroll = next(u for u in (MAX_PASS_UNROLL, 4, 2, 1) if all(p % u == 0 for p in passes))
+        # loads in flight per warp: items side by side x unroll passes, within the register budget
+        self.items_per_step = max(1, 8 // self.unroll)
+        self.part_slots = CHUNK_ROWS * (max(self.H, self.Q, self.F) // (COL_PASS * self.unroll)) * self.B
 
     # ------------------------------------------------------------------ host entry
     @cute.jit
@@ -164,7 +174,7 @@ class DecodeKernel:
                     final_norm, ones, q_norm, k_norm, rope_cos, rope_sin, tokens, positions, block_table,
                     x, h, qkv, attn_part_o, attn_part_lse, attn_out, act, logits, lm_max, lm_idx, out_tokens,
                     counters, sync, error, k_cache, v_cache, trace).launch(
-            grid=[self.num_sms, 1, 1], block=[THREADS, 1, 1], stream=stream)
+            grid=[self.num_sms, 1, 1], block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------ device: weight geometry
     @cute.jit
@@ -208,13 +218,20 @@ class DecodeKernel:
 
         smem = cutlass.utils.SmemAllocator()
         s_ctrl = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=16)       # epoch, abort
-        s_red = smem.allocate_tensor(Float32, cute.make_layout((WARPS * 8,)), byte_alignment=16)
-        s_ired = smem.allocate_tensor(Int32, cute.make_layout((WARPS * 8,)), byte_alignment=16)
+        s_red = smem.allocate_tensor(Float32, cute.make_layout((8,)), byte_alignment=16)
+        s_ired = smem.allocate_tensor(Int32, cute.make_layout((8,)), byte_alignment=16)
+        s_wv = smem.allocate_tensor(Float32, cute.make_layout((self.warps * 8,)), byte_alignment=16)
+        s_wi = smem.allocate_tensor(Int32, cute.make_layout((self.warps * 8,)), byte_alignment=16)
+        # matvec partials: one per (row, segment, sequence) of a chunk
+        s_part = smem.allocate_tensor(Float32, cute.make_layout((self.part_slots,)), byte_alignment=16)
+        s_ssq = smem.allocate_tensor(Float32, cute.make_layout((self.part_slots,)), byte_alignment=16)
         s_q = smem.allocate_tensor(Float32, cute.make_layout((self.G * self.D,)), byte_alignment=16)
         s_kv = smem.allocate_tensor(Float32, cute.make_layout((2 * self.D,)), byte_alignment=16)
-        s_m = smem.allocate_tensor(Float32, cute.make_layout((WARPS * self.G,)), byte_alignment=16)
-        s_l = smem.allocate_tensor(Float32, cute.make_layout((WARPS * self.G,)), byte_alignment=16)
-        s_o = smem.allocate_tensor(Float32, cute.make_layout((WARPS * self.G * self.D,)), byte_alignment=16)
+        s_m = smem.allocate_tensor(Float32, cute.make_layout((self.warps * self.G,)), byte_alignment=16)
+        s_l = smem.allocate_tensor(Float32, cute.make_layout((self.warps * self.G,)), byte_alignment=16)
+        s_o = smem.allocate_tensor(Float32, cute.make_layout((self.warps * self.G * self.D,)), byte_alignment=16)
+        # the CTA's whole instruction queue, copied once: instruction fetch is then a shared-memory read
+        s_queue = smem.allocate_tensor(Int32, cute.make_layout((self.max_queue_len * WORDS,)), byte_alignment=16)
 
         if tidx == 0:
             s_ctrl[0] = ld_i32(sync)
@@ -223,26 +240,29 @@ class DecodeKernel:
         epoch = s_ctrl[0]
         n = ld_i32(lengths + Int64(sm) * 4)
         qbase = queue + Int64(sm) * (self.max_queue_len * WORDS * 4)
+        for wi in range(tidx, n * WORDS, self.threads):
+            s_queue[wi] = ld_i32(qbase + Int64(wi) * 4)
+        cute.arch.sync_threads()
 
         # prefetch the first instruction's tile: later ones are prefetched one instruction ahead
         if cutlass.const_expr(self.options.prefetch):
             if tidx == 0 and n > 0:
-                self.prefetch_instruction(qbase, w_qkv, w_o, w_gate_up, w_down, w_lm_head)
+                self.prefetch_instruction(s_queue, Int32(0), w_qkv, w_o, w_gate_up, w_down, w_lm_head)
 
         i = Int32(0)
         aborted = Int32(0)
         while i < n and aborted == 0:
-            ins = qbase + Int64(i) * (WORDS * 4)
-            op = ld_i32(ins + W_OPCODE * 4)
-            layer = ld_i32(ins + W_LAYER * 4)
-            a0 = ld_i32(ins + W_A0 * 4)
-            a1 = ld_i32(ins + W_A1 * 4)
-            a2 = ld_i32(ins + W_A2 * 4)
-            a3 = ld_i32(ins + W_A3 * 4)
-            wait_id = ld_i32(ins + W_WAIT_ID * 4)
-            wait_count = ld_i32(ins + W_WAIT_COUNT * 4)
-            signal_id = ld_i32(ins + W_SIGNAL_ID * 4)
-            index = ld_i32(ins + W_INDEX * 4)
+            ins = i * WORDS
+            op = s_queue[ins + W_OPCODE]
+            layer = s_queue[ins + W_LAYER]
+            a0 = s_queue[ins + W_A0]
+            a1 = s_queue[ins + W_A1]
+            a2 = s_queue[ins + W_A2]
+            a3 = s_queue[ins + W_A3]
+            wait_id = s_queue[ins + W_WAIT_ID]
+            wait_count = s_queue[ins + W_WAIT_COUNT]
+            signal_id = s_queue[ins + W_SIGNAL_ID]
+            index = s_queue[ins + W_INDEX]
             t_begin = Int32(0)
             t_ready = Int32(0)
             if cutlass.const_expr(self.options.trace):
@@ -250,7 +270,7 @@ class DecodeKernel:
 
             if cutlass.const_expr(self.options.prefetch):
                 if tidx == 0 and i + 1 < n:
-                    self.prefetch_instruction(ins + WORDS * 4, w_qkv, w_o, w_gate_up, w_down, w_lm_head)
+                    self.prefetch_instruction(s_queue, ins + WORDS, w_qkv, w_o, w_gate_up, w_down, w_lm_head)
 
             # ---- wait for the producing stage (thread 0 spins, the CTA barrier broadcasts)
             if tidx == 0 and wait_id >= 0:
@@ -288,7 +308,7 @@ class DecodeKernel:
                 if op >= OP_QKV and op != OP_ATTN_PARTIAL and op != OP_ATTN_REDUCE and op != OP_ARGMAX:
                     self.matvec(tidx, warp, lane, op, layer, a0, a1, a2, w_qkv, w_o, w_gate_up, w_down,
                                 w_lm_head, attn_norm, mlp_norm, final_norm, ones, x, h, qkv, attn_out, act,
-                                logits, lm_max, lm_idx, s_red, s_ired)
+                                logits, lm_max, lm_idx, s_red, s_ired, s_part, s_ssq, s_wv, s_wi)
 
             # ---- signal: every thread's stores precede the barrier; the release orders them
             cute.arch.sync_threads()
@@ -313,13 +333,13 @@ class DecodeKernel:
                 store_relaxed(sync, epoch + 1)
 
     @cute.jit
-    def prefetch_instruction(self, ins: Int64, w_qkv: Int64, w_o: Int64, w_gate_up: Int64, w_down: Int64,
-                             w_lm_head: Int64):
-        op = ld_i32(ins + W_OPCODE * 4)
-        addr, k = self.weight_tile(op, ld_i32(ins + W_LAYER * 4), ld_i32(ins + W_A0 * 4),
+    def prefetch_instruction(self, s_queue: cute.Tensor, ins: Int32, w_qkv: Int64, w_o: Int64,
+                             w_gate_up: Int64, w_down: Int64, w_lm_head: Int64):
+        op = s_queue[ins + W_OPCODE]
+        addr, k = self.weight_tile(op, s_queue[ins + W_LAYER], s_queue[ins + W_A0],
                                    w_qkv, w_o, w_gate_up, w_down, w_lm_head)
         if k > 0:
-            nbytes = ld_i32(ins + W_A1 * 4) * k * 2
+            nbytes = s_queue[ins + W_A1] * k * 2
             if nbytes > self.options.prefetch_bytes:
                 nbytes = Int32(self.options.prefetch_bytes)
             prefetch_l2(addr, nbytes)
@@ -327,7 +347,7 @@ class DecodeKernel:
     # ------------------------------------------------------------------ stage bodies
     @cute.jit
     def embed(self, tidx: Int32, w_embed: Int64, tokens: Int64, x: Int64, error: Int64, index: Int32):
-        for t in range(tidx, self.B * self.H, THREADS):
+        for t in range(tidx, self.B * self.H, self.threads):
             b = t // self.H
             k = t - b * self.H
             tok = ld_i32(tokens + Int64(b) * 4)
@@ -344,7 +364,8 @@ class DecodeKernel:
                tile: Int32, w_qkv: Int64, w_o: Int64, w_gate_up: Int64, w_down: Int64, w_lm_head: Int64,
                attn_norm: Int64, mlp_norm: Int64, final_norm: Int64, ones: Int64, x: Int64, h: Int64,
                qkv: Int64, attn_out: Int64, act: Int64, logits: Int64, lm_max: Int64, lm_idx: Int64,
-               s_red: cute.Tensor, s_ired: cute.Tensor):
+               s_red: cute.Tensor, s_ired: cute.Tensor, s_part: cute.Tensor, s_ssq: cute.Tensor,
+               s_wv: cute.Tensor, s_wi: cute.Tensor):
         B, H = self.B, self.H
         l64 = Int64(layer)
         w_addr, K = self.weight_tile(op, layer, a0, w_qkv, w_o, w_gate_up, w_down, w_lm_head)
@@ -389,109 +410,132 @@ class DecodeKernel:
         is_gate_up = op == OP_GATE_UP
         is_lm = op == OP_LM_HEAD
 
-        best_v = cute.make_rmem_tensor((B,), Float32)
-        best_i = cute.make_rmem_tensor((B,), Int32)
-        for b in cutlass.range_constexpr(B):
-            best_v[b] = Float32(-math.inf)
-            best_i[b] = Int32(0x7FFFFFFF)
-
-        # RMSNorm needs sum(x^2) over the whole input row; every warp streams the whole row anyway, so
-        # it accumulates the statistic beside the dot products: no prologue pass, no CTA barrier.
-        acc = cute.make_rmem_tensor((2 * B,), Float32)
-        ssq = cute.make_rmem_tensor((B,), Float32)
-        n_groups = a1 // ROW_GROUP
-        n_iter = K // (COL_PASS * self.unroll)
-        for g2 in range(0, n_groups, 2):
-            r0 = g2 * ROW_GROUP + warp
-            r1 = r0 + ROW_GROUP
-            second = r1 < a1
-            r1c = r0
-            if second:
-                r1c = r1
-            for j in cutlass.range_constexpr(2 * B):
-                acc[j] = Float32(0.0)
-            for b in cutlass.range_constexpr(B):
-                ssq[b] = Float32(0.0)
-            wrow0 = w_addr + Int64(r0) * Int64(K) * 2
-            wrow1 = w_addr + Int64(r1c) * Int64(K) * 2
-            for it in range(n_iter):
-                for u in cutlass.range_constexpr(self.unroll):
-                    col = (it * self.unroll + u) * COL_PASS + lane * 8
-                    c64 = Int64(col)
-                    w0 = load_weights_bf16x8(wrow0 + c64 * 2)
-                    w1 = load_weights_bf16x8(wrow1 + c64 * 2)
-                    nw = load_weights_bf16x8(norm_addr + c64 * 2)
-                    for b in cutlass.range_constexpr(B):
-                        xa = load_f32x4(in_addr + (Int64(b) * Int64(K) + c64) * 4)
-                        xb = load_f32x4(in_addr + (Int64(b) * Int64(K) + c64) * 4 + 16)
-                        s0 = acc[2 * b]
-                        s1 = acc[2 * b + 1]
-                        sq = ssq[b]
-                        for e in cutlass.range_constexpr(4):
-                            xn = xa[e] * nw[e]
-                            sq = sq + xa[e] * xa[e]
-                            s0 = s0 + w0[e] * xn
-                            s1 = s1 + w1[e] * xn
-                        for e in cutlass.range_constexpr(4):
-                            xn = xb[e] * nw[4 + e]
-                            sq = sq + xb[e] * xb[e]
-                            s0 = s0 + w0[4 + e] * xn
-                            s1 = s1 + w1[4 + e] * xn
-                        acc[2 * b] = s0
-                        acc[2 * b + 1] = s1
-                        ssq[b] = sq
-            for j in cutlass.range_constexpr(2 * B):
-                acc[j] = warp_sum(acc[j])
-            scale = cute.make_rmem_tensor((B,), Float32)
-            for b in cutlass.range_constexpr(B):
-                scale[b] = Float32(1.0)
+        # Work items are (row, segment): a segment is `unroll` 256-column passes of one row, so a
+        # warp issues all its 16-byte loads for an item at once, and two items side by side. A chunk
+        # of up to CHUNK_ROWS rows is spread over every warp of the CTA (all of a small tile's loads
+        # are in flight together); partial dot products meet in shared memory and are summed in a
+        # fixed order (deterministic), then the epilogue runs one thread per output.
+        seg_cols = COL_PASS * self.unroll
+        n_seg = K // seg_cols
+        if is_lm and tidx < B:
+            s_red[tidx] = Float32(-math.inf)
+            s_ired[tidx] = Int32(0x7FFFFFFF)
+        for c0 in range(0, a1, CHUNK_ROWS):
+            rows = a1 - c0
+            if rows > CHUNK_ROWS:
+                rows = Int32(CHUNK_ROWS)
+            n_items = rows * n_seg
+            for it0 in range(warp, n_items, self.items_per_step * self.warps):
+                for half in cutlass.range_constexpr(self.items_per_step):
+                    item = it0 + half * self.warps
+                    if item < n_items:
+                        r = item // n_seg
+                        sg = item - r * n_seg
+                        col0 = sg * seg_cols + lane * 8
+                        wrow = w_addr + (Int64(c0 + r) * Int64(K) + Int64(col0)) * 2
+                        acc = cute.make_rmem_tensor((B,), Float32)
+                        ssq = cute.make_rmem_tensor((B,), Float32)
+                        for b in cutlass.range_constexpr(B):
+                            acc[b] = Float32(0.0)
+                            ssq[b] = Float32(0.0)
+                        for u in cutlass.range_constexpr(self.unroll):
+                            w = load_weights_bf16x8(wrow + u * COL_PASS * 2)
+                            c64 = Int64(col0 + u * COL_PASS)
+                            nw = load_weights_bf16x8(norm_addr + c64 * 2)
+                            for b in cutlass.range_constexpr(B):
+                                xa = load_f32x4(in_addr + (Int64(b) * Int64(K) + c64) * 4)
+                                xb = load_f32x4(in_addr + (Int64(b) * Int64(K) + c64) * 4 + 16)
+                                s0 = acc[b]
+                                sq = ssq[b]
+                                for e in cutlass.range_constexpr(4):
+                                    sq = sq + xa[e] * xa[e]
+                                    s0 = s0 + w[e] * (xa[e] * nw[e])
+                                for e in cutlass.range_constexpr(4):
+                                    sq = sq + xb[e] * xb[e]
+                                    s0 = s0 + w[4 + e] * (xb[e] * nw[4 + e])
+                                acc[b] = s0
+                                ssq[b] = sq
+                        for b in cutlass.range_constexpr(B):
+                            dot = warp_sum(acc[b])
+                            sqs = warp_sum(ssq[b])
+                            if lane == 0:
+                                s_part[item * B + b] = dot
+                                s_ssq[item * B + b] = sqs
+            cute.arch.sync_threads()
+            # ---- epilogue: one thread per (output row, sequence)
+            n_out = rows * B
+            if is_gate_up:
+                n_out = (rows // 2) * B
+            for t in range(tidx, n_out, self.threads):
+                r = t // B
+                b = t - r * B
+                scale = Float32(1.0)
                 if has_norm:
-                    scale[b] = rsqrt(warp_sum(ssq[b]) / Float32(K) + Float32(self.eps))
-            # ---- epilogue (lane 0 stores; every lane tracks the tile argmax identically)
-            for b in cutlass.range_constexpr(B):
-                y0 = acc[2 * b] * scale[b]
-                y1 = acc[2 * b + 1] * scale[b]
+                    sq = Float32(0.0)
+                    for sg in range(n_seg):
+                        sq = sq + s_ssq[sg * B + b]          # row 0's segments cover all of K
+                    scale = rsqrt(sq / Float32(K) + Float32(self.eps))
                 ob = out_addr + Int64(b) * Int64(out_w) * 4
                 if is_gate_up:
-                    if lane == 0:
-                        silu = y0 / (Float32(1.0) + ex2(-y0 * Float32(LOG2E)))
-                        st_f32(ob + Int64((g2 // 2) * ROW_GROUP + warp) * 4, silu * y1)
+                    # output r = (pair p, row j): gate row p*16+j, up row p*16+8+j
+                    p = r // ROW_GROUP
+                    j = r - p * ROW_GROUP
+                    gr = p * (2 * ROW_GROUP) + j
+                    g = Float32(0.0)
+                    up = Float32(0.0)
+                    for sg in range(n_seg):
+                        g = g + s_part[(gr * n_seg + sg) * B + b]
+                        up = up + s_part[((gr + ROW_GROUP) * n_seg + sg) * B + b]
+                    g = g * scale
+                    up = up * scale
+                    silu = g / (Float32(1.0) + ex2(-g * Float32(LOG2E)))
+                    st_f32(ob + Int64(c0 // 2 + r) * 4, silu * up)
                 else:
+                    y = Float32(0.0)
+                    for sg in range(n_seg):
+                        y = y + s_part[(r * n_seg + sg) * B + b]
+                    y = y * scale
                     if has_res:
-                        rb = res_addr + Int64(b) * Int64(H) * 4
-                        y0 = y0 + ld_f32(rb + Int64(r0) * 4)
-                        if second:
-                            y1 = y1 + ld_f32(rb + Int64(r1) * 4)
-                    if lane == 0:
-                        st_f32(ob + Int64(r0) * 4, y0)
-                        if second:
-                            st_f32(ob + Int64(r1) * 4, y1)
+                        y = y + ld_f32(res_addr + (Int64(b) * Int64(H) + Int64(c0 + r)) * 4)
+                    st_f32(ob + Int64(c0 + r) * 4, y)
                     if is_lm:
-                        if y0 > best_v[b]:
-                            best_v[b] = y0
-                            best_i[b] = a0 + r0
-                        if second and y1 > best_v[b]:
-                            best_v[b] = y1
-                            best_i[b] = a0 + r1
-
-        # ---- LM head: reduce the tile's (max, argmax) over warps; ties -> lowest index
-        if is_lm:
-            if lane == 0:
-                for b in cutlass.range_constexpr(B):
-                    s_red[warp * 8 + b] = best_v[b]
-                    s_ired[warp * 8 + b] = best_i[b]
+                        s_part[(r * n_seg) * B + b] = y          # keep the logit for the argmax below
             cute.arch.sync_threads()
-            if tidx < B:
-                bv = s_red[tidx]
-                bi = s_ired[tidx]
-                for w in cutlass.range_constexpr(1, WARPS):
-                    v = s_red[w * 8 + tidx]
-                    vi = s_ired[w * 8 + tidx]
-                    if v > bv or (v == bv and vi < bi):
-                        bv = v
-                        bi = vi
-                st_f32(lm_max + (Int64(tidx) * self.T + Int64(tile)) * 4, bv)
-                st_i32(lm_idx + (Int64(tidx) * self.T + Int64(tile)) * 4, bi)
+            # ---- LM head: (max, argmax) of the chunk per sequence, merged into the tile's; ties -> lowest row
+            if is_lm:
+                for b in cutlass.range_constexpr(B):
+                    bv = Float32(-math.inf)
+                    bi = Int32(0x7FFFFFFF)
+                    for r in range(tidx, rows, self.threads):
+                        v = s_part[(r * n_seg) * B + b]
+                        if v > bv:
+                            bv = v
+                            bi = a0 + c0 + r
+                    for off in [16, 8, 4, 2, 1]:
+                        ov = cute.arch.shuffle_sync_bfly(bv, offset=off)
+                        oi = cute.arch.shuffle_sync_bfly(bi, offset=off)
+                        if ov > bv or (ov == bv and oi < bi):
+                            bv = ov
+                            bi = oi
+                    if lane == 0:
+                        s_wv[warp * B + b] = bv
+                        s_wi[warp * B + b] = bi
+                cute.arch.sync_threads()
+                if tidx < B:
+                    bv = s_red[tidx]
+                    bi = s_ired[tidx]
+                    for w in range(self.warps):
+                        v = s_wv[w * B + tidx]
+                        vi = s_wi[w * B + tidx]
+                        if v > bv or (v == bv and vi < bi):
+                            bv = v
+                            bi = vi
+                    s_red[tidx] = bv
+                    s_ired[tidx] = bi
+                cute.arch.sync_threads()
+        if is_lm and tidx < B:
+            st_f32(lm_max + (Int64(tidx) * self.T + Int64(tile)) * 4, s_red[tidx])
+            st_i32(lm_idx + (Int64(tidx) * self.T + Int64(tile)) * 4, s_ired[tidx])
 
     @cute.jit
     def attn_partial(self, tidx: Int32, warp: Int32, lane: Int32, layer: Int32, b: Int32, kvh: Int32,
@@ -515,7 +559,7 @@ class DecodeKernel:
         slot = ((Int64(layer) * self.num_blocks + Int64(blk)) * self.bs + Int64(pos % self.bs)) * self.Hkv + Int64(kvh)
 
         # ---- phase A: q heads of the group, then k, then v of the new token -> smem
-        for hh in range(warp, G + 2, WARPS):
+        for hh in range(warp, G + 2, self.warps):
             off = Int32(0)
             if hh < G:
                 off = (kvh * G + hh) * D
@@ -587,14 +631,14 @@ class DecodeKernel:
         extra = Int32(0)
         if last and warp == 0:
             extra = Int32(1)
-        n_mine = (n_tok - warp + WARPS - 1) // WARPS
+        n_mine = (n_tok - warp + self.warps - 1) // self.warps
         if n_tok <= warp:
             n_mine = Int32(0)
         for j in range(n_mine + extra):
             kk = cute.make_rmem_tensor((E,), Float32)
             vv = cute.make_rmem_tensor((E,), Float32)
             if j < n_mine:
-                t = lo + warp + j * WARPS
+                t = lo + warp + j * self.warps
                 tb = ld_i32(block_table + (Int64(b) * self.max_blocks + Int64(t // self.bs)) * 4)
                 ts = ((kv_l + Int64(tb)) * self.bs + Int64(t % self.bs)) * self.Hkv + Int64(kvh)
                 for e in cutlass.range_constexpr(E):
@@ -627,18 +671,18 @@ class DecodeKernel:
             for e in cutlass.range_constexpr(E):
                 s_o[(warp * G + g) * D + lane * E + e] = o[g * E + e]
         cute.arch.sync_threads()
-        for t in range(tidx, G * D, THREADS):
+        for t in range(tidx, G * D, self.threads):
             g = t // D
             d = t - g * D
             mx = Float32(-math.inf)
-            for w in cutlass.range_constexpr(WARPS):
+            for w in cutlass.range_constexpr(self.warps):
                 mw = s_m[w * G + g]
                 if mw > mx:
                     mx = mw
             tot = Float32(0.0)
             acc_o = Float32(0.0)
             if mx > Float32(-math.inf):
-                for w in cutlass.range_constexpr(WARPS):
+                for w in cutlass.range_constexpr(self.warps):
                     f = ex2(s_m[w * G + g] - mx)
                     tot = tot + s_l[w * G + g] * f
                     acc_o = acc_o + s_o[(w * G + g) * D + d] * f
@@ -657,7 +701,7 @@ class DecodeKernel:
     def attn_reduce(self, tidx: Int32, layer: Int32, b: Int32, kvh: Int32, num_splits: Int32,
                     attn_part_o: Int64, attn_part_lse: Int64, attn_out: Int64):
         D, G = self.D, self.G
-        for t in range(tidx, G * D, THREADS):
+        for t in range(tidx, G * D, self.threads):
             g = t // D
             d = t - g * D
             head = kvh * G + g

@@ -87,6 +87,9 @@ class MegakernelEngine:
         self.queues = assign(self.program, policy)
         simulate(self.queues, self.program.num_counters)      # deadlock-free, proven before any launch
         table, lengths = serialize(self.queues)
+        if table.shape[1] * table.shape[2] * 4 > 96 * 1024:
+            raise ValueError(f"the longest SM queue ({table.shape[1]} instructions) exceeds the 96 KiB of shared "
+                             f"memory the kernel stages it in; use fewer kv_splits or a smaller batch")
         self.queue_table = table.to(self.device)
         self.queue_lengths = lengths.to(self.device)
 
@@ -182,6 +185,32 @@ class MegakernelEngine:
         if check:
             self.check()
         return self.bufs.out_tokens
+
+    def run_instructions(self, instructions: list) -> None:
+        """Run the given instructions alone through the real kernel, all on SM 0, in order, with
+        their waits and signals stripped: one stage tested in isolation on whatever the buffers
+        hold. The step's own queue is restored afterwards. Raises MegakernelError on a kernel error."""
+        import dataclasses
+
+        from ..instructions.record import NO_COUNTER, WORDS
+        if len(instructions) > self.queue_table.shape[1]:
+            raise ValueError(f"{len(instructions)} instructions exceed the queue length {self.queue_table.shape[1]}")
+        saved_table, saved_len = self.queue_table.clone(), self.queue_lengths.clone()
+        table = torch.zeros_like(self.queue_table)
+        for i, ins in enumerate(instructions):
+            bare = dataclasses.replace(ins, wait_id=NO_COUNTER, wait_count=0, signal_id=NO_COUNTER)
+            table[0, i] = torch.tensor(bare.encode(), dtype=torch.int32)
+        lengths = torch.zeros_like(self.queue_lengths)
+        lengths[0] = len(instructions)
+        assert table.shape[2] == WORDS
+        self.queue_table.copy_(table)
+        self.queue_lengths.copy_(lengths)
+        try:
+            self.launch()
+            self.check()
+        finally:
+            self.queue_table.copy_(saved_table)
+            self.queue_lengths.copy_(saved_len)
 
     @property
     def logits(self) -> torch.Tensor:

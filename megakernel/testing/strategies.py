@@ -101,3 +101,101 @@ def decode_shapes(draw, hidden_multiple: int = 256, max_hidden: int = 4096, head
     return DecodeShape(hidden_size=hidden, num_heads=kv_heads * ratio, num_kv_heads=kv_heads, head_dim=head_dim,
                        intermediate_size=intermediate, batch=batch, kv_lens=kv_lens, block_size=block_size,
                        max_seq_len=max_seq_len)
+
+
+# -- shapes the kernel accepts, for single-stage tests -------------------------------------------------------
+
+BLOCK_SIZES = (4, 8, 16, 32)
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class StageCase:
+    """One single-stage test: a decode shape the kernel accepts, the model around it, the KV split count,
+    which layer the instruction runs in, and the seed of every random tensor (weights and buffers)."""
+
+    shape: DecodeShape
+    architecture: str
+    num_layers: int
+    layer: int
+    vocab_size: int
+    kv_splits: int
+    seed: int
+
+    def to_config(self):
+        return self.shape.to_config(architecture=self.architecture, num_layers=self.num_layers,
+                                    vocab_size=self.vocab_size)
+
+    def describe(self) -> str:
+        """Everything needed to rebuild the case, for failure messages."""
+        s = self.shape
+        return (f"{self.architecture} H={s.hidden_size} F={s.intermediate_size} heads={s.num_heads}/"
+                f"{s.num_kv_heads} D={s.head_dim} V={self.vocab_size} L={self.num_layers} layer={self.layer} "
+                f"B={s.batch} kv_lens={s.kv_lens} block={s.block_size} max_seq={s.max_seq_len} "
+                f"splits={self.kv_splits} seed={self.seed}")
+
+
+def _accepted_head_counts(head_dim: int, max_heads: int, col_pass: int = 256) -> list[tuple[int, int]]:
+    """(kv heads, GQA ratio) pairs whose query width num_heads * head_dim is a whole number of column passes."""
+    return [(k, r) for k in KV_HEADS for r in GQA_RATIOS
+            if k * r <= max_heads and (k * r * head_dim) % col_pass == 0]
+
+
+@st.composite
+def kernel_decode_shapes(draw, max_hidden: int = 4096, max_intermediate: int | None = None, head_dims=HEAD_DIMS,
+                         max_heads: int = 64, max_batch: int = 8, max_blocks: int = 16,
+                         block_sizes=BLOCK_SIZES) -> DecodeShape:
+    """Decode shapes StepLayout.validate accepts: hidden and intermediate multiples of 256, query width
+    (heads x head_dim) a multiple of 256, GQA ratio <= 8, head_dim 64/128, batch 1..max_batch. The cache holds
+    a whole number of blocks (max_seq_len = block_size x blocks), so a KV length of max_seq_len puts the
+    decoded token at the cache limit - 1; KV lengths 1 and block edges are drawn often."""
+    block_size = draw(st.sampled_from(tuple(block_sizes)))
+    max_seq_len = block_size * draw(st.integers(1, max_blocks))
+    head_dim = draw(st.sampled_from(tuple(head_dims)))
+    kv_heads, ratio = draw(st.sampled_from(_accepted_head_counts(head_dim, max_heads)))
+    hidden = 256 * draw(st.integers(1, max_hidden // 256))
+    max_f = max_intermediate if max_intermediate is not None else 4 * max_hidden
+    intermediate = 256 * draw(st.integers(1, max_f // 256))
+    batch = draw(st.integers(1, max_batch))
+    kv_lens = tuple(draw(st.lists(kv_lengths(max_seq_len, block_size), min_size=batch, max_size=batch)))
+    return DecodeShape(hidden_size=hidden, num_heads=kv_heads * ratio, num_kv_heads=kv_heads, head_dim=head_dim,
+                       intermediate_size=intermediate, batch=batch, kv_lens=kv_lens, block_size=block_size,
+                       max_seq_len=max_seq_len)
+
+
+@st.composite
+def stage_cases(draw, max_hidden: int = 4096, max_intermediate: int | None = None, max_heads: int = 64,
+                max_batch: int = 8, max_blocks: int = 16, max_vocab: int = 4096, max_splits: int = 8) -> StageCase:
+    """A StageCase over `kernel_decode_shapes`: Llama or Qwen3 (QK-norm), 1-2 layers (the instruction in
+    either), a vocabulary that is any multiple of 8 (so LM head tiles have ragged ends), 1..max_splits KV splits."""
+    shape = draw(kernel_decode_shapes(max_hidden=max_hidden, max_intermediate=max_intermediate,
+                                      max_heads=max_heads, max_batch=max_batch, max_blocks=max_blocks))
+    num_layers = draw(st.integers(1, 2))
+    return StageCase(shape=shape, architecture=draw(st.sampled_from(ARCHITECTURES)), num_layers=num_layers,
+                     layer=draw(st.integers(0, num_layers - 1)), vocab_size=8 * draw(st.integers(1, max_vocab // 8)),
+                     kv_splits=draw(st.integers(1, max_splits)), seed=draw(seeds()))
+
+
+@dataclass(frozen=True)
+class LayoutRequest:
+    """A step layout as a caller might ask for it, supported or not (for rejection tests)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    batch: int
+
+
+@st.composite
+def layout_requests(draw) -> LayoutRequest:
+    """Shapes on both sides of every StepLayout limit: hidden/intermediate multiples of 64 (some not of 256),
+    head_dim 32..256 (96 included), GQA ratios up to 16, vocabularies not a multiple of 8, batch 0..10."""
+    head_dim = draw(st.sampled_from((32, 64, 96, 128, 256)))
+    kv_heads = draw(st.sampled_from((1, 2, 4, 8)))
+    ratio = draw(st.sampled_from((1, 2, 3, 4, 8, 16)))
+    return LayoutRequest(hidden_size=64 * draw(st.integers(1, 24)), intermediate_size=64 * draw(st.integers(1, 48)),
+                         num_heads=kv_heads * ratio, num_kv_heads=kv_heads, head_dim=head_dim,
+                         vocab_size=draw(st.integers(8, 600)), batch=draw(st.integers(0, 10)))

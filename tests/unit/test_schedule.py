@@ -1,0 +1,431 @@
+"""The decode-step DAG, SM assignment, deadlock simulation, race detection and serialization (CPU only).
+
+Every preset, both policies, batch 1..8. The tiny presets get every check, find_races included; the real
+presets get the program and queue checks at their full depth (no weights are built) and find_races on a
+2-layer copy of their shape, because find_races builds the transitive closure of the whole DAG (quadratic
+in instructions: ~25k for llama-3.1-8b at batch 8) while every cross-layer edge already occurs between
+layers 0 and 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections import Counter, defaultdict
+
+import pytest
+import torch
+
+from megakernel.instructions.layout import ROW_GROUP, StepLayout, default_kv_splits
+from megakernel.instructions.matvec_stages import MATVEC_OPCODES
+from megakernel.instructions.opcodes import Opcode
+from megakernel.instructions.record import NO_COUNTER, WORDS, Instruction, deserialize, serialize
+from megakernel.model.config import ModelConfig
+from megakernel.model.presets import PRESETS, get_preset
+from megakernel.schedule import assign, build_program, find_races, simulate
+from megakernel.schedule.dag import StepProgram
+
+TINY_PRESETS = ("tiny-llama", "tiny-qwen3")
+REAL_PRESETS = ("llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b")
+BATCHES = tuple(range(1, 9))
+POLICIES = ("balanced", "round-robin")
+NUM_SMS = 132          # the H200
+FEW_SMS = 5            # deep queues: many instructions of one stage share an SM
+BLOCK_SIZE = 16
+BLOCKS_PER_SEQ = 8
+
+
+@functools.lru_cache(maxsize=None)
+def _program(name: str, batch: int, num_sms: int = NUM_SMS, num_layers: int | None = None) -> StepProgram:
+    config = get_preset(name)
+    if num_layers is not None:
+        config = dataclasses.replace(config, num_layers=num_layers)
+    layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, num_sms),
+                        block_size=BLOCK_SIZE, max_blocks_per_seq=BLOCKS_PER_SEQ, num_sms=num_sms)
+    return build_program(layout)
+
+
+def _what(program: StepProgram, policy: str | None = None) -> str:
+    lay = program.layout
+    pol = f" policy={policy}" if policy else ""
+    return (f"{lay.config.name} L={lay.config.num_layers} batch={lay.batch} splits={lay.kv_splits} "
+            f"sms={lay.num_sms}{pol} ({len(program.instructions)} instructions)")
+
+
+# ---- the dataflow, written out independently of the DAG builder -----------------------------------------
+
+def _stage_rows(config: ModelConfig, op: Opcode) -> int:
+    """Rows of the packed weight a matvec stage streams (from the model shape alone)."""
+    return {
+        Opcode.QKV: (config.num_heads + 2 * config.num_kv_heads) * config.head_dim,
+        Opcode.O_PROJ: config.hidden_size,
+        Opcode.GATE_UP: 2 * config.intermediate_size,
+        Opcode.DOWN: config.hidden_size,
+        Opcode.LM_HEAD: config.vocab_size,
+    }[op]
+
+
+def _producer_stage(ins: Instruction, num_layers: int) -> tuple[Opcode, int] | None:
+    """(opcode, layer) of the stage whose outputs `ins` consumes first: what it must wait for."""
+    op, layer = ins.opcode, ins.layer
+    if op == Opcode.EMBED:
+        return None
+    if op == Opcode.QKV:
+        return (Opcode.EMBED, 0) if layer == 0 else (Opcode.DOWN, layer - 1)
+    if op == Opcode.LM_HEAD:
+        return Opcode.DOWN, num_layers - 1
+    if op == Opcode.ARGMAX:
+        return Opcode.LM_HEAD, 0
+    previous = {Opcode.ATTN_PARTIAL: Opcode.QKV, Opcode.ATTN_REDUCE: Opcode.ATTN_PARTIAL,
+                Opcode.O_PROJ: Opcode.ATTN_REDUCE, Opcode.GATE_UP: Opcode.O_PROJ, Opcode.DOWN: Opcode.GATE_UP}
+    return previous[op], layer
+
+
+def check_program(program: StepProgram) -> None:
+    """Topological order (hence acyclic), one producing stage per counter, wait targets equal to the size of
+    that stage, and tiles that cover every output exactly once."""
+    what = _what(program)
+    instrs = program.instructions
+    config, layout = program.layout.config, program.layout
+    assert [i.index for i in instrs] == list(range(len(instrs))), f"{what}: index is not the position"
+
+    signallers: dict[int, list[Instruction]] = defaultdict(list)
+    stage_size: Counter = Counter()
+    for ins in instrs:
+        assert 0 <= ins.signal_id < program.num_counters, f"{what}: #{ins.index} {ins.opcode.name} signals nothing"
+        signallers[ins.signal_id].append(ins)
+        stage_size[(ins.opcode, ins.layer)] += 1
+    for counter, group in signallers.items():
+        stages = {(i.opcode, i.layer) for i in group}
+        assert len(stages) == 1, f"{what}: counter {counter} is signalled by several stages {stages}"
+
+    for ins in instrs:
+        producer = _producer_stage(ins, config.num_layers)
+        name = f"{what}: #{ins.index} {ins.opcode.name} layer {ins.layer}"
+        if producer is None:
+            assert ins.wait_id == NO_COUNTER, f"{name} waits on counter {ins.wait_id}"
+            continue
+        assert 0 <= ins.wait_id < program.num_counters, f"{name} waits on no counter"
+        group = signallers[ins.wait_id]
+        assert {(i.opcode, i.layer) for i in group} == {producer}, \
+            f"{name} waits on {[(i.opcode.name, i.layer) for i in group[:1]]}, its producer is {producer}"
+        assert ins.wait_count == len(group) == stage_size[producer], \
+            f"{name} waits for {ins.wait_count}, the stage {producer} has {len(group)} instructions"
+        late = [i.index for i in group if i.index >= ins.index]
+        assert not late, f"{name} precedes its producers {late[:4]} in the global order"
+
+    # Tiles: each matvec stage partitions its rows into ROW_GROUP-multiples, in order, tile index = position.
+    by_stage: dict[tuple[Opcode, int], list[Instruction]] = defaultdict(list)
+    for ins in instrs:
+        by_stage[(ins.opcode, ins.layer)].append(ins)
+    for (op, layer), group in by_stage.items():
+        if op not in MATVEC_OPCODES:
+            continue
+        quantum = 2 * ROW_GROUP if op == Opcode.GATE_UP else ROW_GROUP
+        row = 0
+        for t, ins in enumerate(sorted(group, key=lambda i: i.a0)):
+            assert ins.a0 == row and ins.a1 > 0 and ins.a1 % quantum == 0 and ins.a2 == t, \
+                f"{what}: {op.name} layer {layer} tile {t} covers rows [{ins.a0}, {ins.a0 + ins.a1}) after {row}"
+            row += ins.a1
+        assert row == _stage_rows(config, op), f"{what}: {op.name} layer {layer} tiles cover {row} rows"
+    lm_tiles = len(by_stage[(Opcode.LM_HEAD, 0)])
+    assert program.lm_tiles == lm_tiles and by_stage[(Opcode.ARGMAX, 0)][0].a0 == lm_tiles, what
+    b, s, kvh = layout.batch, layout.kv_splits, config.num_kv_heads
+    for layer in range(config.num_layers):
+        partial = Counter((i.a0, i.a1, i.a2, i.a3) for i in by_stage[(Opcode.ATTN_PARTIAL, layer)])
+        assert partial == Counter((q, h, t, s) for q in range(b) for h in range(kvh) for t in range(s)), \
+            f"{what}: layer {layer} attention partials do not cover (sequence, kv head, split) once each"
+        reduce = Counter((i.a0, i.a1, i.a3) for i in by_stage[(Opcode.ATTN_REDUCE, layer)])
+        assert reduce == Counter((q, h, s) for q in range(b) for h in range(kvh)), \
+            f"{what}: layer {layer} attention reductions do not cover (sequence, kv head) once each"
+    assert stage_size[(Opcode.EMBED, 0)] == 1 and stage_size[(Opcode.ARGMAX, 0)] == 1, what
+
+
+def check_queues(program: StepProgram, queues: list[list[Instruction]], policy: str) -> None:
+    what = _what(program, policy)
+    assert len(queues) == program.layout.num_sms, what
+    placed = sorted(i.index for q in queues for i in q)
+    assert placed == list(range(len(program.instructions))), f"{what}: instructions lost or duplicated"
+    for sm, q in enumerate(queues):
+        order = [i.index for i in q]
+        assert order == sorted(order), f"{what}: SM {sm} queue leaves the global order: {order[:12]}"
+        assert all(i == program.instructions[i.index] for i in q), f"{what}: SM {sm} altered an instruction"
+    done = simulate(queues, program.num_counters)
+    assert sorted(i.index for i in done) == placed, f"{what}: simulate finished {len(done)} instructions"
+    finished: set[int] = set()
+    signallers = defaultdict(set)
+    for ins in program.instructions:
+        signallers[ins.signal_id].add(ins.index)
+    for ins in done:
+        if ins.wait_id != NO_COUNTER:
+            assert signallers[ins.wait_id] <= finished, f"{what}: #{ins.index} ran before its producers"
+        finished.add(ins.index)
+
+
+# ---- every preset, every batch, both policies ------------------------------------------------------------
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("name", TINY_PRESETS)
+def test_tiny_presets_fully(name, batch):
+    for num_sms in (NUM_SMS, FEW_SMS):
+        program = _program(name, batch, num_sms)
+        check_program(program)
+        races = find_races(program)
+        assert races == [], f"{_what(program)}: {races}"
+        for policy in POLICIES:
+            check_queues(program, assign(program, policy), policy)
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("name", REAL_PRESETS)
+def test_real_presets_program_and_queues(name, batch):
+    program = _program(name, batch)
+    assert program.layout.config.num_layers == get_preset(name).num_layers
+    check_program(program)
+    for policy in POLICIES:
+        check_queues(program, assign(program, policy), policy)
+
+
+@pytest.mark.parametrize("batch", (1, 8))
+@pytest.mark.parametrize("name", REAL_PRESETS)
+def test_real_preset_shapes_are_race_free(name, batch):
+    program = _program(name, batch, num_layers=2)
+    races = find_races(program)
+    assert races == [], f"{_what(program)}: {races}"
+
+
+def test_every_preset_is_covered():
+    assert set(TINY_PRESETS) | set(REAL_PRESETS) == set(PRESETS)
+
+
+# ---- the balanced policy ---------------------------------------------------------------------------------
+
+def _matvec_bytes(program: StepProgram, ins: Instruction) -> int:
+    c = program.layout.config
+    k = {Opcode.QKV: c.hidden_size, Opcode.O_PROJ: c.q_size, Opcode.GATE_UP: c.hidden_size,
+         Opcode.DOWN: c.intermediate_size, Opcode.LM_HEAD: c.hidden_size}[ins.opcode]
+    return ins.a1 * k * 2
+
+
+def _largest_tile(program: StepProgram) -> int:
+    return max(_matvec_bytes(program, i) for i in program.instructions if i.opcode in MATVEC_OPCODES)
+
+
+@pytest.mark.parametrize("batch", (1, 2, 5, 8))
+@pytest.mark.parametrize("name", TINY_PRESETS + REAL_PRESETS)
+def test_balanced_policy_spreads_step_bytes(name, batch):
+    """Bound: the per-SM weight bytes of the whole step differ by at most 1.5 of the largest tile, and the
+    policy's own cost (bytes + a fixed cost per instruction) by at most the largest instruction cost (the
+    invariant of always giving the next instruction to the least-loaded SM). Round-robin is no better."""
+    program = _program(name, batch)
+    what = _what(program, "balanced")
+    spread = {}
+    for policy in POLICIES:
+        queues = assign(program, policy)
+        per_sm = [sum(_matvec_bytes(program, i) for i in q if i.opcode in MATVEC_OPCODES) for q in queues]
+        spread[policy] = max(per_sm) - min(per_sm)
+        if policy == "balanced":
+            largest = _largest_tile(program)
+            assert spread[policy] <= 1.5 * largest, \
+                f"{what}: weight bytes per SM range {min(per_sm)}..{max(per_sm)}, largest tile {largest}"
+            cost = [sum(i.cost for i in q) for q in queues]
+            max_cost = max(i.cost for i in program.instructions)
+            assert max(cost) - min(cost) <= max_cost, f"{what}: cost per SM {min(cost)}..{max(cost)}, max {max_cost}"
+    assert spread["balanced"] <= spread["round-robin"], f"{what}: {spread}"
+
+
+@pytest.mark.xfail(strict=False, reason="assign.balanced keeps one least-loaded heap across the whole step, so "
+                   "within a stage an SM can get 2-3 tiles while others get none (llama-3.2-1b QKV layer 1: 3 "
+                   "of 128 tiles on one SM); every consumer waits for the slowest SM of the stage")
+@pytest.mark.parametrize("name", ("tiny-llama", "llama-3.2-1b", "qwen3-0.6b"))
+def test_balanced_policy_spreads_each_stage(name):
+    """Bound (the policy's docstring: 'every SM streams about the same number of bytes per stage'): within
+    each matvec stage, per-SM weight bytes differ by at most one tile of that stage."""
+    program = _program(name, 1)
+    what = _what(program, "balanced")
+    queues = assign(program, "balanced")
+    worst = []
+    for op in MATVEC_OPCODES:
+        for layer in range(program.layout.config.num_layers if op != Opcode.LM_HEAD else 1):
+            stage = [[_matvec_bytes(program, i) for i in q if i.opcode == op and i.layer == layer] for q in queues]
+            tile = max(max(s, default=0) for s in stage)
+            totals = [sum(s) for s in stage]
+            if max(totals) - min(totals) > tile:
+                worst.append(f"{op.name} layer {layer}: {max(totals) // tile} tiles on one SM, "
+                             f"{min(totals) // tile} on another")
+    assert not worst, f"{what}: {worst[:4]}"
+
+
+def test_unknown_policy_is_rejected():
+    with pytest.raises(ValueError, match="policy='fastest'"):
+        assign(_program("tiny-llama", 1), "fastest")
+
+
+# ---- broken schedules are caught -------------------------------------------------------------------------
+
+def _first(program: StepProgram, op: Opcode, layer: int = 0) -> int:
+    return next(i.index for i in program.instructions if i.opcode == op and i.layer == layer)
+
+
+def _with(program: StepProgram, index: int, **changes) -> StepProgram:
+    instrs = list(program.instructions)
+    instrs[index] = dataclasses.replace(instrs[index], **changes)
+    return dataclasses.replace(program, instructions=tuple(instrs))
+
+
+STAGES_THAT_WAIT = [(Opcode.QKV, 0), (Opcode.QKV, 1), (Opcode.ATTN_PARTIAL, 1), (Opcode.ATTN_REDUCE, 0),
+                    (Opcode.O_PROJ, 1), (Opcode.GATE_UP, 0), (Opcode.DOWN, 1), (Opcode.LM_HEAD, 0),
+                    (Opcode.ARGMAX, 0)]
+
+
+@pytest.mark.parametrize("op,layer", STAGES_THAT_WAIT, ids=[f"{op.name}-L{layer}" for op, layer in STAGES_THAT_WAIT])
+def test_find_races_catches_a_missing_wait(op, layer):
+    """One instruction loses its wait: it may now run before the stage that writes its input."""
+    program = _program("tiny-qwen3", 3, FEW_SMS)
+    index = _first(program, op, layer)
+    broken = _with(program, index, wait_id=NO_COUNTER, wait_count=0)
+    races = find_races(broken)
+    assert any(f"#{index} {op.name}" in r for r in races), \
+        f"{_what(program)}: #{index} {op.name} layer {layer} without its wait; find_races said {races}"
+
+
+def test_find_races_catches_a_wait_on_the_wrong_stage():
+    """O_PROJ waiting on the attention partials instead of their reduction reads attn_out unordered."""
+    program = _program("tiny-llama", 2, FEW_SMS)
+    index = _first(program, Opcode.O_PROJ, 1)
+    partial = program.instructions[_first(program, Opcode.ATTN_PARTIAL, 1)]
+    n_partial = sum(1 for i in program.instructions if i.opcode == Opcode.ATTN_PARTIAL and i.layer == 1)
+    broken = _with(program, index, wait_id=partial.signal_id, wait_count=n_partial)
+    races = find_races(broken)
+    assert any(f"#{index} O_PROJ" in r and "attn_out" in r for r in races), f"{_what(program)}: {races}"
+
+
+@pytest.mark.xfail(strict=False, reason="find_races (schedule/verify.py) takes every signaller of the awaited "
+                   "counter as a predecessor, whatever wait_count says, so a wait that is one short passes")
+def test_find_races_catches_a_wait_that_is_one_short():
+    program = _program("tiny-llama", 2, FEW_SMS)
+    index = _first(program, Opcode.O_PROJ, 0)
+    ins = program.instructions[index]
+    broken = _with(program, index, wait_count=ins.wait_count - 1)
+    races = find_races(broken)
+    assert any(f"#{index} O_PROJ" in r for r in races), \
+        f"{_what(program)}: #{index} waits for {ins.wait_count - 1} of {ins.wait_count} reductions; {races}"
+
+
+def _ins(op: Opcode, index: int, wait: tuple[int, int] | None, signal: int) -> Instruction:
+    wait_id, wait_count = wait if wait else (NO_COUNTER, 0)
+    return Instruction(opcode=op, index=index, wait_id=wait_id, wait_count=wait_count, signal_id=signal)
+
+
+def test_simulate_raises_on_a_cycle_between_two_queues():
+    """SM 0: A waits for counter 1, then B signals counter 0.  SM 1: C waits for counter 0, then D signals 1.
+    A needs D, D is behind C, C needs B, B is behind A: a cycle, so the GPU would hang."""
+    a = _ins(Opcode.O_PROJ, 0, (1, 1), 2)
+    b = _ins(Opcode.QKV, 1, None, 0)
+    c = _ins(Opcode.GATE_UP, 2, (0, 1), 3)
+    d = _ins(Opcode.DOWN, 3, None, 1)
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate([[a, b], [c, d]], num_counters=4)
+    # The same four instructions in an order consistent across queues complete.
+    assert len(simulate([[b, a], [d, c]], num_counters=4)) == 4
+
+
+def test_simulate_raises_when_a_target_is_never_reached():
+    producer = _ins(Opcode.QKV, 0, None, 0)
+    consumer = _ins(Opcode.ATTN_PARTIAL, 1, (0, 2), 1)   # waits for two signals, only one comes
+    with pytest.raises(RuntimeError, match=r"#1 ATTN_PARTIAL waits counter 0 >= 2 \(is 1\)"):
+        simulate([[producer], [consumer]], num_counters=2)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_simulate_raises_on_reversed_queues(policy):
+    program = _program("tiny-llama", 2, FEW_SMS)
+    queues = [list(reversed(q)) for q in assign(program, policy)]
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate(queues, program.num_counters)
+
+
+def test_simulate_raises_when_a_consumer_precedes_its_producer_on_one_sm():
+    program = _program("tiny-qwen3", 1, FEW_SMS)
+    queues = assign(program, "round-robin")
+    # move the last DOWN of layer 0 in front of the first instruction of its own queue
+    target = max(i.index for i in program.instructions if i.opcode == Opcode.DOWN and i.layer == 0)
+    sm = next(s for s, q in enumerate(queues) if any(i.index == target for i in q))
+    q = queues[sm]
+    moved = next(i for i in q if i.index == target)
+    queues[sm] = [moved] + [i for i in q if i.index != target]
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate(queues, program.num_counters)
+
+
+# ---- StepLayout.validate -------------------------------------------------------------------------------
+
+def _layout(batch: int = 1, **config_changes) -> StepLayout:
+    config = dataclasses.replace(get_preset("tiny-llama"), **config_changes)
+    return StepLayout(config=config, batch=batch, kv_splits=2, block_size=16, max_blocks_per_seq=4, num_sms=8)
+
+
+REJECTED = {
+    "batch-0": (dict(batch=0), "batch=0"),
+    "batch-9": (dict(batch=9), "batch=9"),
+    "head-dim-96": (dict(head_dim=96, num_heads=8, num_kv_heads=2), "head_dim=96"),
+    "hidden-384": (dict(hidden_size=384), "hidden_size=384"),
+    "hidden-1000": (dict(hidden_size=1000), "hidden_size=1000"),
+    "vocab-1001": (dict(vocab_size=1001), "vocab_size=1001"),
+    "vocab-1020": (dict(vocab_size=1020), "vocab_size=1020"),
+    "intermediate-700": (dict(intermediate_size=700), "intermediate_size=700"),
+    "gqa-16": (dict(num_heads=16, num_kv_heads=1), "num_heads/num_kv_heads=16"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REJECTED))
+def test_step_layout_rejects_unsupported_shapes(case):
+    changes, match = REJECTED[case]
+    changes = dict(changes)
+    layout = _layout(changes.pop("batch", 1), **changes)
+    with pytest.raises(ValueError, match=match):
+        layout.validate()
+    with pytest.raises(ValueError, match=match):
+        build_program(layout)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_step_layout_accepts_every_preset(name):
+    config = get_preset(name)
+    for batch in (1, 8):
+        StepLayout(config=config, batch=batch, kv_splits=1, block_size=16, max_blocks_per_seq=1,
+                   num_sms=NUM_SMS).validate()
+
+
+# ---- serialization -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,batch,policy", [("tiny-llama", 3, "balanced"), ("tiny-qwen3", 8, "round-robin"),
+                                               ("qwen3-0.6b", 2, "balanced")])
+def test_serialize_round_trip(name, batch, policy):
+    program = _program(name, batch)
+    queues = assign(program, policy)
+    table, lengths = serialize(queues)
+    what = _what(program, policy)
+    longest = max(len(q) for q in queues)
+    assert table.dtype == torch.int32 and lengths.dtype == torch.int32, what
+    assert tuple(table.shape) == (len(queues), longest, WORDS), what
+    assert lengths.tolist() == [len(q) for q in queues], what
+    for sm, q in enumerate(queues):
+        assert not table[sm, len(q):].any(), f"{what}: SM {sm} padding is not zero"
+        for i, ins in enumerate(q):
+            assert table[sm, i].tolist() == ins.encode(), f"{what}: SM {sm} slot {i}"
+    assert deserialize(table, lengths) == queues, what
+
+
+def test_instruction_encode_decode_round_trip():
+    gen = torch.Generator().manual_seed(11)
+    for op in Opcode:
+        for _ in range(20):
+            vals = torch.randint(-1, 2**31 - 1, (8,), generator=gen).tolist()
+            ins = Instruction(opcode=op, layer=vals[0] % 128, a0=vals[1], a1=vals[2], a2=vals[3], a3=vals[4],
+                              wait_id=vals[5] if vals[5] % 3 else NO_COUNTER, wait_count=vals[6] % 10_000,
+                              signal_id=vals[7], index=vals[0])
+            words = ins.encode()
+            assert len(words) == WORDS and all(-2**31 <= w < 2**31 for w in words), f"seed=11 {ins}"
+            assert Instruction.decode(words) == ins, f"seed=11 {ins}"
+            assert Instruction.decode(torch.tensor(words, dtype=torch.int32)) == ins, f"seed=11 {ins}"
