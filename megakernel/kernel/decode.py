@@ -35,6 +35,7 @@ from .ptx import (atomic_add_acq_rel, atomic_cas, load_acquire, load_f32x4, load
 THREADS = 256
 WARPS = THREADS // 32
 CHUNK_ROWS = 128           # matvec rows whose partials share memory at once
+X_SMEM_BYTES = 96 * 1024   # largest staged matvec input (batch x K x float32)
 MAX_PASS_UNROLL = 8        # 256-column passes per loop iteration: up to 8 x 16 B loads in flight per row
 LOG2E = 1.4426950408889634
 
@@ -66,6 +67,7 @@ class KernelOptions:
     prefetch: bool = True
     prefetch_rows_ahead: int = 4             # row pairs a warp prefetches ahead within a tile (0: off)
     warps: int = 16                          # warps per CTA (a multiple of 8: 8 warps share a row group)
+    x_in_smem: bool = True                   # stage normalized matvec inputs in shared memory where they fit
 
 
 @cute.jit
@@ -122,6 +124,23 @@ def rsqrt(v: Float32) -> Float32:
 
 
 @cute.jit
+def ld_shared_f32x4(addr: Int32):
+    return cute.arch.inline_ptx("ld.shared.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=[Float32] * 4, read_only_args=[addr])
+
+
+@cute.jit
+def load_weights_bf16x4(addr: Int64):
+    """4 bf16 at an 8-byte aligned address (read-only path) -> 4 float32."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 t0, t1;\n"
+        "ld.global.nc.v2.b32 {t0, t1}, [{$r0}];\n"
+        "shl.b32 {$w0}, t0, 16; and.b32 {$w1}, t0, 0xffff0000;\n"
+        "shl.b32 {$w2}, t1, 16; and.b32 {$w3}, t1, 0xffff0000; }",
+        write_only_types=[Float32] * 4, read_only_args=[addr])
+
+
+@cute.jit
 def globaltimer_lo() -> Int32:
     return Int32(cute.arch.globaltimer() & Int64(0x7FFFFFFF))
 
@@ -157,7 +176,11 @@ class DecodeKernel:
         passes = [k // COL_PASS for k in (self.H, self.Q, self.F)]
         self.unroll = next(u for u in (MAX_PASS_UNROLL, 4, 2, 1) if all(p % u == 0 for p in passes))
         # loads in flight per warp: items side by side x unroll passes, within the register budget
-        self.items_per_step = max(1, 8 // self.unroll)
+        # The matvec input, times the norm weights, is staged in shared memory as float32 when it fits:
+        # the item loop then reads it with shared loads and has registers for two items in flight.
+        self.k_max = max(self.H, self.Q, self.F)
+        self.x_smem = options.x_in_smem and self.B * self.k_max * 4 <= X_SMEM_BYTES
+        self.items_per_step = 2 if self.x_smem else max(1, 8 // self.unroll)
         self.part_slots = CHUNK_ROWS * (max(self.H, self.Q, self.F) // (COL_PASS * self.unroll)) * self.B
 
     # ------------------------------------------------------------------ host entry
@@ -225,6 +248,9 @@ class DecodeKernel:
         # matvec partials: one per (row, segment, sequence) of a chunk
         s_part = smem.allocate_tensor(Float32, cute.make_layout((self.part_slots,)), byte_alignment=16)
         s_ssq = smem.allocate_tensor(Float32, cute.make_layout((self.part_slots,)), byte_alignment=16)
+        s_rstd = smem.allocate_tensor(Float32, cute.make_layout((8,)), byte_alignment=16)
+        s_x = smem.allocate_tensor(Float32, cute.make_layout((self.B * self.k_max if self.x_smem else 4,)),
+                                   byte_alignment=16)
         s_q = smem.allocate_tensor(Float32, cute.make_layout((self.G * self.D,)), byte_alignment=16)
         s_kv = smem.allocate_tensor(Float32, cute.make_layout((2 * self.D,)), byte_alignment=16)
         s_m = smem.allocate_tensor(Float32, cute.make_layout((self.warps * self.G,)), byte_alignment=16)
@@ -308,7 +334,7 @@ class DecodeKernel:
                 if op >= OP_QKV and op != OP_ATTN_PARTIAL and op != OP_ATTN_REDUCE and op != OP_ARGMAX:
                     self.matvec(tidx, warp, lane, op, layer, a0, a1, a2, w_qkv, w_o, w_gate_up, w_down,
                                 w_lm_head, attn_norm, mlp_norm, final_norm, ones, x, h, qkv, attn_out, act,
-                                logits, lm_max, lm_idx, s_red, s_ired, s_part, s_ssq, s_wv, s_wi)
+                                logits, lm_max, lm_idx, s_red, s_ired, s_part, s_ssq, s_wv, s_wi, s_rstd, s_x)
 
             # ---- signal: every thread's stores precede the barrier; the release orders them
             cute.arch.sync_threads()
@@ -365,7 +391,7 @@ class DecodeKernel:
                attn_norm: Int64, mlp_norm: Int64, final_norm: Int64, ones: Int64, x: Int64, h: Int64,
                qkv: Int64, attn_out: Int64, act: Int64, logits: Int64, lm_max: Int64, lm_idx: Int64,
                s_red: cute.Tensor, s_ired: cute.Tensor, s_part: cute.Tensor, s_ssq: cute.Tensor,
-               s_wv: cute.Tensor, s_wi: cute.Tensor):
+               s_wv: cute.Tensor, s_wi: cute.Tensor, s_rstd: cute.Tensor, s_x: cute.Tensor):
         B, H = self.B, self.H
         l64 = Int64(layer)
         w_addr, K = self.weight_tile(op, layer, a0, w_qkv, w_o, w_gate_up, w_down, w_lm_head)
@@ -417,6 +443,28 @@ class DecodeKernel:
         # fixed order (deterministic), then the epilogue runs one thread per output.
         seg_cols = COL_PASS * self.unroll
         n_seg = K // seg_cols
+        if cutlass.const_expr(self.x_smem):
+            # stage x * norm weight in shared memory, and sum(x^2) per sequence for the RMSNorm
+            ss = cute.make_rmem_tensor((B,), Float32)
+            for b in cutlass.range_constexpr(B):
+                ss[b] = Float32(0.0)
+                for q in range(tidx, K // 4, self.threads):
+                    xv = load_f32x4(in_addr + (Int64(b) * Int64(K) + Int64(q * 4)) * 4)
+                    nv = load_weights_bf16x4(norm_addr + Int64(q * 4) * 2)
+                    for e in cutlass.range_constexpr(4):
+                        ss[b] = ss[b] + xv[e] * xv[e]
+                        s_x[b * K + q * 4 + e] = xv[e] * nv[e]
+            for b in cutlass.range_constexpr(B):
+                tot = warp_sum(ss[b])
+                if lane == 0:
+                    s_wv[warp * 8 + b] = tot
+            cute.arch.sync_threads()
+            if tidx < B:
+                tot = Float32(0.0)
+                for w in range(self.warps):
+                    tot = tot + s_wv[w * 8 + tidx]
+                s_rstd[tidx] = rsqrt(tot / Float32(K) + Float32(self.eps))
+            cute.arch.sync_threads()
         if is_lm and tidx < B:
             s_red[tidx] = Float32(-math.inf)
             s_ired[tidx] = Int32(0x7FFFFFFF)
@@ -425,42 +473,72 @@ class DecodeKernel:
             if rows > CHUNK_ROWS:
                 rows = Int32(CHUNK_ROWS)
             n_items = rows * n_seg
-            for it0 in range(warp, n_items, self.items_per_step * self.warps):
-                for half in cutlass.range_constexpr(self.items_per_step):
-                    item = it0 + half * self.warps
-                    if item < n_items:
-                        r = item // n_seg
-                        sg = item - r * n_seg
-                        col0 = sg * seg_cols + lane * 8
-                        wrow = w_addr + (Int64(c0 + r) * Int64(K) + Int64(col0)) * 2
-                        acc = cute.make_rmem_tensor((B,), Float32)
-                        ssq = cute.make_rmem_tensor((B,), Float32)
-                        for b in cutlass.range_constexpr(B):
-                            acc[b] = Float32(0.0)
-                            ssq[b] = Float32(0.0)
-                        for u in cutlass.range_constexpr(self.unroll):
-                            w = load_weights_bf16x8(wrow + u * COL_PASS * 2)
-                            c64 = Int64(col0 + u * COL_PASS)
-                            nw = load_weights_bf16x8(norm_addr + c64 * 2)
+            if cutlass.const_expr(self.x_smem):
+                sx_base = Int32(s_x.iterator.toint())
+                for it0 in range(warp, n_items, self.items_per_step * self.warps):
+                    for half in cutlass.range_constexpr(self.items_per_step):
+                        item = it0 + half * self.warps
+                        if item < n_items:
+                            r = item // n_seg
+                            sg = item - r * n_seg
+                            col0 = sg * seg_cols + lane * 8
+                            wrow = w_addr + (Int64(c0 + r) * Int64(K) + Int64(col0)) * 2
+                            acc = cute.make_rmem_tensor((B,), Float32)
                             for b in cutlass.range_constexpr(B):
-                                xa = load_f32x4(in_addr + (Int64(b) * Int64(K) + c64) * 4)
-                                xb = load_f32x4(in_addr + (Int64(b) * Int64(K) + c64) * 4 + 16)
-                                s0 = acc[b]
-                                sq = ssq[b]
-                                for e in cutlass.range_constexpr(4):
-                                    sq = sq + xa[e] * xa[e]
-                                    s0 = s0 + w[e] * (xa[e] * nw[e])
-                                for e in cutlass.range_constexpr(4):
-                                    sq = sq + xb[e] * xb[e]
-                                    s0 = s0 + w[4 + e] * (xb[e] * nw[4 + e])
-                                acc[b] = s0
-                                ssq[b] = sq
-                        for b in cutlass.range_constexpr(B):
-                            dot = warp_sum(acc[b])
-                            sqs = warp_sum(ssq[b])
-                            if lane == 0:
-                                s_part[item * B + b] = dot
-                                s_ssq[item * B + b] = sqs
+                                acc[b] = Float32(0.0)
+                            for u in cutlass.range_constexpr(self.unroll):
+                                w = load_weights_bf16x8(wrow + u * COL_PASS * 2)
+                                for b in cutlass.range_constexpr(B):
+                                    xs = sx_base + (b * K + col0 + u * COL_PASS) * 4
+                                    xa = ld_shared_f32x4(xs)
+                                    xb = ld_shared_f32x4(xs + 16)
+                                    s0 = acc[b]
+                                    for e in cutlass.range_constexpr(4):
+                                        s0 = s0 + w[e] * xa[e]
+                                    for e in cutlass.range_constexpr(4):
+                                        s0 = s0 + w[4 + e] * xb[e]
+                                    acc[b] = s0
+                            for b in cutlass.range_constexpr(B):
+                                dot = warp_sum(acc[b])
+                                if lane == 0:
+                                    s_part[item * B + b] = dot
+            else:
+                for it0 in range(warp, n_items, self.items_per_step * self.warps):
+                    for half in cutlass.range_constexpr(self.items_per_step):
+                        item = it0 + half * self.warps
+                        if item < n_items:
+                            r = item // n_seg
+                            sg = item - r * n_seg
+                            col0 = sg * seg_cols + lane * 8
+                            wrow = w_addr + (Int64(c0 + r) * Int64(K) + Int64(col0)) * 2
+                            acc = cute.make_rmem_tensor((B,), Float32)
+                            ssq = cute.make_rmem_tensor((B,), Float32)
+                            for b in cutlass.range_constexpr(B):
+                                acc[b] = Float32(0.0)
+                                ssq[b] = Float32(0.0)
+                            for u in cutlass.range_constexpr(self.unroll):
+                                w = load_weights_bf16x8(wrow + u * COL_PASS * 2)
+                                c64 = Int64(col0 + u * COL_PASS)
+                                nw = load_weights_bf16x8(norm_addr + c64 * 2)
+                                for b in cutlass.range_constexpr(B):
+                                    xa = load_f32x4(in_addr + (Int64(b) * Int64(K) + c64) * 4)
+                                    xb = load_f32x4(in_addr + (Int64(b) * Int64(K) + c64) * 4 + 16)
+                                    s0 = acc[b]
+                                    sq = ssq[b]
+                                    for e in cutlass.range_constexpr(4):
+                                        sq = sq + xa[e] * xa[e]
+                                        s0 = s0 + w[e] * (xa[e] * nw[e])
+                                    for e in cutlass.range_constexpr(4):
+                                        sq = sq + xb[e] * xb[e]
+                                        s0 = s0 + w[4 + e] * (xb[e] * nw[4 + e])
+                                    acc[b] = s0
+                                    ssq[b] = sq
+                            for b in cutlass.range_constexpr(B):
+                                dot = warp_sum(acc[b])
+                                sqs = warp_sum(ssq[b])
+                                if lane == 0:
+                                    s_part[item * B + b] = dot
+                                    s_ssq[item * B + b] = sqs
             cute.arch.sync_threads()
             # ---- epilogue: one thread per (output row, sequence)
             n_out = rows * B
@@ -471,10 +549,13 @@ class DecodeKernel:
                 b = t - r * B
                 scale = Float32(1.0)
                 if has_norm:
-                    sq = Float32(0.0)
-                    for sg in range(n_seg):
-                        sq = sq + s_ssq[sg * B + b]          # row 0's segments cover all of K
-                    scale = rsqrt(sq / Float32(K) + Float32(self.eps))
+                    if cutlass.const_expr(self.x_smem):
+                        scale = s_rstd[b]
+                    else:
+                        sq = Float32(0.0)
+                        for sg in range(n_seg):
+                            sq = sq + s_ssq[sg * B + b]          # row 0's segments cover all of K
+                        scale = rsqrt(sq / Float32(K) + Float32(self.eps))
                 ob = out_addr + Int64(b) * Int64(out_w) * 4
                 if is_gate_up:
                     # output r = (pair p, row j): gate row p*16+j, up row p*16+8+j
