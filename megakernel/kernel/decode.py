@@ -36,6 +36,7 @@ THREADS = 256
 WARPS = THREADS // 32
 CHUNK_ROWS = 128           # matvec rows whose partials share memory at once
 X_SMEM_BYTES = 96 * 1024   # largest staged matvec input (batch x K x float32)
+X_UNROLL = 4               # input quads each thread loads per round when staging it
 MAX_PASS_UNROLL = 8        # 256-column passes per loop iteration: up to 8 x 16 B loads in flight per row
 LOG2E = 1.4426950408889634
 
@@ -66,7 +67,8 @@ class KernelOptions:
     prefetch_bytes: int = 256 * 1024         # cap on the L2 prefetch of the next weight tile
     prefetch: bool = True
     prefetch_rows_ahead: int = 4             # row pairs a warp prefetches ahead within a tile (0: off)
-    warps: int = 16                          # warps per CTA (a multiple of 8: 8 warps share a row group)
+    warps: int = 0                           # warps per CTA, a multiple of 8 (0: 16 when the matvec input
+                                             # fits in shared memory, else 8, so each thread gets 255 registers)
     x_in_smem: bool = True                   # stage normalized matvec inputs in shared memory where they fit
 
 
@@ -168,10 +170,12 @@ class DecodeKernel:
         self.eps = float(c.rms_norm_eps)
         self.qk_norm = bool(c.qk_norm)
         self.E = self.D // 32                     # head elements per lane
-        if options.warps % ROW_GROUP or not ROW_GROUP <= options.warps <= 32:
-            raise ValueError(f"warps={options.warps} must be a multiple of {ROW_GROUP} in 8..32")
-        self.warps = options.warps
-        self.threads = 32 * options.warps
+        fits = options.x_in_smem and self.B * max(self.H, self.Q, self.F) * 4 <= X_SMEM_BYTES
+        warps = options.warps or (16 if fits else 8)
+        if warps % ROW_GROUP or not ROW_GROUP <= warps <= 32:
+            raise ValueError(f"warps={warps} must be a multiple of {ROW_GROUP} in 8..32")
+        self.warps = warps
+        self.threads = 32 * warps
         self.scale_log2 = LOG2E / math.sqrt(self.D)
         passes = [k // COL_PASS for k in (self.H, self.Q, self.F)]
         self.unroll = next(u for u in (MAX_PASS_UNROLL, 4, 2, 1) if all(p % u == 0 for p in passes))
@@ -446,14 +450,18 @@ class DecodeKernel:
         if cutlass.const_expr(self.x_smem):
             # stage x * norm weight in shared memory, and sum(x^2) per sequence for the RMSNorm
             ss = cute.make_rmem_tensor((B,), Float32)
+            # X_UNROLL quads per thread per round, so a whole input row is one round of loads
             for b in cutlass.range_constexpr(B):
                 ss[b] = Float32(0.0)
-                for q in range(tidx, K // 4, self.threads):
-                    xv = load_f32x4(in_addr + (Int64(b) * Int64(K) + Int64(q * 4)) * 4)
-                    nv = load_weights_bf16x4(norm_addr + Int64(q * 4) * 2)
-                    for e in cutlass.range_constexpr(4):
-                        ss[b] = ss[b] + xv[e] * xv[e]
-                        s_x[b * K + q * 4 + e] = xv[e] * nv[e]
+                for q0 in range(tidx, K // 4, self.threads * X_UNROLL):
+                    for v in cutlass.range_constexpr(X_UNROLL):
+                        q = q0 + v * self.threads
+                        if q < K // 4:
+                            xv = load_f32x4(in_addr + (Int64(b) * Int64(K) + Int64(q * 4)) * 4)
+                            nv = load_weights_bf16x4(norm_addr + Int64(q * 4) * 2)
+                            for e in cutlass.range_constexpr(4):
+                                ss[b] = ss[b] + xv[e] * xv[e]
+                                s_x[b * K + q * 4 + e] = xv[e] * nv[e]
             for b in cutlass.range_constexpr(B):
                 tot = warp_sum(ss[b])
                 if lane == 0:

@@ -79,7 +79,7 @@ class MegakernelEngine:
                              f"{config.max_position_embeddings}")
         blocks_per_seq = -(-max_seq_len // block_size)
         self.layout = StepLayout(config=config, batch=batch,
-                                 kv_splits=kv_splits or default_kv_splits(config, batch, num_sms),
+                                 kv_splits=kv_splits or default_kv_splits(config, batch, num_sms, blocks_per_seq * block_size),
                                  block_size=block_size, max_blocks_per_seq=blocks_per_seq, num_sms=num_sms)
         self.layout.validate()
         self.num_blocks = num_blocks or batch * blocks_per_seq

@@ -74,7 +74,7 @@ class VMDecoder:
         config = weights.config
         blocks_per_seq = -(-max_seq_len // block_size)
         self.layout = StepLayout(config=config, batch=batch,
-                                 kv_splits=kv_splits or default_kv_splits(config, batch, num_sms),
+                                 kv_splits=kv_splits or default_kv_splits(config, batch, num_sms, blocks_per_seq * block_size),
                                  block_size=block_size, max_blocks_per_seq=blocks_per_seq, num_sms=num_sms)
         self.program = build_program(self.layout)
         self.queues = assign(self.program, policy)
