@@ -32,19 +32,22 @@ def round_robin(program: StepProgram) -> list[list[Instruction]]:
 
 
 def balanced(program: StepProgram) -> list[list[Instruction]]:
-    """Within each stage, largest cost first to the SM with the least total cost so far (LPT), so
-    every SM streams about the same number of bytes per stage; queues stay in global order."""
+    """Within each stage, largest cost first to the SM with the least cost *in that stage* (LPT), ties
+    to the SM with the least total so far: every SM streams about the same bytes per stage (a stage's
+    consumers wait for its slowest SM), and the step's totals stay even. Queues keep global order."""
     n = program.layout.num_sms
     owner: dict[int, int] = {}
-    load = [(0.0, sm) for sm in range(n)]
-    heapq.heapify(load)
+    total = [0.0] * n
     stage: list[Instruction] = []
 
     def flush() -> None:
+        heap = [(0.0, total[sm], sm) for sm in range(n)]
+        heapq.heapify(heap)
         for ins in sorted(stage, key=lambda i: -i.cost):
-            total, sm = heapq.heappop(load)
+            in_stage, _, sm = heapq.heappop(heap)
             owner[ins.index] = sm
-            heapq.heappush(load, (total + ins.cost, sm))
+            total[sm] += ins.cost
+            heapq.heappush(heap, (in_stage + ins.cost, total[sm], sm))
         stage.clear()
 
     for ins in program.instructions:

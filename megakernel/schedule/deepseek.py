@@ -37,10 +37,14 @@ Departures from a literal reading of the design sketch, and why:
   likewise MLA_REDUCE serves the whole batch per W_UV tile;
 * the router is ROUTER tiles (scores) + one ROUTER_TOPK: Kimi-K2's float32 router is 11 MB per
   layer, too much for one SM to stream on the critical path.
+
+Known cost of a routing-independent schedule: two sequences that pick the same expert stream its
+weights twice (one instruction per (sequence, slot)); at batch 1 nothing is duplicated.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, fields
 
@@ -55,7 +59,7 @@ from ..model.deepseek.config import DeepseekConfig
 from ..model.deepseek.reference import LatentKVCache, rope_inv_freq
 from ..model.deepseek.weights import ROUTER_DTYPE, DeepseekWeights
 from .assign import assign, simulate
-from .dag import FIXED_COST_BYTES, StepProgram, dependency_closure, tile_rows
+from .dag import FIXED_COST_BYTES, StepProgram, tile_rows
 from .vm import InstructionVM
 
 # Query heads an MLA_PARTIAL scores side by side: they share every latent row it loads.
@@ -72,7 +76,7 @@ def default_head_group(config: DeepseekConfig) -> int:
 
 def default_kv_splits(config: DeepseekConfig, batch: int, num_sms: int, head_group: int) -> int:
     """Enough (sequence, head group, split) items to give every SM about one."""
-    items = batch * (config.num_heads // head_group)
+    items = max(1, batch * (config.num_heads // max(1, head_group)))
     return max(1, min(MAX_KV_SPLITS, math.ceil(num_sms / items)))
 
 
@@ -93,11 +97,17 @@ class DeepseekStepLayout:
     def for_model(cls, config: DeepseekConfig, batch: int, max_seq_len: int, block_size: int = 16,
                   num_sms: int = 132, kv_splits: int | None = None,
                   head_group: int | None = None) -> "DeepseekStepLayout":
+        """The layout of a model at a batch size and cache length, defaults filled in; ValueError for
+        an unsupported one."""
+        if block_size < 1 or max_seq_len < 1:
+            raise ValueError(f"block_size={block_size} and max_seq_len={max_seq_len} must be >= 1")
         g = head_group or default_head_group(config)
-        return cls(config=config, batch=batch,
-                   kv_splits=kv_splits or default_kv_splits(config, batch, num_sms, g),
-                   block_size=block_size, max_blocks_per_seq=-(-max_seq_len // block_size), num_sms=num_sms,
-                   head_group=g)
+        layout = cls(config=config, batch=batch,
+                     kv_splits=kv_splits or default_kv_splits(config, batch, num_sms, g),
+                     block_size=block_size, max_blocks_per_seq=-(-max_seq_len // block_size), num_sms=num_sms,
+                     head_group=g)
+        layout.validate()
+        return layout
 
     @property
     def max_seq_len(self) -> int:
@@ -349,9 +359,15 @@ def _per_item_rows(rows: int, items: int, num_sms: int, group: int = ROW_GROUP) 
 
 
 def build_program(layout: DeepseekStepLayout, tile_rows_override: dict | None = None) -> DeepseekStepProgram:
-    """The step's instructions in a global topological order. `tile_rows_override` maps an opcode of a
-    plain row-tiled stage to its rows per tile (tests use it to get several tiles on tiny shapes)."""
+    """The step's instructions in a global topological order. `tile_rows_override` maps an opcode to its
+    rows per tile (a multiple of ROW_GROUP; of 2 * ROW_GROUP for the gate/up stages, whose tiles hold
+    whole gate/up pairs; per-head and per-slot stages clip it to one head or one expert)."""
     layout.validate()
+    paired = (Opcode.GATE_UP, Opcode.SHARED_GATE_UP, Opcode.EXPERT_GATE_UP)
+    for op, rows in (tile_rows_override or {}).items():
+        group = 2 * ROW_GROUP if op in paired else ROW_GROUP
+        if rows < group or rows % group:
+            raise ValueError(f"tile_rows_override[{Opcode(op).name}]={rows} must be a positive multiple of {group}")
     c = layout.config
     L, B, S, sms = c.num_layers, layout.batch, layout.kv_splits, layout.num_sms
     n, lat, nope, v, K = c.num_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.v_head_dim, c.num_experts_per_tok
@@ -493,13 +509,20 @@ class DeepseekVMDecoder:
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
              order: str = "round-robin") -> tuple[torch.Tensor, torch.Tensor]:
         """-> (next tokens int32 [B], logits float32 [B, V])."""
-        bufs = self.ctx.bufs
-        if tokens.shape != (self.layout.batch,) or positions.shape != (self.layout.batch,):
-            raise ValueError(f"tokens {tuple(tokens.shape)} / positions {tuple(positions.shape)} must be "
-                             f"[{self.layout.batch}]")
+        bufs, B = self.ctx.bufs, self.layout.batch
+        if tuple(tokens.shape) != (B,) or tuple(positions.shape) != (B,):
+            raise ValueError(f"tokens {tuple(tokens.shape)} / positions {tuple(positions.shape)} must be [{B}]")
+        vocab = self.layout.config.vocab_size
+        if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
+            raise ValueError(f"tokens {tokens.tolist()} outside [0, vocab_size={vocab})")
         if int(positions.min()) < 0 or int(positions.max()) >= self.layout.max_seq_len:
             raise ValueError(f"positions {positions.tolist()} outside the latent cache "
                              f"(max_seq_len={self.layout.max_seq_len})")
+        if tuple(block_table.shape) != tuple(bufs.block_table.shape):
+            raise ValueError(f"block_table {tuple(block_table.shape)} must be {tuple(bufs.block_table.shape)}")
+        nb = self.cache.num_blocks
+        if int(block_table.min()) < 0 or int(block_table.max()) >= nb:
+            raise ValueError(f"block_table holds ids outside [0, num_blocks={nb})")
         bufs.poison()
         bufs.tokens.copy_(tokens.to(torch.int32))
         bufs.positions.copy_(positions.to(torch.int32))
@@ -553,6 +576,38 @@ def stage_writes(ins: Instruction, layout: DeepseekStepLayout) -> list:
     return STAGE_MODULES[ins.opcode].writes(ins, layout)
 
 
+def _predecessor_bits(program: StepProgram) -> list[int]:
+    """dependency_closure as bitsets (bit p of entry i: instruction p finishes before i starts), one
+    union per counter rather than per instruction: fast enough for real shapes. Unlike
+    dependency_closure it honours wait_count: a wait for fewer than all of a counter's signallers
+    guarantees none of them in particular."""
+    producers: dict[int, list[int]] = {}
+    for ins in program.instructions:
+        if ins.signal_id != NO_COUNTER:
+            producers.setdefault(ins.signal_id, []).append(ins.index)
+    bits: list[int] = []
+    cache: dict[tuple[int, int, int], int] = {}
+    for ins in program.instructions:
+        # producers later in the global order are a schedule bug (simulate reports it); their
+        # closures are unknown here, so they only ever shrink what counts as ordered
+        prods = producers.get(ins.wait_id, [])
+        earlier = prods[:bisect.bisect_left(prods, ins.index)]
+        key = (ins.wait_id, len(earlier), ins.wait_count)
+        if key not in cache:
+            acc = 0
+            if earlier and ins.wait_count >= len(prods):
+                for p in earlier:          # all of them have signalled
+                    acc |= bits[p] | (1 << p)
+            elif earlier and ins.wait_count > 0 and len(earlier) == len(prods):
+                # any wait_count of them may be the ones done: only what every one of them waited for
+                acc = bits[earlier[0]]
+                for p in earlier[1:]:
+                    acc &= bits[p]
+            cache[key] = acc
+        bits.append(cache[key])
+    return bits
+
+
 def _overlap(a: tuple, b: tuple) -> bool:
     return a[0] == b[0] and a[1] == b[1] and a[2] < b[3] and b[2] < a[3]
 
@@ -562,7 +617,11 @@ def find_races(program: DeepseekStepProgram, limit: int = 10) -> list[str]:
     instructions touching the same region, at least one writing it, neither waiting (transitively)
     for the other. Empty when the program is race-free."""
     layout = program.layout
-    closure = dependency_closure(program)
+    before = _predecessor_bits(program)
+
+    def ordered(a: int, b: int) -> bool:
+        return bool((before[a] >> b) & 1 or (before[b] >> a) & 1)
+
     by_key: dict[tuple, list[tuple[int, tuple, bool]]] = {}
     for ins in program.instructions:
         for region in stage_reads(ins, layout):
@@ -576,7 +635,7 @@ def find_races(program: DeepseekStepProgram, limit: int = 10) -> list[str]:
             for oi, oreg, owrite in accesses:
                 if oi == wi or not _overlap(wreg, oreg) or (owrite and oi < wi):
                     continue
-                if wi in closure[oi] or oi in closure[wi]:
+                if ordered(wi, oi):
                     continue
                 kind = "write/write" if owrite else "read/write"
                 problems.append(f"{kind} race on {wreg[0]}[layer {wreg[1]}] between "

@@ -5,7 +5,7 @@ at least one write (a race either way: read-after-write or write-after-read)."""
 from __future__ import annotations
 
 from ..instructions import STAGE_MODULES
-from .dag import StepProgram, dependency_closure
+from .dag import StepProgram, dependency_closure, producers
 
 
 def _overlap(a: tuple, b: tuple) -> bool:
@@ -15,6 +15,16 @@ def _overlap(a: tuple, b: tuple) -> bool:
 def find_races(program: StepProgram, limit: int = 10) -> list[str]:
     """Descriptions of unordered conflicting pairs (empty when the program is race-free)."""
     layout = program.layout
+    problems: list[str] = []
+    # A wait counts on the whole producing stage: a target short of the producer count lets the
+    # consumer start before the last producer's stores (the closure below would still list it).
+    prod = producers(program)
+    for ins in program.instructions:
+        if ins.wait_id >= 0 and ins.wait_count != len(prod.get(ins.wait_id, [])):
+            problems.append(f"#{ins.index} {ins.opcode.name} waits for {ins.wait_count} signals on counter "
+                            f"{ins.wait_id}, which {len(prod.get(ins.wait_id, []))} instructions signal")
+            if len(problems) >= limit:
+                return problems
     closure = dependency_closure(program)
     by_key: dict[tuple, list[tuple[int, tuple, bool]]] = {}
     for ins in program.instructions:
@@ -23,7 +33,6 @@ def find_races(program: StepProgram, limit: int = 10) -> list[str]:
             by_key.setdefault(region[:2], []).append((ins.index, region, False))
         for region in mod.writes(ins, layout):
             by_key.setdefault(region[:2], []).append((ins.index, region, True))
-    problems: list[str] = []
     instrs = program.instructions
     for accesses in by_key.values():
         writes = [a for a in accesses if a[2]]

@@ -1,4 +1,4 @@
-"""Helpers the DeepSeek stages share: which buffer holds the query, the MoE index of a layer, RoPE on
+"""Functions the DeepSeek stages share: which buffer holds the query, the MoE index of a layer, RoPE on
 half tables, SiLU-and-multiply of a gate/up-interleaved tile."""
 
 from __future__ import annotations
