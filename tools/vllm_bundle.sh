@@ -69,7 +69,7 @@ _vllm_bundle_build() {
     { echo "parts ${#parts[@]}"; echo "sha256 $sha"; echo "wheels"; cat "$work/wheels.txt"; } > "$d/MANIFEST"
     i=$((i + 1))
   done
-  echo "$(wc -l < "$work/wheels.txt") wheels, tar sha256 $sha, ${#parts[@]} parts:"
+  echo "$(wc -l < "$work/wheels.txt") wheels, sha256 of the joined parts $sha, ${#parts[@]} parts:"
   ls -l "$VLLM_BUNDLE_DIR"/p*/"$VLLM_BUNDLE_NAME".part*
 }
 
@@ -89,8 +89,12 @@ _vllm_bundle_stage() {
         echo "vllm bundle: sha256 of the joined parts does not match MANIFEST" >&2
       else
         mkdir -p "$site"
-        cat "$stage"/"$VLLM_BUNDLE_NAME".part* | tar -xJ -C "$site" && touch "$site/.complete"
-        rm -f "$stage"/"$VLLM_BUNDLE_NAME".part*
+        if cat "$stage"/"$VLLM_BUNDLE_NAME".part* | tar -xJ -C "$site"; then
+          touch "$site/.complete"
+          rm -f "$stage"/"$VLLM_BUNDLE_NAME".part*
+        else
+          echo "vllm bundle: unpacking into $site failed" >&2
+        fi
       fi
     else
       echo "vllm bundle: $have of $want parts staged in $stage"

@@ -24,7 +24,7 @@ class KernelKey:
     lm_tiles: int
     num_counters: int
     max_queue_len: int
-    num_blocks: int
+    kv_strides: tuple[int, int, int] | None
     options: KernelOptions
 
 
@@ -35,7 +35,7 @@ def compile_decode_kernel(key: KernelKey, keep_artifacts: bool = False):
     from cutlass import Int64
     from cutlass.cute.runtime import make_fake_stream
 
-    kernel = DecodeKernel(key.layout, key.lm_tiles, key.num_counters, key.max_queue_len, key.num_blocks,
+    kernel = DecodeKernel(key.layout, key.lm_tiles, key.num_counters, key.max_queue_len, key.kv_strides,
                           key.options)
     args = [Int64(0)] * len(ARG_NAMES)
     options = "--keep-ptx --keep-cubin" if keep_artifacts else ""

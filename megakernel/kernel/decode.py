@@ -56,7 +56,7 @@ ARG_NAMES = (
     "tokens", "positions", "block_table",
     "x", "h", "qkv", "attn_part_o", "attn_part_lse", "attn_out", "act",
     "logits", "lm_max", "lm_idx", "out_tokens",
-    "counters", "sync", "error", "k_cache", "v_cache", "trace",
+    "counters", "sync", "error", "kv_table", "trace",
 )
 
 
@@ -75,6 +75,11 @@ class KernelOptions:
 @cute.jit
 def ld_i32(addr: Int64) -> Int32:
     return cute.arch.inline_ptx("ld.global.b32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[addr])
+
+
+@cute.jit
+def ld_i64(addr: Int64) -> Int64:
+    return cute.arch.inline_ptx("ld.global.b64 {$w0}, [{$r0}];", write_only_types=[Int64], read_only_args=[addr])
 
 
 @cute.jit
@@ -152,7 +157,7 @@ class DecodeKernel:
     geometry are compile-time constants; every address is a runtime argument."""
 
     def __init__(self, layout: StepLayout, lm_tiles: int, num_counters: int, max_queue_len: int,
-                 num_blocks: int, options: KernelOptions = KernelOptions()):
+                 kv_strides: tuple[int, int, int] | None = None, options: KernelOptions = KernelOptions()):
         layout.validate()
         c = layout.config
         self.layout, self.options = layout, options
@@ -163,7 +168,10 @@ class DecodeKernel:
         self.Hq, self.Hkv, self.D, self.G = c.num_heads, c.num_kv_heads, c.head_dim, c.gqa_group
         self.Q, self.KV, self.QKV = c.q_size, c.kv_size, c.qkv_rows
         self.S = layout.kv_splits
-        self.bs, self.max_blocks, self.num_blocks = layout.block_size, layout.max_blocks_per_seq, num_blocks
+        self.bs, self.max_blocks = layout.block_size, layout.max_blocks_per_seq
+        # element strides of (block, offset, kv head) in a layer's K or V cache; contiguous
+        # [num_blocks, block_size, Hkv, D] by default, vLLM's interleaved K|V layout when bound to it
+        self.kv_sb, self.kv_st, self.kv_sh = kv_strides or (self.bs * self.Hkv * self.D, self.Hkv * self.D, self.D)
         self.max_seq_len = layout.max_seq_len
         self.T = lm_tiles
         self.num_counters = num_counters
@@ -195,12 +203,12 @@ class DecodeKernel:
                  rope_sin: Int64, tokens: Int64, positions: Int64, block_table: Int64, x: Int64, h: Int64,
                  qkv: Int64, attn_part_o: Int64, attn_part_lse: Int64, attn_out: Int64, act: Int64,
                  logits: Int64, lm_max: Int64, lm_idx: Int64, out_tokens: Int64, counters: Int64,
-                 sync: Int64, error: Int64, k_cache: Int64, v_cache: Int64, trace: Int64,
+                 sync: Int64, error: Int64, kv_table: Int64, trace: Int64,
                  stream):
         self.kernel(queue, lengths, w_embed, w_qkv, w_o, w_gate_up, w_down, w_lm_head, attn_norm, mlp_norm,
                     final_norm, ones, q_norm, k_norm, rope_cos, rope_sin, tokens, positions, block_table,
                     x, h, qkv, attn_part_o, attn_part_lse, attn_out, act, logits, lm_max, lm_idx, out_tokens,
-                    counters, sync, error, k_cache, v_cache, trace).launch(
+                    counters, sync, error, kv_table, trace).launch(
             grid=[self.num_sms, 1, 1], block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------ device: weight geometry
@@ -237,7 +245,7 @@ class DecodeKernel:
                rope_sin: Int64, tokens: Int64, positions: Int64, block_table: Int64, x: Int64, h: Int64,
                qkv: Int64, attn_part_o: Int64, attn_part_lse: Int64, attn_out: Int64, act: Int64,
                logits: Int64, lm_max: Int64, lm_idx: Int64, out_tokens: Int64, counters: Int64,
-               sync: Int64, error: Int64, k_cache: Int64, v_cache: Int64, trace: Int64):
+               sync: Int64, error: Int64, kv_table: Int64, trace: Int64):
         tidx, _, _ = cute.arch.thread_idx()
         sm, _, _ = cute.arch.block_idx()
         warp = tidx // 32
@@ -329,7 +337,7 @@ class DecodeKernel:
                     self.embed(tidx, w_embed, tokens, x, error, index)
                 if op == OP_ATTN_PARTIAL:
                     self.attn_partial(tidx, warp, lane, layer, a0, a1, a2, a3, index, qkv, q_norm, k_norm,
-                                      rope_cos, rope_sin, positions, block_table, k_cache, v_cache,
+                                      rope_cos, rope_sin, positions, block_table, kv_table,
                                       attn_part_o, attn_part_lse, error, s_q, s_kv, s_m, s_l, s_o)
                 if op == OP_ATTN_REDUCE:
                     self.attn_reduce(tidx, layer, a0, a1, a3, attn_part_o, attn_part_lse, attn_out)
@@ -629,8 +637,8 @@ class DecodeKernel:
     @cute.jit
     def attn_partial(self, tidx: Int32, warp: Int32, lane: Int32, layer: Int32, b: Int32, kvh: Int32,
                      split: Int32, num_splits: Int32, index: Int32, qkv: Int64, q_norm: Int64, k_norm: Int64,
-                     rope_cos: Int64, rope_sin: Int64, positions: Int64, block_table: Int64, k_cache: Int64,
-                     v_cache: Int64, attn_part_o: Int64, attn_part_lse: Int64, error: Int64,
+                     rope_cos: Int64, rope_sin: Int64, positions: Int64, block_table: Int64, kv_table: Int64,
+                     attn_part_o: Int64, attn_part_lse: Int64, error: Int64,
                      s_q: cute.Tensor, s_kv: cute.Tensor, s_m: cute.Tensor, s_l: cute.Tensor, s_o: cute.Tensor):
         D, E, G, half = self.D, self.E, self.G, self.D // 2
         pos = ld_i32(positions + Int64(b) * 4)
@@ -643,9 +651,12 @@ class DecodeKernel:
             pos = Int32(0)
         last = split == num_splits - 1
         row = qkv + (Int64(layer) * self.B + Int64(b)) * (self.QKV * 4)
-        # slot of the new token in the paged cache: ((layer, block, offset, kv head), D)
+        # the layer's K and V base addresses (a device table, so a bound cache can move without a
+        # recompile or a new CUDA graph); element offset of (block, offset, kv head) from the strides
+        k_base = ld_i64(kv_table + Int64(layer) * 16)
+        v_base = ld_i64(kv_table + Int64(layer) * 16 + 8)
         blk = ld_i32(block_table + (Int64(b) * self.max_blocks + Int64(pos // self.bs)) * 4)
-        slot = ((Int64(layer) * self.num_blocks + Int64(blk)) * self.bs + Int64(pos % self.bs)) * self.Hkv + Int64(kvh)
+        slot = Int64(blk) * self.kv_sb + Int64(pos % self.bs) * self.kv_st + Int64(kvh) * self.kv_sh
 
         # ---- phase A: q heads of the group, then k, then v of the new token -> smem
         for hh in range(warp, G + 2, self.warps):
@@ -685,14 +696,14 @@ class DecodeKernel:
                 for e in cutlass.range_constexpr(E):
                     s_q[hh * D + lane * E + e] = vals[e]
             else:
-                cache = k_cache
+                cache = k_base
                 if hh == G + 1:
-                    cache = v_cache
+                    cache = v_base
                 for e in cutlass.range_constexpr(E):
                     rv = round_bf16(vals[e])
                     s_kv[(hh - G) * D + lane * E + e] = rv
                     if last:
-                        st_bf16(cache + (slot * D + Int64(lane * E + e)) * 2, rv)
+                        st_bf16(cache + (slot + Int64(lane * E + e)) * 2, rv)
         cute.arch.sync_threads()
 
         # ---- phase B: online softmax over the split's cached tokens, one token per warp at a time
@@ -715,7 +726,6 @@ class DecodeKernel:
             lsum[g] = Float32(0.0)
             for e in cutlass.range_constexpr(E):
                 o[g * E + e] = Float32(0.0)
-        kv_l = Int64(layer) * self.num_blocks
         n_tok = hi - lo
         extra = Int32(0)
         if last and warp == 0:
@@ -729,10 +739,10 @@ class DecodeKernel:
             if j < n_mine:
                 t = lo + warp + j * self.warps
                 tb = ld_i32(block_table + (Int64(b) * self.max_blocks + Int64(t // self.bs)) * 4)
-                ts = ((kv_l + Int64(tb)) * self.bs + Int64(t % self.bs)) * self.Hkv + Int64(kvh)
+                ts = Int64(tb) * self.kv_sb + Int64(t % self.bs) * self.kv_st + Int64(kvh) * self.kv_sh
                 for e in cutlass.range_constexpr(E):
-                    kk[e] = ld_bf16(k_cache + (ts * D + Int64(lane * E + e)) * 2)
-                    vv[e] = ld_bf16(v_cache + (ts * D + Int64(lane * E + e)) * 2)
+                    kk[e] = ld_bf16(k_base + (ts + Int64(lane * E + e)) * 2)
+                    vv[e] = ld_bf16(v_base + (ts + Int64(lane * E + e)) * 2)
             else:
                 for e in cutlass.range_constexpr(E):
                     kk[e] = s_kv[lane * E + e]

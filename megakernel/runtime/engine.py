@@ -60,8 +60,6 @@ class MegakernelEngine:
                  num_blocks: int | None = None, num_sms: int | None = None, policy: str = "balanced",
                  kv_splits: int | None = None, options: KernelOptions = KernelOptions(),
                  device: str | torch.device = "cuda"):
-        from cutlass import Int64
-
         config = weights.config
         self.device = torch.device(device)
         if self.device.type != "cuda" or not torch.cuda.is_available():
@@ -101,16 +99,64 @@ class MegakernelEngine:
         shape = (c.num_layers, self.num_blocks, block_size, c.num_kv_heads, c.head_dim)
         self.k_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=self.device)
         self.v_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=self.device)
+        # the kernel reads each layer's K and V base address from this table: int64 [L, 2]
+        self.kv_table = torch.empty(c.num_layers, 2, dtype=torch.int64, device=self.device)
+        self._fill_kv_table(list(self.k_cache.unbind(0)), list(self.v_cache.unbind(0)))
+        self.kv_strides = tuple(self.k_cache.stride()[1:4])
         self.trace_buf = torch.zeros(num_sms, table.shape[1], 8, dtype=torch.int32, device=self.device)
         self.options = options
 
         from ..kernel.compile import KernelKey, compile_decode_kernel
-        self.key = KernelKey(self.layout, self.program.lm_tiles, self.program.num_counters, table.shape[1],
-                             self.num_blocks, options)
+        self._compile(table.shape[1])
+        self.steps = 0
+
+    def _compile(self, max_queue_len: int) -> None:
+        from cutlass import Int64
+
+        from ..kernel.compile import KernelKey, compile_decode_kernel
+        self.key = KernelKey(self.layout, self.program.lm_tiles, self.program.num_counters, max_queue_len,
+                             self.kv_strides, self.options)
         self.compiled = compile_decode_kernel(self.key)
         tensors = self._arg_tensors()
         self._args = [Int64(tensors[name].data_ptr()) for name in ARG_NAMES]
-        self.steps = 0
+
+    def _fill_kv_table(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
+        ptrs = [[k.data_ptr(), v.data_ptr()] for k, v in zip(k_caches, v_caches)]
+        self.kv_table.copy_(torch.tensor(ptrs, dtype=torch.int64))
+
+    def bind_kv_caches(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
+        """Read and write an external paged KV cache (vLLM's) in place of the engine's own.
+
+        k_caches[l], v_caches[l]: [num_blocks, block_size, Hkv, D] bf16 views on this device, last
+        dim contiguous and 16-byte aligned, the same (block, offset, head) strides for all 2L views.
+        Only the device address table changes when the strides stay the same, so a captured CUDA
+        graph stays valid; other strides recompile the kernel. The caller keeps the tensors alive."""
+        c, lay = self.layout.config, self.layout
+        if len(k_caches) != c.num_layers or len(v_caches) != c.num_layers:
+            raise ValueError(f"need {c.num_layers} K and V caches, got {len(k_caches)} and {len(v_caches)}")
+        strides = None
+        num_blocks = k_caches[0].shape[0]
+        for name, t in [(f"k_caches[{i}]", k) for i, k in enumerate(k_caches)] + \
+                       [(f"v_caches[{i}]", v) for i, v in enumerate(v_caches)]:
+            if t.dim() != 4 or tuple(t.shape[1:]) != (lay.block_size, c.num_kv_heads, c.head_dim) \
+                    or t.shape[0] != num_blocks:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}; expected "
+                                 f"({num_blocks}, {lay.block_size}, {c.num_kv_heads}, {c.head_dim})")
+            if t.dtype != torch.bfloat16 or t.device != self.device:
+                raise ValueError(f"{name} is {t.dtype} on {t.device}; expected torch.bfloat16 on {self.device}")
+            if t.stride(3) != 1 or t.data_ptr() % 16:
+                raise ValueError(f"{name} needs a contiguous, 16-byte aligned last dimension")
+            s = tuple(t.stride()[:3])
+            if strides is None:
+                strides = s
+            elif s != strides:
+                raise ValueError(f"{name} has strides {s}; every K/V view must share {strides}")
+        self._fill_kv_table(k_caches, v_caches)
+        self.num_blocks = num_blocks
+        self.k_cache = self.v_cache = None      # the engine's own cache is no longer used
+        if strides != self.kv_strides:
+            self.kv_strides = strides
+            self._compile(self.queue_table.shape[1])
 
     def _arg_tensors(self) -> dict[str, torch.Tensor]:
         w, b = self.weights, self.bufs
@@ -123,8 +169,7 @@ class MegakernelEngine:
             "block_table": b.block_table, "x": b.x, "h": b.h, "qkv": b.qkv, "attn_part_o": b.attn_part_o,
             "attn_part_lse": b.attn_part_lse, "attn_out": b.attn_out, "act": b.act, "logits": b.logits,
             "lm_max": b.lm_max, "lm_idx": b.lm_idx, "out_tokens": b.out_tokens, "counters": b.counters,
-            "sync": b.sync, "error": b.error, "k_cache": self.k_cache, "v_cache": self.v_cache,
-            "trace": self.trace_buf,
+            "sync": b.sync, "error": b.error, "kv_table": self.kv_table, "trace": self.trace_buf,
         }
 
     # ---------------------------------------------------------------- hot path
@@ -256,7 +301,7 @@ class MegakernelBackend:
         if self.engine is None or self._shape != (batch, max_seq_len):
             self.engine = MegakernelEngine(self.weights, batch, max_seq_len, device=self.device, **self.engine_kw)
             self._shape = (batch, max_seq_len)
-        else:
+        elif self.engine.k_cache is not None:
             self.engine.k_cache.fill_(float("nan"))
             self.engine.v_cache.fill_(float("nan"))
         from ..model.kv_cache import contiguous_block_table

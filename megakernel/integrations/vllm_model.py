@@ -1,0 +1,574 @@
+"""vLLM model classes whose pure-decode steps run through the megakernel.
+
+``MegakernelLlamaForCausalLM`` / ``MegakernelQwen3ForCausalLM`` subclass vLLM's own classes: weights
+load, prefill, chunked prefill and mixed batches run through the stock layers (torch.compile,
+FlashAttention). A forward whose every request has one query token and whose batch is at most 8
+(``MAX_BATCH``) runs as one megakernel launch instead, in place in vLLM's paged KV cache:
+
+    tokens, positions   <- vLLM's input_ids / positions buffers (padded rows masked, see below)
+    block table         <- the attention metadata's block_table (rows [:n], first max_blocks columns)
+    KV cache            <- every layer's kv_cache tensor, bound once by address (bind_kv_caches)
+    megakernel launch   -> x[L], the residual stream after the last layer (float32 [B, H])
+    forward returns     final RMSNorm(x[L]) in the model dtype, like the stock model does
+
+vLLM then computes logits and samples as usual (its LM head and sampler), so sampling parameters,
+logprobs and structured output behave as in stock vLLM. The kernel writes each token's K/V at
+block_table[b, pos // block_size], offset pos % block_size: the slot vLLM's slot_mapping names.
+
+Padded rows (CUDA-graph padding: slot_mapping == -1) get token 0, position 0 and an all-zero block
+table row: block 0 is vLLM's null block, never given to a request, so what the kernel writes there
+is harmless.
+
+CUDA graphs: the forward uses only vLLM's persistent buffers (input ids, positions, block table,
+slot mapping) and preallocated engine buffers, with no host sync, so vLLM captures it whole in
+FULL graphs (``cudagraph_mode="FULL_DECODE_ONLY"``; FULL_AND_PIECEWISE works the same way for the
+decode graphs). Engines are built per batch bucket (1, 2, 4, 8 and any capture size <= 8) at the
+first decode forward of that size, which vLLM runs eagerly as warm-up before it captures.
+
+Fallback: whenever the megakernel cannot serve a batch (unsupported model or vLLM config, batch > 8,
+no Hopper GPU, KV cache layout not understood, engine without the per-layer KV cache API) the stock
+path runs, and the reason is logged once.
+
+The functions above the classes are plain torch (testable without vLLM or a GPU); the classes exist
+only where vLLM imports.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import weakref
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from megakernel.instructions.layout import MAX_BATCH, StepLayout, pack_weights
+from megakernel.integrations.vllm_plugin import stock_architecture
+from megakernel.model.config import ModelConfig
+from megakernel.model.ops import rms_norm
+from megakernel.model.weights import LayerWeights, ModelWeights
+
+logger = logging.getLogger("vllm.megakernel")
+
+ENV_CHECK = "MEGAKERNEL_VLLM_CHECK"   # "1": read the kernel's error word after every eager launch
+POW2_BUCKETS = (1, 2, 4, 8)
+HOPPER = (9, 0)
+
+# Reasons a batch goes to the stock path. QUERY_LEN is the normal case for prefill and is not logged.
+QUERY_LEN = "a request has more than one query token (prefill, chunked prefill or mixed batch)"
+
+# What the vLLM-side integration did in this process (the GPU tools read it; graph replays do not
+# run Python, so "captured" lists the graph sizes that contain a megakernel launch).
+STATS: dict[str, Any] = {"eager_steps": 0, "captured": [], "engines": [], "fallbacks": Counter(),
+                         "disabled": None}
+_LOGGED: set[str] = set()
+_ADAPTERS: "weakref.WeakSet[MegakernelDecode]" = weakref.WeakSet()
+_CUDA: bool | None = None   # whether this torch has CUDA, asked on first use (not at import: fork safety)
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph (False without CUDA)."""
+    global _CUDA
+    if _CUDA is None:
+        _CUDA = torch.cuda.is_available()
+    return _CUDA and torch.cuda.is_current_stream_capturing()
+
+
+def _log_once(message: str, level: int = logging.INFO) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.log(level, "megakernel: %s; this batch runs on the stock vLLM path", message)
+
+
+# ------------------------------------------------------------------------------------------------
+# Configuration
+# ------------------------------------------------------------------------------------------------
+
+def megakernel_config(hf_config: Any, name: str = "vllm") -> ModelConfig:
+    """megakernel's ModelConfig from the HF config vLLM holds (a PretrainedConfig or a dict).
+    A megakernel architecture name (from hf_overrides) is read as the stock one. ValueError names
+    anything the megakernel does not support."""
+    cfg = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+    archs = cfg.get("architectures") or []
+    cfg["architectures"] = [stock_architecture(a) for a in archs]
+    return ModelConfig.from_hf_config(cfg, name=name)
+
+
+def vllm_config_reason(vllm_config: Any) -> str | None:
+    """Why this vLLM configuration cannot use the megakernel at all, or None."""
+    pc = vllm_config.parallel_config
+    for field in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(pc, field, 1) != 1:
+            return f"{field}={getattr(pc, field)} (the megakernel runs a whole model on one GPU)"
+    mc = vllm_config.model_config
+    if getattr(mc, "dtype", torch.bfloat16) != torch.bfloat16:
+        return f"dtype={mc.dtype} (the megakernel reads bfloat16 weights)"
+    quant = getattr(vllm_config, "quant_config", None) or getattr(mc, "quantization", None)
+    if quant:
+        return f"quantization={getattr(mc, 'quantization', quant)!s} (bfloat16 weights only)"
+    if getattr(vllm_config, "lora_config", None) is not None:
+        return "LoRA is enabled (the megakernel has no adapter path)"
+    cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
+    if cache_dtype not in ("auto", "bfloat16"):
+        return f"kv_cache_dtype={cache_dtype} (the megakernel reads a bfloat16 KV cache)"
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        return "speculative decoding (its decode steps carry more than one query token)"
+    return None
+
+
+def layout_reason(config: ModelConfig) -> str | None:
+    """Why the megakernel cannot run this model shape at some batch 1..MAX_BATCH, or None."""
+    for batch in (1, MAX_BATCH):
+        try:
+            StepLayout(config=config, batch=batch, kv_splits=1, block_size=16, max_blocks_per_seq=1,
+                       num_sms=1).validate()
+        except ValueError as exc:
+            return f"model shape not supported: {exc}"
+    return None
+
+
+def decode_buckets(capture_sizes: list[int] | None, max_batch: int = MAX_BATCH) -> tuple[int, ...]:
+    """Batch sizes an engine is built for: powers of two up to max_batch, plus every CUDA-graph
+    capture size <= max_batch (a graph of n rows then runs an engine of exactly n)."""
+    sizes = {b for b in POW2_BUCKETS if b <= max_batch}
+    sizes.update(s for s in capture_sizes or () if 1 <= s <= max_batch)
+    return tuple(sorted(sizes))
+
+
+def pick_bucket(n: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket holding n rows, or None when n exceeds them all."""
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+def batch_reason(num_tokens: int, num_reqs: int, max_query_len: int, *, has_embeds: bool = False,
+                 has_intermediate: bool = False, max_batch: int = MAX_BATCH) -> str | None:
+    """Why this forward is not a megakernel decode batch, or None. num_tokens counts rows after
+    CUDA-graph padding; num_reqs is the block table's row count."""
+    if has_intermediate:
+        return "pipeline-parallel intermediate tensors"
+    if has_embeds:
+        return "the batch carries input embeddings, not token ids"
+    if max_query_len != 1 or num_reqs != num_tokens:
+        return QUERY_LEN
+    if num_tokens > max_batch:
+        return f"decode batch of {num_tokens} exceeds the megakernel's maximum batch {max_batch}"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# KV cache
+# ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What the kernel needs to address every layer's cache: per-layer base addresses come from the
+    tensors themselves; these are shared by all of them (strides in elements)."""
+
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    block_stride: int
+    token_stride: int
+    head_stride: int
+
+
+def split_kv_cache(kv: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's vLLM KV cache -> (k, v) views [num_blocks, block_size, num_kv_heads, head_dim].
+
+    Layouts understood (no copy; the views alias vLLM's memory):
+      (num_blocks, num_kv_heads, block_size, 2*head_dim)  vLLM 0.26 FlashAttention: K and V packed in
+                                                          the last dim; memory order NHD or HND
+      (2, num_blocks, block_size, num_kv_heads, head_dim) FlashAttention before 0.26 (K, V planes)
+      (num_blocks, 2, block_size, num_kv_heads, head_dim) FlashInfer
+    """
+    if isinstance(kv, (list, tuple)):   # one tensor per virtual engine in older vLLM
+        kv = kv[0]
+    shape = tuple(kv.shape)
+    hkv, d = num_kv_heads, head_dim
+    if len(shape) == 4 and shape[1] == hkv and shape[3] == 2 * d:
+        k, v = kv.transpose(1, 2).split(d, dim=-1)
+        return k, v
+    if len(shape) == 5 and shape[3:] == (hkv, d):
+        if shape[0] == 2 and shape[1] != 2:
+            return kv[0], kv[1]
+        if shape[1] == 2 and shape[0] != 2:
+            return kv[:, 0], kv[:, 1]
+    raise ValueError(f"KV cache of shape {shape} (strides {tuple(kv.stride())}) is not a layout the "
+                     f"megakernel adapter knows for {hkv} kv heads of dim {d}")
+
+
+def kv_geometry(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> KVGeometry:
+    """Check that all 2L views share shape, dtype, device and strides, with unit stride and 16-byte
+    alignment in the head dim (one 16-byte load per lane). ValueError names the first mismatch."""
+    if not k_caches or len(k_caches) != len(v_caches):
+        raise ValueError(f"need one K and one V cache per layer; got {len(k_caches)} and {len(v_caches)}")
+    ref = k_caches[0]
+    if ref.dtype != torch.bfloat16:
+        raise ValueError(f"KV cache dtype is {ref.dtype}; the megakernel reads bfloat16")
+    for i, (k, v) in enumerate(zip(k_caches, v_caches)):
+        for name, t in (("k", k), ("v", v)):
+            if t.shape != ref.shape or t.stride() != ref.stride():
+                raise ValueError(f"layer {i} {name} cache has shape {tuple(t.shape)} strides {t.stride()}, "
+                                 f"layer 0 k has {tuple(ref.shape)} {ref.stride()}")
+            if t.dtype != ref.dtype or t.device != ref.device:
+                raise ValueError(f"layer {i} {name} cache is {t.dtype} on {t.device}, layer 0 k is "
+                                 f"{ref.dtype} on {ref.device}")
+            if t.stride(-1) != 1 or (t.data_ptr() % 16):
+                raise ValueError(f"layer {i} {name} cache: head dim stride {t.stride(-1)}, address "
+                                 f"{t.data_ptr():#x} (need stride 1 and 16-byte alignment)")
+    nb, bs, hkv, d = ref.shape
+    sb, st, sh, _ = ref.stride()
+    if (d * ref.element_size()) % 16 or any((s * ref.element_size()) % 16 for s in (sb, st, sh)):
+        raise ValueError(f"KV cache strides {ref.stride()} are not multiples of 16 bytes")
+    return KVGeometry(num_blocks=nb, block_size=bs, num_kv_heads=hkv, head_dim=d, block_stride=sb,
+                      token_stride=st, head_stride=sh)
+
+
+# ------------------------------------------------------------------------------------------------
+# Weights, inputs, outputs
+# ------------------------------------------------------------------------------------------------
+
+def weights_from_vllm(model: torch.nn.Module, config: ModelConfig) -> ModelWeights:
+    """megakernel's ModelWeights as views of a loaded vLLM Llama / Qwen3 model's parameters (no copy).
+
+    vLLM already fuses q/k/v (qkv_proj: q rows, then k, then v) and gate/up (gate_up_proj: gate rows,
+    then up), the order ModelWeights uses. The embedding may be padded to a multiple of 64 rows."""
+    inner = model.model
+    c = config
+    h, f, v = c.hidden_size, c.intermediate_size, c.vocab_size
+
+    def param(module: torch.nn.Module, path: str, shape: tuple[int, ...], rows: int | None = None):
+        t = module.weight.detach()
+        if rows is not None:
+            t = t[:rows]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"vLLM parameter {path}.weight has shape {tuple(module.weight.shape)}, "
+                             f"expected {shape} for {c.name}")
+        return t
+
+    embed = param(inner.embed_tokens, "model.embed_tokens", (v, h), rows=v)
+    layers = []
+    for i, layer in enumerate(inner.layers):
+        p = f"model.layers.{i}"
+        at, mlp = layer.self_attn, layer.mlp
+        layers.append(LayerWeights(
+            attn_norm=param(layer.input_layernorm, f"{p}.input_layernorm", (h,)),
+            qkv=param(at.qkv_proj, f"{p}.self_attn.qkv_proj", (c.qkv_rows, h)),
+            q_norm=param(at.q_norm, f"{p}.self_attn.q_norm", (c.head_dim,)) if c.qk_norm else None,
+            k_norm=param(at.k_norm, f"{p}.self_attn.k_norm", (c.head_dim,)) if c.qk_norm else None,
+            o_proj=param(at.o_proj, f"{p}.self_attn.o_proj", (h, c.q_size)),
+            mlp_norm=param(layer.post_attention_layernorm, f"{p}.post_attention_layernorm", (h,)),
+            gate_up=param(mlp.gate_up_proj, f"{p}.mlp.gate_up_proj", (2 * f, h)),
+            down=param(mlp.down_proj, f"{p}.mlp.down_proj", (h, f)),
+        ))
+    if len(layers) != c.num_layers:
+        raise ValueError(f"vLLM model has {len(layers)} layers, config says {c.num_layers}")
+    lm_head = embed if c.tie_word_embeddings else param(model.lm_head, "lm_head", (v, h), rows=v)
+    return ModelWeights(config=c, embed=embed, layers=layers, final_norm=param(inner.norm, "model.norm", (h,)),
+                        lm_head=lm_head)
+
+
+def stage_decode_inputs(tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
+                        input_ids: torch.Tensor, input_positions: torch.Tensor, slot_mapping: torch.Tensor,
+                        vllm_block_table: torch.Tensor) -> None:
+    """Copy one decode batch of n rows into an engine's input buffers of B >= n rows, on the device,
+    without a host sync (so it can sit in a CUDA graph).
+
+    tokens, positions int32 [B]; block_table int32 [B, nb] (engine buffers, written in place);
+    input_ids, input_positions [n]; slot_mapping [>= n] (-1 marks a padded row); vllm_block_table
+    int32 [>= n, >= 1]. Rows that are padding (slot -1, or past n) get token 0, position 0 and an
+    all-zero block table row (block 0: vLLM's null block)."""
+    n = input_ids.shape[0]
+    nb = block_table.shape[1]
+    w = min(nb, vllm_block_table.shape[1])
+    valid = slot_mapping[:n] >= 0
+    tokens[:n].copy_(torch.where(valid, input_ids, 0))
+    positions[:n].copy_(torch.where(valid, input_positions[:n], 0))
+    block_table[:n, :w].copy_(torch.where(valid[:, None], vllm_block_table[:n, :w], 0))
+    if n < tokens.shape[0]:
+        tokens[n:].zero_()
+        positions[n:].zero_()
+        block_table[n:].zero_()
+
+
+def final_hidden(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """The model's final RMSNorm of the residual stream x [n, H] (float32 from the kernel), computed in
+    float32 and rounded once to `dtype`: the hidden states vLLM's LM head expects."""
+    return rms_norm(x, norm_weight, eps).to(dtype)
+
+
+def engine_kwargs(engine_cls: type, **optional: Any) -> dict[str, Any]:
+    """The subset of `optional` keyword arguments that engine_cls's constructor accepts."""
+    params = inspect.signature(engine_cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(optional)
+    return {k: val for k, val in optional.items() if k in params}
+
+
+# ------------------------------------------------------------------------------------------------
+# The adapter between one vLLM model instance and its megakernel engines
+# ------------------------------------------------------------------------------------------------
+
+class MegakernelDecode:
+    """Owns the engines of one vLLM model; `maybe_decode` returns the final hidden states of a
+    decode batch it served, or None (the caller then runs the stock forward)."""
+
+    def __init__(self, model: torch.nn.Module, vllm_config: Any):
+        self._model = weakref.ref(model)
+        self.disabled: str | None = None
+        self.engines: dict[int, Any] = {}
+        self.weights: ModelWeights | None = None
+        self.packed = None
+        self.kv: tuple[list[torch.Tensor], list[torch.Tensor], KVGeometry] | None = None
+        self._kv_key: tuple[int, ...] | None = None
+        self.engine_cls = None
+        self.prepared = False
+        self.config: ModelConfig | None = None
+        mc = vllm_config.model_config
+        self.max_seq_len = int(mc.max_model_len)
+        self.dtype = mc.dtype
+        self.block_size = int(getattr(vllm_config.cache_config, "block_size", None) or 16)
+        capture = getattr(vllm_config.compilation_config, "cudagraph_capture_sizes", None)
+        self.buckets = decode_buckets(capture)
+        self.check = os.environ.get(ENV_CHECK, "") == "1"
+        why = vllm_config_reason(vllm_config)
+        if why is None:
+            try:
+                self.config = megakernel_config(mc.hf_config, name=str(getattr(mc, "model", "vllm")))
+                why = layout_reason(self.config)
+            except ValueError as exc:
+                why = f"model config not supported: {exc}"
+        if why is not None:
+            self._disable(why)
+        _ADAPTERS.add(self)
+
+    # -------------------------------------------------------------- setup
+    def _disable(self, why: str) -> None:
+        self.disabled = why
+        STATS["disabled"] = why
+        _log_once(f"disabled ({why})", logging.WARNING)
+
+    def on_weights_loaded(self) -> None:
+        """After vLLM loaded the weights: view them, check the GPU and the engine API, and pack the
+        weights once (before vLLM sizes its KV cache, so the copy is accounted for)."""
+        if self.disabled or self.prepared:
+            return
+        self.prepared = True
+        model = self._model()
+        try:
+            self.weights = weights_from_vllm(model, self.config)
+        except (ValueError, AttributeError) as exc:
+            return self._disable(f"weights not understood: {exc}")
+        self.device = self.weights.embed.device
+        if self.device.type != "cuda":
+            return self._disable(f"the model lives on {self.device}, not a CUDA GPU")
+        cap = torch.cuda.get_device_capability(self.device)
+        if cap != HOPPER:
+            return self._disable(f"the GPU is sm_{cap[0]}{cap[1]}; the megakernel is built for sm_90a (Hopper)")
+        try:
+            from megakernel.runtime.engine import MegakernelEngine
+        except Exception as exc:   # cutlass DSL missing or broken: the stock path still works
+            return self._disable(f"megakernel.runtime.engine does not import: {exc}")
+        if not hasattr(MegakernelEngine, "bind_kv_caches"):
+            return self._disable("MegakernelEngine has no bind_kv_caches() (the per-layer KV cache API "
+                                 "described in docs/vllm.md)")
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+        self._fc_get, self._fc_available = get_forward_context, is_forward_context_available
+        self.engine_cls = MegakernelEngine
+        self.norm_weight = self.weights.final_norm
+        self.eps = self.config.rms_norm_eps
+        if "packed_weights" in engine_kwargs(MegakernelEngine, packed_weights=None):
+            # vLLM loads weights under set_default_torch_dtype(model dtype): the RoPE tables are float32
+            old = torch.get_default_dtype()
+            torch.set_default_dtype(torch.float32)
+            try:
+                self.packed = pack_weights(self.weights, self.max_seq_len).to(self.device)
+            finally:
+                torch.set_default_dtype(old)
+
+    def _bind(self) -> bool:
+        """Find vLLM's per-layer KV caches (False until vLLM allocated them) and bind them to every
+        engine; again whenever vLLM moved them (sleep / wake-up)."""
+        model = self._model()
+        attn = self._attn_layers(model)
+        first = attn[0].kv_cache
+        first = first[0] if isinstance(first, (list, tuple)) else first
+        if first.numel() == 0:
+            return False
+        if self._kv_key is not None and self._kv_key[0] == first.data_ptr():
+            return True
+        c = self.config
+        try:
+            pairs = [split_kv_cache(a.kv_cache, c.num_kv_heads, c.head_dim) for a in attn]
+            k_list, v_list = [p[0] for p in pairs], [p[1] for p in pairs]
+            geom = kv_geometry(k_list, v_list)
+        except ValueError as exc:
+            self._disable(f"KV cache not understood: {exc}")
+            return False
+        if (geom.num_kv_heads, geom.head_dim) != (c.num_kv_heads, c.head_dim):
+            self._disable(f"KV cache has {geom.num_kv_heads} heads of dim {geom.head_dim}, the model "
+                          f"{c.num_kv_heads} of {c.head_dim}")
+            return False
+        self.kv = (k_list, v_list, geom)
+        self._kv_key = (k_list[0].data_ptr(),)
+        for eng in self.engines.values():
+            eng.bind_kv_caches(k_list, v_list)
+        return True
+
+    def _attn_layers(self, model: torch.nn.Module) -> list:
+        if not hasattr(self, "_attn"):
+            self._attn = [layer.self_attn.attn for layer in model.model.layers]
+            self.layer_name = self._attn[0].layer_name
+        return self._attn
+
+    def _engine(self, n: int):
+        bucket = pick_bucket(n, self.buckets)
+        if bucket is None:
+            return None
+        eng = self.engines.get(bucket)
+        if eng is not None:
+            return eng
+        if _capturing():
+            # vLLM warms every graph size up eagerly before capturing it; no engine means the warm-up
+            # fell back, and the capture must do the same.
+            _log_once(f"no engine for batch {bucket} at CUDA graph capture")
+            return None
+        k_list, v_list, geom = self.kv
+        kw = engine_kwargs(self.engine_cls, packed_weights=self.packed, own_kv_cache=False, lm_head=False)
+        if self.packed is None:
+            kw.pop("packed_weights", None)
+        try:
+            eng = self.engine_cls(self.weights, bucket, self.max_seq_len, block_size=geom.block_size,
+                                  device=self.device, **kw)
+            eng.bind_kv_caches(k_list, v_list)
+            eng.bufs.block_table.zero_()
+        except Exception as exc:
+            self._disable(f"building the batch-{bucket} engine failed: {type(exc).__name__}: {exc}")
+            return None
+        self.engines[bucket] = eng
+        STATS["engines"].append({"batch": bucket, "options": sorted(kw), "kv": asdict(geom)})
+        logger.info("megakernel: batch-%d engine ready (options: %s; KV cache %s)", bucket,
+                    ", ".join(sorted(kw)) or "none", geom)
+        return eng
+
+    # -------------------------------------------------------------- hot path
+    def maybe_decode(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                     intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None
+                     ) -> torch.Tensor | None:
+        if self.disabled:
+            return None
+        if not self.prepared and not _capturing():
+            self.on_weights_loaded()   # weights that did not come through load_weights (dummy weights)
+        if self.engine_cls is None:
+            return None
+        if not self._fc_available():
+            return None
+        all_md = self._fc_get().attn_metadata
+        if not all_md or input_ids is None and inputs_embeds is None:
+            return None   # profiling and dummy runs without attention
+        model = self._model()
+        self._attn_layers(model)
+        if isinstance(all_md, list):
+            return self._fallback("micro-batched forward (dual-batch overlap)")
+        md = all_md.get(self.layer_name) if isinstance(all_md, dict) else all_md
+        if md is None:
+            return None
+        block_table = getattr(md, "block_table", None)
+        if block_table is None:
+            block_table = getattr(md, "block_table_tensor", None)
+        slot_mapping = getattr(md, "slot_mapping", None)
+        max_query_len = getattr(md, "max_query_len", None)
+        if block_table is None or slot_mapping is None or max_query_len is None:
+            return self._fallback(f"attention metadata {type(md).__name__} has no block_table / "
+                                  f"slot_mapping / max_query_len")
+        n = input_ids.shape[0] if input_ids is not None else inputs_embeds.shape[0]
+        why = batch_reason(n, block_table.shape[0], int(max_query_len), has_embeds=inputs_embeds is not None,
+                           has_intermediate=intermediate_tensors is not None)
+        if why is not None:
+            return None if why == QUERY_LEN else self._fallback(why)
+        if not self._bind():
+            return None
+        eng = self._engine(n)
+        if eng is None:
+            return None
+        b = eng.bufs
+        stage_decode_inputs(b.tokens, b.positions, b.block_table, input_ids, positions, slot_mapping,
+                            block_table)
+        eng.launch()
+        if _capturing():
+            STATS["captured"].append(n)
+        else:
+            STATS["eager_steps"] += 1
+            if self.check:
+                eng.check()
+        return final_hidden(b.x[-1][:n], self.norm_weight, self.eps, self.dtype)
+
+    def _fallback(self, why: str) -> None:
+        STATS["fallbacks"][why] += 1
+        _log_once(why)
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        kv = asdict(self.kv[2]) if self.kv else None
+        return {"disabled": self.disabled, "buckets": list(self.buckets), "engines": sorted(self.engines),
+                "packed_once": self.packed is not None, "kv": kv, "max_seq_len": self.max_seq_len}
+
+    def check_engines(self) -> None:
+        """Raise MegakernelError if any engine's error word is set (syncs the device)."""
+        for eng in self.engines.values():
+            eng.check()
+
+
+def check_all() -> list[dict[str, Any]]:
+    """Check every engine of every live adapter in this process; return their descriptions."""
+    out = []
+    for adapter in list(_ADAPTERS):
+        adapter.check_engines()
+        out.append(adapter.describe())
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# The vLLM classes
+# ------------------------------------------------------------------------------------------------
+
+class MegakernelDecodeMixin:
+    """Put before a vLLM ForCausalLM class: decode batches through the megakernel, the rest stock."""
+
+    def __init__(self, *, vllm_config, prefix: str = "", **kwargs):
+        super().__init__(vllm_config=vllm_config, prefix=prefix, **kwargs)
+        # not an nn.Module attribute: its tensors stay out of the state dict
+        object.__setattr__(self, "megakernel", MegakernelDecode(self, vllm_config))
+
+    def load_weights(self, weights):
+        loaded = super().load_weights(weights)
+        self.megakernel.on_weights_loaded()
+        return loaded
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        hidden = self.megakernel.maybe_decode(input_ids, positions, intermediate_tensors, inputs_embeds)
+        if hidden is not None:
+            return hidden
+        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+
+
+try:
+    from vllm.model_executor.models.llama import LlamaForCausalLM as _VllmLlamaForCausalLM
+    from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM as _VllmQwen3ForCausalLM
+except ImportError as _exc:   # vLLM absent: the functions above still work
+    VLLM_IMPORT_ERROR: ImportError | None = _exc
+else:
+    VLLM_IMPORT_ERROR = None
+
+    class MegakernelLlamaForCausalLM(MegakernelDecodeMixin, _VllmLlamaForCausalLM):
+        """vLLM's LlamaForCausalLM with megakernel decode."""
+
+    class MegakernelQwen3ForCausalLM(MegakernelDecodeMixin, _VllmQwen3ForCausalLM):
+        """vLLM's Qwen3ForCausalLM with megakernel decode."""

@@ -1,0 +1,682 @@
+"""The vLLM integration: plugin switch and registration, config translation, the KV cache views, the
+weight views, the decode input staging, and the adapter's decisions around one engine launch (with
+a CPU stand-in for the engine and an injected forward context). Everything but the `vllm`-marked
+tests runs on the CPU without vLLM; those check registration, metadata fields, the KV cache shape
+and the config path against vLLM's own code."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen3Config
+
+from megakernel.integrations import vllm_model as vm
+from megakernel.integrations import vllm_plugin as vp
+from megakernel.model import get_preset
+from megakernel.model.ops import rms_norm
+from megakernel.model.weights import random_weights
+from megakernel.testing.tolerances import assert_close
+
+MODEL_PRESETS = ["llama-3.2-1b", "qwen3-0.6b", "tiny-llama", "tiny-qwen3"]
+HF_CONFIG_CLASS = {"LlamaForCausalLM": LlamaConfig, "Qwen3ForCausalLM": Qwen3Config}
+MK_NAME = {"LlamaForCausalLM": "MegakernelLlamaForCausalLM", "Qwen3ForCausalLM": "MegakernelQwen3ForCausalLM"}
+
+
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.messages)
+
+
+@pytest.fixture
+def mk_log():
+    """Messages logged to "vllm.megakernel" (vLLM's own logging setup stops them reaching the root,
+    so caplog would miss them where vLLM is installed)."""
+    log = logging.getLogger("vllm.megakernel")
+    handler, old = _Collect(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    yield handler
+    log.setLevel(old)
+    log.removeHandler(handler)
+
+
+class FakeRegistry:
+    def __init__(self):
+        self.models: dict[str, str] = {}
+
+    def register_model(self, arch, target):
+        self.models[arch] = target
+
+
+# ------------------------------------------------------------------------------------------------
+# The switch
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value,expected", [(None, False), ("", False), ("0", False), ("false", False),
+                                            ("1", True), ("true", True), ("YES", True), (" on ", True)])
+def test_env_override_values(value, expected):
+    env = {} if value is None else {vp.ENV_SWITCH: value}
+    assert vp.env_override(env) is expected, f"{vp.ENV_SWITCH}={value!r}"
+
+
+def test_env_override_unknown_value_is_off_with_a_warning(mk_log):
+    assert vp.env_override({vp.ENV_SWITCH: "maybe"}) is False
+    assert "maybe" in mk_log.text
+
+
+def test_without_the_switch_only_new_names_are_registered():
+    reg = FakeRegistry()
+    assert vp.register(reg, environ={}) is True
+    assert reg.models == {
+        "MegakernelLlamaForCausalLM": "megakernel.integrations.vllm_model:MegakernelLlamaForCausalLM",
+        "MegakernelQwen3ForCausalLM": "megakernel.integrations.vllm_model:MegakernelQwen3ForCausalLM",
+    }
+    assert not vp.uses_megakernel(["LlamaForCausalLM"], environ={})
+    assert vp.uses_megakernel(["MegakernelQwen3ForCausalLM"], environ={})
+
+
+def test_env_switch_also_replaces_the_stock_classes():
+    env = {vp.ENV_SWITCH: "1"}
+    reg = FakeRegistry()
+    vp.register(reg, environ=env)
+    vp.register(reg, environ=env)          # vLLM may load plugins more than once per process
+    for stock, mk in MK_NAME.items():
+        assert reg.models[stock] == reg.models[mk] == f"{vp.MODEL_MODULE}:{mk}", stock
+    assert vp.uses_megakernel(["LlamaForCausalLM"], environ=env)
+    assert not vp.uses_megakernel(["MistralForCausalLM"], environ=env)
+
+
+def test_every_registered_class_name_exists_in_the_model_module():
+    for target in vp.registrations({vp.ENV_SWITCH: "1"}).values():
+        module, cls = target.split(":")
+        assert module == vm.__name__
+        assert cls in vp.ARCHITECTURES
+
+
+def test_stock_architecture():
+    assert vp.stock_architecture("MegakernelLlamaForCausalLM") == "LlamaForCausalLM"
+    assert vp.stock_architecture("MegakernelQwen3ForCausalLM") == "Qwen3ForCausalLM"
+    assert vp.stock_architecture("LlamaForCausalLM") == "LlamaForCausalLM"
+
+
+def test_plugin_import_does_not_import_vllm():
+    code = ("import sys, megakernel.integrations.vllm_plugin as p; "
+            "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.skipif(vm.VLLM_IMPORT_ERROR is None, reason="vLLM is installed here")
+def test_register_without_vllm_logs_and_returns_false(mk_log):
+    assert vp.register() is False
+    assert "vLLM is not importable" in mk_log.text
+
+
+# ------------------------------------------------------------------------------------------------
+# Config translation and support checks
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", MODEL_PRESETS)
+@pytest.mark.parametrize("form", ["transformers", "dict"])
+def test_megakernel_config_from_overridden_hf_config(preset, form):
+    """vLLM holds a transformers config whose architectures hf_overrides replaced."""
+    want = get_preset(preset)
+    d = want.to_hf_config()
+    d["architectures"] = [MK_NAME[want.architecture]]
+    cfg = HF_CONFIG_CLASS[want.architecture](**d) if form == "transformers" else d
+    got = vm.megakernel_config(cfg, name=preset)
+    assert got == want, f"{preset} via {form}"
+
+
+def test_megakernel_config_reads_rope_parameters_form():
+    want = get_preset("llama-3.2-1b")
+    d = want.to_hf_config()
+    rope = dict(d.pop("rope_scaling"), rope_theta=d.pop("rope_theta"))
+    d["rope_parameters"] = rope
+    d["architectures"] = ["MegakernelLlamaForCausalLM"]
+    assert vm.megakernel_config(d, name="llama-3.2-1b") == want
+
+
+@pytest.mark.parametrize("field,value", [("attention_bias", True), ("hidden_act", "gelu"),
+                                         ("architectures", ["MegakernelMistralForCausalLM"])])
+def test_megakernel_config_refuses_unsupported(field, value):
+    d = get_preset("tiny-llama").to_hf_config()
+    d[field] = value
+    with pytest.raises(ValueError, match=field):
+        vm.megakernel_config(d)
+
+
+def _vllm_config(**over):
+    c = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        model_config=SimpleNamespace(dtype=torch.bfloat16, quantization=None, max_model_len=1024,
+                                     hf_config=get_preset("tiny-qwen3").to_hf_config(), model="/m"),
+        cache_config=SimpleNamespace(cache_dtype="auto", block_size=16),
+        compilation_config=SimpleNamespace(cudagraph_capture_sizes=[1, 2, 4, 8, 16, 24]),
+        quant_config=None, lora_config=None, speculative_config=None)
+    for path, value in over.items():
+        obj, _, attr = path.rpartition(".")
+        setattr(c if not obj else getattr(c, obj), attr, value)
+    return c
+
+
+@pytest.mark.parametrize("over,needle", [
+    ({}, None),
+    ({"parallel_config.tensor_parallel_size": 2}, "tensor_parallel_size=2"),
+    ({"parallel_config.pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
+    ({"model_config.dtype": torch.float16}, "dtype=torch.float16"),
+    ({"model_config.quantization": "fp8"}, "quantization=fp8"),
+    ({"lora_config": object()}, "LoRA"),
+    ({"cache_config.cache_dtype": "fp8_e4m3"}, "kv_cache_dtype=fp8_e4m3"),
+    ({"speculative_config": object()}, "speculative"),
+])
+def test_vllm_config_reason(over, needle):
+    why = vm.vllm_config_reason(_vllm_config(**over))
+    assert (why is None) if needle is None else (needle in why), f"{over}: {why!r}"
+
+
+@pytest.mark.parametrize("preset", MODEL_PRESETS)
+def test_layout_reason_accepts_presets(preset):
+    assert vm.layout_reason(get_preset(preset)) is None
+
+
+def test_layout_reason_names_the_unsupported_field():
+    import dataclasses
+    cfg = dataclasses.replace(get_preset("tiny-llama"), head_dim=96, num_heads=8)
+    assert "head_dim=96" in vm.layout_reason(cfg)
+
+
+def test_decode_buckets_and_pick():
+    assert vm.decode_buckets(None) == (1, 2, 4, 8)
+    assert vm.decode_buckets([1, 2, 3, 4, 8, 16, 24]) == (1, 2, 3, 4, 8)
+    buckets = vm.decode_buckets([1, 2, 4, 8])
+    assert [vm.pick_bucket(n, buckets) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, None]
+
+
+@pytest.mark.parametrize("args,kw,expected", [
+    ((1, 1, 1), {}, None),
+    ((8, 8, 1), {}, None),
+    ((9, 9, 1), {}, "decode batch of 9 exceeds"),
+    ((6, 2, 5), {}, vm.QUERY_LEN),                  # prefill
+    ((4, 3, 1), {}, vm.QUERY_LEN),                  # rows that are not one request each
+    ((2, 2, 1), {"has_embeds": True}, "embeddings"),
+    ((2, 2, 1), {"has_intermediate": True}, "pipeline"),
+])
+def test_batch_reason(args, kw, expected):
+    why = vm.batch_reason(*args, **kw)
+    assert (why is None) if expected is None else (expected in why), f"{args} {kw}: {why!r}"
+
+
+# ------------------------------------------------------------------------------------------------
+# KV cache views
+# ------------------------------------------------------------------------------------------------
+
+def _vllm_026_flash_kv(num_blocks, block_size, hkv, d, layout, gen):
+    """A layer's cache built the way vLLM 0.26 builds it for FlashAttention: logical shape
+    (NB, Hkv, bs, 2D), memory in the stride order of the layout, a view of an int8 buffer."""
+    shape = (num_blocks, hkv, block_size, 2 * d)
+    order = (0, 2, 1, 3) if layout == "NHD" else (0, 1, 2, 3)
+    permuted = tuple(shape[i] for i in order)
+    raw = torch.empty(num_blocks * hkv * block_size * 2 * d * 2, dtype=torch.int8)
+    flat = raw.view(torch.bfloat16)
+    flat.copy_(torch.randn(flat.numel(), generator=gen))
+    inv = [order.index(i) for i in range(4)]
+    return flat, flat.view(permuted).permute(*inv)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_split_kv_cache_flash_attention_026(layout):
+    nb, bs, hkv, d, seed = 5, 16, 3, 64, 11
+    gen = torch.Generator().manual_seed(seed)
+    flat, kv = _vllm_026_flash_kv(nb, bs, hkv, d, layout, gen)
+    k, v = vm.split_kv_cache(kv, hkv, d)
+    ctx = f"layout={layout} nb={nb} bs={bs} hkv={hkv} d={d} seed={seed}"
+    # what FlashAttention reads (vllm/v1/attention/backends/flash_attn.py, forward)
+    fa_k, fa_v = kv.transpose(1, 2).split(d, dim=-1)
+    assert k.shape == v.shape == (nb, bs, hkv, d), ctx
+    assert torch.equal(k, fa_k) and torch.equal(v, fa_v), ctx
+    geom = vm.kv_geometry([k], [v])
+    # the address the kernel will compute: base + blk*sb + off*st + h*sh + dim
+    for blk, off, h in [(0, 0, 0), (4, 15, 2), (2, 7, 1)]:
+        for t, base in ((k, k.data_ptr()), (v, v.data_ptr())):
+            idx = (base - flat.data_ptr()) // 2 + blk * geom.block_stride + off * geom.token_stride \
+                + h * geom.head_stride
+            assert torch.equal(flat[idx:idx + d], t[blk, off, h]), f"{ctx} at ({blk},{off},{h})"
+    if layout == "NHD":
+        assert (geom.block_stride, geom.token_stride, geom.head_stride) == (bs * hkv * 2 * d, hkv * 2 * d, 2 * d)
+        assert v.data_ptr() - k.data_ptr() == d * 2
+    # the views alias vLLM's memory: a write through k is what FlashAttention sees
+    k[3, 5, 1].fill_(float("nan"))
+    assert torch.isnan(fa_k[3, 5, 1]).all() and not torch.isnan(fa_v).any(), ctx
+
+
+@pytest.mark.parametrize("layout", ["kv_first", "blocks_first"])
+def test_split_kv_cache_five_dim_layouts(layout):
+    nb, bs, hkv, d = 4, 16, 2, 128
+    gen = torch.Generator().manual_seed(5)
+    shape = (2, nb, bs, hkv, d) if layout == "kv_first" else (nb, 2, bs, hkv, d)
+    kv = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    k, v = vm.split_kv_cache(kv, hkv, d)
+    want_k, want_v = (kv[0], kv[1]) if layout == "kv_first" else (kv[:, 0], kv[:, 1])
+    assert torch.equal(k, want_k) and torch.equal(v, want_v), layout
+    assert k.data_ptr() == want_k.data_ptr(), layout
+    assert k.shape == (nb, bs, hkv, d)
+
+
+@pytest.mark.parametrize("shape", [(4, 16, 2, 64), (4, 2, 16, 2, 64), (2, 2, 16, 2, 64)])
+def test_split_kv_cache_refuses_unknown_layouts(shape):
+    with pytest.raises(ValueError, match="not a layout"):
+        vm.split_kv_cache(torch.zeros(shape, dtype=torch.bfloat16), 3, 64)
+
+
+def test_kv_geometry_checks_every_layer():
+    gen = torch.Generator().manual_seed(2)
+    kvs = [_vllm_026_flash_kv(6, 16, 2, 64, "NHD", gen)[1] for _ in range(3)]
+    pairs = [vm.split_kv_cache(kv, 2, 64) for kv in kvs]
+    ks, vs = [p[0] for p in pairs], [p[1] for p in pairs]
+    g = vm.kv_geometry(ks, vs)
+    assert (g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim) == (6, 16, 2, 64)
+    odd = torch.zeros(6, 16, 2, 64, dtype=torch.bfloat16)      # contiguous: other strides
+    with pytest.raises(ValueError, match="layer 2 v"):
+        vm.kv_geometry(ks, vs[:2] + [odd])
+    with pytest.raises(ValueError, match="bfloat16"):
+        vm.kv_geometry([k.float() for k in ks], [v.float() for v in vs])
+    with pytest.raises(ValueError, match="one K and one V"):
+        vm.kv_geometry(ks, vs[:1])
+
+
+# ------------------------------------------------------------------------------------------------
+# Weights as vLLM holds them
+# ------------------------------------------------------------------------------------------------
+
+def _module(**tensors):
+    m = torch.nn.Module()
+    for name, t in tensors.items():
+        if isinstance(t, torch.nn.Module):
+            setattr(m, name, t)
+        else:
+            m.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+    return m
+
+
+def fake_vllm_model(weights, vocab_pad: int = 64):
+    """A module tree with vLLM's names and fused layouts (qkv_proj, gate_up_proj, padded vocab)."""
+    c = weights.config
+    pad = -c.vocab_size % vocab_pad
+    embed = torch.cat([weights.embed, torch.full((pad, c.hidden_size), float("nan"), dtype=weights.embed.dtype)])
+    embed_mod = _module(weight=embed)
+    layers = torch.nn.ModuleList()
+    for lw in weights.layers:
+        attn = dict(qkv_proj=_module(weight=lw.qkv), o_proj=_module(weight=lw.o_proj))
+        if c.qk_norm:
+            attn.update(q_norm=_module(weight=lw.q_norm), k_norm=_module(weight=lw.k_norm))
+        layers.append(_module(input_layernorm=_module(weight=lw.attn_norm), self_attn=_module(**attn),
+                              post_attention_layernorm=_module(weight=lw.mlp_norm),
+                              mlp=_module(gate_up_proj=_module(weight=lw.gate_up), down_proj=_module(weight=lw.down))))
+    inner = _module(embed_tokens=embed_mod, layers=layers, norm=_module(weight=weights.final_norm))
+    head = embed_mod if c.tie_word_embeddings else _module(weight=weights.lm_head)
+    return _module(model=inner, lm_head=head)
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
+def test_weights_from_vllm_are_views_of_the_parameters(preset):
+    cfg = get_preset(preset)
+    w = random_weights(cfg, seed=7)
+    model = fake_vllm_model(w)
+    got = vm.weights_from_vllm(model, cfg)
+    ctx = f"{preset} seed=7"
+    assert torch.equal(got.embed, w.embed) and got.embed.data_ptr() == model.model.embed_tokens.weight.data_ptr(), ctx
+    assert torch.equal(got.lm_head, w.lm_head), ctx
+    assert (got.lm_head is got.embed) == cfg.tie_word_embeddings, ctx
+    assert torch.equal(got.final_norm, w.final_norm), ctx
+    for i, (a, b) in enumerate(zip(got.layers, w.layers)):
+        for name, t in b.tensors():
+            assert torch.equal(getattr(a, name), t), f"{ctx} layer {i} {name}"
+        assert a.qkv.data_ptr() == model.model.layers[i].self_attn.qkv_proj.weight.data_ptr(), ctx
+    assert (got.layers[0].q_norm is None) == (not cfg.qk_norm)
+
+
+def test_weights_from_vllm_names_a_wrong_shape():
+    cfg = get_preset("tiny-llama")
+    model = fake_vllm_model(random_weights(cfg, seed=1))
+    model.model.layers[1].mlp.down_proj.weight = torch.nn.Parameter(torch.zeros(3, 3), requires_grad=False)
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.down_proj.weight has shape \(3, 3\)"):
+        vm.weights_from_vllm(model, cfg)
+
+
+# ------------------------------------------------------------------------------------------------
+# Decode inputs and outputs
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,batch,seed", [(1, 1, 0), (3, 4, 1), (8, 8, 2), (5, 8, 3)])
+def test_stage_decode_inputs(n, batch, seed):
+    gen = torch.Generator().manual_seed(seed)
+    nb, vllm_nb, max_reqs, vocab = 6, 8, 16, 1000
+    input_ids = torch.randint(1, vocab, (n,), generator=gen)
+    positions = torch.randint(1, nb * 16, (n,), generator=gen)
+    slots = torch.randint(0, 5000, (max_reqs,), generator=gen)
+    slots[n:] = -1
+    slots[torch.randperm(n, generator=gen)[: n // 3]] = -1        # CUDA-graph padding rows
+    vbt = torch.randint(1, 500, (max_reqs, vllm_nb), generator=gen, dtype=torch.int32)
+    # engine buffers poisoned with values no valid row has
+    tokens = torch.full((batch,), -7, dtype=torch.int32)
+    pos = torch.full((batch,), -7, dtype=torch.int32)
+    bt = torch.full((batch, nb), -7, dtype=torch.int32)
+    vm.stage_decode_inputs(tokens, pos, bt, input_ids, positions, slots, vbt)
+    ctx = f"n={n} batch={batch} seed={seed}"
+    for r in range(batch):
+        live = r < n and slots[r] >= 0
+        assert tokens[r] == (input_ids[r] if live else 0), f"{ctx} row {r}"
+        assert pos[r] == (positions[r] if live else 0), f"{ctx} row {r}"
+        assert torch.equal(bt[r], vbt[r, :nb] if live else torch.zeros(nb, dtype=torch.int32)), f"{ctx} row {r}"
+
+
+def test_stage_decode_inputs_narrow_vllm_table_leaves_the_tail():
+    tokens, pos = torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    bt = torch.full((2, 6), 9, dtype=torch.int32)
+    vbt = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]], dtype=torch.int32)
+    vm.stage_decode_inputs(tokens, pos, bt, torch.tensor([5, 6]), torch.tensor([40, 50]),
+                           torch.tensor([1, 2]), vbt)
+    assert bt.tolist() == [[3, 4, 5, 6, 9, 9], [7, 8, 9, 10, 9, 9]]
+
+
+@pytest.mark.parametrize("n,h,seed", [(1, 256, 0), (7, 2048, 1)])
+def test_final_hidden_matches_float64_rms_norm(n, h, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h, generator=gen) * 3
+    w = (1 + 0.1 * torch.randn(h, generator=gen)).to(torch.bfloat16)
+    out = torch.full((n, h), float("nan"), dtype=torch.bfloat16)
+    out.copy_(vm.final_hidden(x, w, 1e-5, torch.bfloat16))
+    want = rms_norm(x.double(), w.double(), 1e-5)
+    assert out.dtype == torch.bfloat16
+    assert_close(out, want, context=f"n={n} h={h} seed={seed}")
+
+
+def test_engine_kwargs_keeps_what_the_constructor_takes():
+    class Old:
+        def __init__(self, weights, batch, max_seq_len, *, block_size=16, device="cuda"):
+            pass
+
+    class New(Old):
+        def __init__(self, weights, batch, max_seq_len, *, block_size=16, device="cuda", packed_weights=None,
+                     own_kv_cache=True, lm_head=True):
+            pass
+
+    class Open:
+        def __init__(self, *a, **kw):
+            pass
+
+    want = dict(packed_weights=1, own_kv_cache=False, lm_head=False)
+    assert vm.engine_kwargs(Old, **want) == {}
+    assert vm.engine_kwargs(New, **want) == want
+    assert vm.engine_kwargs(Open, **want) == want
+
+
+# ------------------------------------------------------------------------------------------------
+# The adapter's setup paths that need neither vLLM nor a GPU
+# ------------------------------------------------------------------------------------------------
+
+def test_adapter_disables_itself_for_an_unsupported_vllm_config(mk_log):
+    model = fake_vllm_model(random_weights(get_preset("tiny-qwen3"), seed=3))
+    a = vm.MegakernelDecode(model, _vllm_config(**{"parallel_config.tensor_parallel_size": 2}))
+    assert a.disabled and "tensor_parallel_size=2" in a.disabled
+    assert "tensor_parallel_size=2" in mk_log.text
+    a.on_weights_loaded()
+    assert a.engine_cls is None and a.weights is None
+
+
+def test_adapter_on_cpu_falls_back_with_the_reason():
+    model = fake_vllm_model(random_weights(get_preset("tiny-qwen3"), seed=3))
+    a = vm.MegakernelDecode(model, _vllm_config())
+    assert a.disabled is None and a.buckets == (1, 2, 4, 8)
+    a.on_weights_loaded()
+    assert a.disabled is not None and "not a CUDA GPU" in a.disabled
+    assert a.maybe_decode(torch.tensor([1]), torch.tensor([0])) is None
+
+
+class _Attn:
+    def __init__(self, kv, name):
+        self.kv_cache, self.layer_name = kv, name
+
+
+class _RecordingEngine:
+    def __init__(self):
+        self.bound = []
+
+    def bind_kv_caches(self, k, v):
+        self.bound.append((list(k), list(v)))
+
+
+def test_adapter_binds_per_layer_views_in_layer_order_and_rebinds_when_moved():
+    cfg = get_preset("tiny-qwen3")
+    model = fake_vllm_model(random_weights(cfg, seed=4))
+    gen = torch.Generator().manual_seed(4)
+    empty = [_Attn(torch.tensor([]), f"model.layers.{i}.self_attn.attn") for i in range(cfg.num_layers)]
+    for layer, attn in zip(model.model.layers, empty):
+        object.__setattr__(layer.self_attn, "attn", attn)
+    a = vm.MegakernelDecode(model, _vllm_config())
+    eng = _RecordingEngine()
+    a.engines[2] = eng
+    assert a._bind() is False and not eng.bound           # vLLM has not allocated its cache yet
+    caches = [_vllm_026_flash_kv(5, 16, cfg.num_kv_heads, cfg.head_dim, "NHD", gen)[1] for _ in empty]
+    for attn, kv in zip(empty, caches):
+        attn.kv_cache = kv
+    assert a._bind() is True and a._bind() is True
+    assert len(eng.bound) == 1, "bound again without a move"
+    k, v = eng.bound[0]
+    for i, kv in enumerate(caches):
+        fa_k, fa_v = kv.transpose(1, 2).split(cfg.head_dim, dim=-1)
+        assert k[i].data_ptr() == fa_k.data_ptr() and v[i].data_ptr() == fa_v.data_ptr(), f"layer {i}"
+    moved = [_vllm_026_flash_kv(5, 16, cfg.num_kv_heads, cfg.head_dim, "NHD", gen)[1] for _ in empty]
+    for attn, kv in zip(empty, moved):
+        attn.kv_cache = kv
+    assert a._bind() is True and len(eng.bound) == 2
+    assert eng.bound[1][0][0].data_ptr() == moved[0].data_ptr()
+    assert a.kv[2].num_blocks == 5
+
+
+class FakeEngine:
+    """Stands in for MegakernelEngine on the CPU: same buffers, and a launch that writes x[L] as a
+    known function of the staged inputs (embedding row of the token + its position)."""
+
+    built: list["FakeEngine"] = []
+
+    def __init__(self, weights, batch, max_seq_len, *, block_size=16, device="cpu", own_kv_cache=True,
+                 lm_head=True):
+        c = weights.config
+        self.weights, self.batch, self.options = weights, batch, dict(own_kv_cache=own_kv_cache, lm_head=lm_head)
+        i32 = dict(dtype=torch.int32)
+        self.bufs = SimpleNamespace(tokens=torch.full((batch,), -5, **i32), positions=torch.full((batch,), -5, **i32),
+                                    block_table=torch.full((batch, -(-max_seq_len // block_size)), -5, **i32),
+                                    x=torch.full((c.num_layers + 1, batch, c.hidden_size), float("nan")))
+        self.launches, self.bound = 0, None
+        FakeEngine.built.append(self)
+
+    def bind_kv_caches(self, k, v):
+        self.bound = (k, v)
+
+    def launch(self):
+        self.launches += 1
+        self.bufs.x[-1] = self.weights.embed[self.bufs.tokens.long()].float() + self.bufs.positions[:, None].float()
+
+    def check(self):
+        pass
+
+
+def _ready_adapter(preset="tiny-llama", seed=6):
+    """An adapter past on_weights_loaded, on the CPU, with FakeEngine and an injected forward context."""
+    cfg = get_preset(preset)
+    model = fake_vllm_model(random_weights(cfg, seed=seed))
+    gen = torch.Generator().manual_seed(seed)
+    attn = [_Attn(_vllm_026_flash_kv(40, 16, cfg.num_kv_heads, cfg.head_dim, "NHD", gen)[1],
+                  f"model.layers.{i}.self_attn.attn") for i in range(cfg.num_layers)]
+    for layer, at in zip(model.model.layers, attn):
+        object.__setattr__(layer.self_attn, "attn", at)
+    a = vm.MegakernelDecode(model, _vllm_config(**{"model_config.hf_config": cfg.to_hf_config()}))
+    a.prepared, a.engine_cls, a.device = True, FakeEngine, torch.device("cpu")
+    a.weights = vm.weights_from_vllm(model, cfg)
+    a.norm_weight, a.eps = a.weights.final_norm, cfg.rms_norm_eps
+    ctx = SimpleNamespace(attn_metadata=None)
+    a._fc_get, a._fc_available = (lambda: ctx), (lambda: True)
+    return a, cfg, ctx, model
+
+
+def _metadata(n, max_query_len, seed, valid=None):
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.randint(0, 600, (n,), generator=gen)
+    if valid is not None:
+        slots[~valid] = -1
+    return SimpleNamespace(max_query_len=max_query_len, slot_mapping=slots,
+                           block_table=torch.randint(1, 40, (n, 128), generator=gen, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("n,bucket,seed", [(1, 1, 0), (3, 4, 1), (8, 8, 2)])
+def test_adapter_decode_batch_runs_one_engine_launch(n, bucket, seed):
+    FakeEngine.built.clear()
+    a, cfg, ctx, model = _ready_adapter(seed=seed)
+    gen = torch.Generator().manual_seed(100 + seed)
+    valid = torch.ones(n, dtype=torch.bool)
+    valid[n - 1] = n < 3                                 # the last row of bigger batches is CUDA-graph padding
+    md = _metadata(n, 1, seed, valid)
+    ctx.attn_metadata = {f"model.layers.{i}.self_attn.attn": md for i in range(cfg.num_layers)}
+    ids = torch.randint(0, cfg.vocab_size, (n,), generator=gen)
+    pos = torch.randint(0, 500, (n,), generator=gen)
+    out = a.maybe_decode(ids, pos)
+    ctx_s = f"n={n} seed={seed}"
+    assert out is not None and out.shape == (n, cfg.hidden_size) and out.dtype == torch.bfloat16, ctx_s
+    [eng] = FakeEngine.built
+    assert eng.batch == bucket and eng.launches == 1 and eng.options == dict(own_kv_cache=False, lm_head=False)
+    k, v = eng.bound
+    assert len(k) == len(v) == cfg.num_layers
+    tok = torch.where(valid, ids, 0)
+    p = torch.where(valid, pos, 0)
+    x = model.model.embed_tokens.weight[tok].float() + p[:, None].float()
+    assert_close(out, rms_norm(x.double(), a.weights.final_norm.double(), cfg.rms_norm_eps), context=ctx_s)
+    assert torch.equal(eng.bufs.block_table[:n, :64], torch.where(valid[:, None], md.block_table[:, :64], 0)), ctx_s
+    # a second step of the same size reuses the engine
+    assert a.maybe_decode(ids, pos) is not None and len(FakeEngine.built) == 1 and eng.launches == 2
+
+
+def test_adapter_leaves_prefill_and_big_batches_to_vllm(mk_log):
+    FakeEngine.built.clear()
+    a, cfg, ctx, _ = _ready_adapter()
+    name = "model.layers.0.self_attn.attn"
+    ctx.attn_metadata = {name: _metadata(2, 7, 0)}                     # prefill: silent
+    assert a.maybe_decode(torch.zeros(9, dtype=torch.long), torch.arange(9)) is None
+    ctx.attn_metadata = {name: _metadata(12, 1, 0)}                    # 12 decodes: logged once
+    before = vm.STATS["fallbacks"].copy()
+    for _ in range(3):
+        assert a.maybe_decode(torch.zeros(12, dtype=torch.long), torch.arange(12)) is None
+    why = "decode batch of 12 exceeds the megakernel's maximum batch 8"
+    assert vm.STATS["fallbacks"][why] - before[why] == 3
+    assert mk_log.text.count(why) <= 1 and not FakeEngine.built
+    ctx.attn_metadata = None                                            # profiling run
+    assert a.maybe_decode(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)) is None
+
+
+def test_adapter_waits_for_vllms_kv_cache():
+    FakeEngine.built.clear()
+    a, cfg, ctx, model = _ready_adapter()
+    for layer in model.model.layers:
+        layer.self_attn.attn.kv_cache = torch.tensor([])
+    ctx.attn_metadata = {"model.layers.0.self_attn.attn": _metadata(1, 1, 0)}
+    assert a.maybe_decode(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)) is None
+    assert not FakeEngine.built and a.disabled is None
+
+
+# ------------------------------------------------------------------------------------------------
+# Against vLLM itself
+# ------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def vllm_registry():
+    from vllm import ModelRegistry
+
+    saved = dict(ModelRegistry.models)
+    yield ModelRegistry
+    ModelRegistry.models.clear()
+    ModelRegistry.models.update(saved)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("env_on", [False, True])
+def test_register_with_vllm(vllm_registry, env_on, monkeypatch):
+    if env_on:
+        monkeypatch.setenv(vp.ENV_SWITCH, "1")
+    else:
+        monkeypatch.delenv(vp.ENV_SWITCH, raising=False)
+    stock_llama = vllm_registry.models["LlamaForCausalLM"]
+    assert vp.register() is True
+    archs = vllm_registry.get_supported_archs()
+    assert {"MegakernelLlamaForCausalLM", "MegakernelQwen3ForCausalLM"} <= set(archs)
+    for mk, stock in vp.ARCHITECTURES.items():
+        entry = vllm_registry.models[mk]
+        assert (entry.module_name, entry.class_name) == (vp.MODEL_MODULE, mk)
+        cls = entry.load_model_cls()
+        assert cls is getattr(vm, mk)
+    if env_on:
+        assert vllm_registry.models["LlamaForCausalLM"].class_name == "MegakernelLlamaForCausalLM"
+    else:
+        assert vllm_registry.models["LlamaForCausalLM"] is stock_llama
+
+
+@pytest.mark.vllm
+def test_flash_attention_metadata_has_the_fields_the_adapter_reads():
+    from dataclasses import fields
+
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionMetadata
+
+    assert {"block_table", "slot_mapping", "max_query_len"} <= {f.name for f in fields(FlashAttentionMetadata)}
+    # the logical per-layer cache shape split_kv_cache expects for this backend
+    assert FlashAttentionBackend.get_kv_cache_shape(7, 16, 2, 64) == (7, 2, 16, 128)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("preset", ["llama-3.2-1b", "qwen3-0.6b"])
+def test_megakernel_config_from_vllms_model_config(preset, tmp_path, vllm_registry):
+    """vLLM's own ModelConfig of a checkpoint directory with the architecture overridden."""
+    import json
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    want = get_preset(preset)
+    (tmp_path / "config.json").write_text(json.dumps(dict(want.to_hf_config(), torch_dtype="bfloat16")))
+    vp.register()
+    mc = EngineArgs(model=str(tmp_path), skip_tokenizer_init=True, max_model_len=512,
+                    hf_overrides={"architectures": [MK_NAME[want.architecture]]}).create_model_config()
+    assert mc.architectures == [MK_NAME[want.architecture]]
+    assert vm.megakernel_config(mc.hf_config, name=preset) == want
+
+
+@pytest.mark.vllm
+def test_model_classes_extend_vllms():
+    import inspect
+    from dataclasses import asdict
+
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+    from vllm.model_executor.models.qwen3 import Qwen3ForCausalLM
+    from vllm.model_executor.models.registry import _ModelInfo
+
+    assert vm.VLLM_IMPORT_ERROR is None
+    for cls, base in ((vm.MegakernelLlamaForCausalLM, LlamaForCausalLM),
+                      (vm.MegakernelQwen3ForCausalLM, Qwen3ForCausalLM)):
+        assert issubclass(cls, base) and cls.forward is vm.MegakernelDecodeMixin.forward
+        # vllm.model_executor.model_loader.utils.initialize_model passes these by keyword
+        assert {"vllm_config", "prefix"} <= set(inspect.signature(cls.__init__).parameters), cls
+        # what vLLM's registry records about the class is what it records about the stock one
+        mine, stock = asdict(_ModelInfo.from_model_cls(cls)), asdict(_ModelInfo.from_model_cls(base))
+        assert mine.pop("architecture") == cls.__name__ and stock.pop("architecture") == base.__name__
+        assert mine == stock, cls
