@@ -73,6 +73,30 @@ def default_kv_splits(config: ModelConfig, batch: int, num_sms: int, max_seq_len
     return max(1, min(32, by_sms, by_len))
 
 
+def validate_step_inputs(layout: StepLayout, tokens, positions, block_table=None, num_blocks: int | None = None) -> None:
+    """ValueError, before anything runs, for step inputs the kernel must not see: wrong shapes, token
+    ids outside the vocabulary, positions outside [0, max_seq_len), block ids outside the cache."""
+    tokens, positions = torch.as_tensor(tokens), torch.as_tensor(positions)
+    if tokens.shape != (layout.batch,) or positions.shape != (layout.batch,):
+        raise ValueError(f"tokens and positions must have shape ({layout.batch},); got "
+                         f"{tuple(tokens.shape)} and {tuple(positions.shape)}")
+    t_cpu, p_cpu = tokens.cpu(), positions.cpu()
+    vocab = layout.config.vocab_size
+    if int(t_cpu.min()) < 0 or int(t_cpu.max()) >= vocab:
+        raise ValueError(f"token ids must be in [0, {vocab}); got {t_cpu.tolist()}")
+    if int(p_cpu.min()) < 0 or int(p_cpu.max()) >= layout.max_seq_len:
+        raise ValueError(f"position {int(p_cpu.max()) if int(p_cpu.max()) >= layout.max_seq_len else int(p_cpu.min())} "
+                         f"is past the KV cache: positions must be in [0, {layout.max_seq_len}); got {p_cpu.tolist()}")
+    if block_table is not None:
+        bt = torch.as_tensor(block_table)
+        if bt.shape != (layout.batch, layout.max_blocks_per_seq):
+            raise ValueError(f"block_table must have shape ({layout.batch}, {layout.max_blocks_per_seq}); "
+                             f"got {tuple(bt.shape)}")
+        bt_cpu = bt.cpu()
+        if num_blocks is not None and (int(bt_cpu.min()) < 0 or int(bt_cpu.max()) >= num_blocks):
+            raise ValueError(f"block_table entries must be in [0, {num_blocks})")
+
+
 @dataclass
 class PackedWeights:
     """Weights stacked per matrix kind across layers, in the row order the tiles stream.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..instructions.layout import (MAX_BATCH, StepLayout, allocate_buffers, default_kv_splits,
-                                   pack_weights)
+                                   pack_weights, validate_step_inputs)
 from ..instructions.opcodes import Opcode
 from ..instructions.record import serialize
 from ..kernel.decode import ARG_NAMES, ERR_POSITION, ERR_TIMEOUT, ERR_TOKEN, KernelOptions
@@ -91,7 +91,9 @@ class MegakernelEngine:
         self.queue_table = table.to(self.device)
         self.queue_lengths = lengths.to(self.device)
 
-        self.weights = pack_weights(weights.to(device=self.device), self.layout.max_seq_len).to(self.device)
+        # the kernel streams bf16 weights: other dtypes are converted here (exact for bf16-representable values)
+        self.weights = pack_weights(weights.to(device=self.device, dtype=torch.bfloat16),
+                                    self.layout.max_seq_len).to(self.device)
         c = config
         self.ones = torch.ones(max(c.hidden_size, c.q_size, c.intermediate_size), dtype=torch.bfloat16,
                                device=self.device)
@@ -185,25 +187,12 @@ class MegakernelEngine:
     def set_inputs(self, tokens: torch.Tensor, positions: torch.Tensor,
                    block_table: torch.Tensor | None = None) -> None:
         """Validate and copy the step inputs (raises ValueError before anything is launched)."""
-        c, lay = self.layout.config, self.layout
+        lay = self.layout
         tokens = torch.as_tensor(tokens)
         positions = torch.as_tensor(positions)
-        if tokens.shape != (lay.batch,) or positions.shape != (lay.batch,):
-            raise ValueError(f"tokens and positions must have shape ({lay.batch},); got "
-                             f"{tuple(tokens.shape)} and {tuple(positions.shape)}")
-        t_cpu, p_cpu = tokens.cpu(), positions.cpu()
-        if int(t_cpu.min()) < 0 or int(t_cpu.max()) >= c.vocab_size:
-            raise ValueError(f"token ids must be in [0, {c.vocab_size}); got {t_cpu.tolist()}")
-        if int(p_cpu.min()) < 0 or int(p_cpu.max()) >= lay.max_seq_len:
-            raise ValueError(f"positions must be in [0, {lay.max_seq_len}) (the KV cache size); got {p_cpu.tolist()}")
+        validate_step_inputs(lay, tokens, positions, block_table, self.num_blocks)
         if block_table is not None:
             bt = torch.as_tensor(block_table)
-            if bt.shape != (lay.batch, lay.max_blocks_per_seq):
-                raise ValueError(f"block_table must have shape ({lay.batch}, {lay.max_blocks_per_seq}); "
-                                 f"got {tuple(bt.shape)}")
-            bt_cpu = bt.cpu()
-            if int(bt_cpu.min()) < 0 or int(bt_cpu.max()) >= self.num_blocks:
-                raise ValueError(f"block_table entries must be in [0, {self.num_blocks})")
             self.bufs.block_table.copy_(bt.to(torch.int32))
         self.bufs.tokens.copy_(tokens.to(device=self.device, dtype=torch.int32))
         self.bufs.positions.copy_(positions.to(device=self.device, dtype=torch.int32))

@@ -91,10 +91,9 @@ class VMDecoder:
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
              order: str = "round-robin") -> tuple[torch.Tensor, torch.Tensor]:
         """-> (next tokens int32 [B], logits float32 [B, V])."""
+        from ..instructions.layout import validate_step_inputs
         bufs = self.ctx.bufs
-        if int(positions.max()) >= self.layout.max_seq_len:
-            raise ValueError(f"position {int(positions.max())} is past the KV cache "
-                             f"(max_seq_len={self.layout.max_seq_len})")
+        validate_step_inputs(self.layout, tokens, positions, block_table, self.ctx.k_cache.shape[1])
         bufs.poison()
         bufs.tokens.copy_(tokens.to(torch.int32))
         bufs.positions.copy_(positions.to(torch.int32))

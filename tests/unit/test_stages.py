@@ -1,0 +1,648 @@
+"""Every fused stage, one instruction at a time, on shapes drawn by hypothesis.
+
+CPU: the stage's torch reference (megakernel.instructions.*.reference through a StageContext) against a
+float64 computation written here from the model ops (megakernel.model.ops), on fresh random buffers whose
+outputs are NaN-poisoned first: a stage must write exactly its region (anything else it touches, or forgets,
+fails). GPU (marker `gpu`): the same properties through the real kernel (MegakernelEngine.run_instructions),
+which is also compared with the stage reference run on a CPU copy of the same buffers.
+
+What the float64 side computes, per stage:
+    EMBED         x[0] = embed[tokens]
+    QKV           qkv[l][:, rows] = W_qkv[rows] @ rms_norm(x[l])
+    ATTN_*        attn_out = paged_attention_decode over the cache + the new token's k, v (QK-norm, RoPE), and
+                  each split's (lse, o) over its documented range; the new k, v land in the cache at pos
+    O_PROJ        h[l][:, rows] = x[l][:, rows] + W_o[rows] @ attn_out[l]
+    GATE_UP       act[l][:, j] = silu(W_gate[j] @ n) * (W_up[j] @ n), n = rms_norm(h[l]); j from the interleave
+    DOWN          x[l+1][:, rows] = h[l][:, rows] + W_down[rows] @ act[l]
+    LM_HEAD       logits[:, rows] = W_lm[rows] @ rms_norm(x[L]); tile max and argmax
+    ARGMAX        next token = lowest vocabulary index of the largest tile max; tokens <- it, positions += 1
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megakernel.instructions import STAGE_MODULES
+from megakernel.instructions.context import StageContext
+from megakernel.instructions.layout import StepBuffers, StepLayout, allocate_buffers, pack_weights
+from megakernel.instructions.opcodes import Opcode
+from megakernel.instructions.record import Instruction
+from megakernel.model import ops
+from megakernel.model.config import ModelConfig
+from megakernel.model.weights import ModelWeights, random_weights
+from megakernel.schedule import build_program
+from megakernel.schedule.dag import StepProgram
+from megakernel.testing.strategies import StageCase, layout_requests, stage_cases
+from megakernel.testing.tolerances import assert_close, tolerance_for
+
+# CPU shapes stay small (the float64 side and the weights are built per example); the GPU draws up to the
+# llama-3.1-8b widths.
+CPU_CASES = stage_cases(max_hidden=1024, max_intermediate=1024, max_heads=16, max_batch=8, max_blocks=12,
+                        max_vocab=1024, max_splits=8)
+GPU_CASES = stage_cases(max_hidden=4096, max_intermediate=8192, max_heads=64, max_batch=8, max_blocks=32,
+                        max_vocab=8192, max_splits=16)
+CPU_SMS = st.sampled_from((1, 7, 132))   # 1 SM: one tile per stage; 132: the H200's ragged small tiles
+# Each GPU example compiles a kernel (~3 s): keep the GPU run short unless a long profile was asked for.
+GPU_EXAMPLES = max(1, min(settings.default.max_examples, 12)) if settings.default.max_examples < 1000 \
+    else settings.default.max_examples
+
+GPU = "cuda"
+F32 = torch.float32
+BF16 = torch.bfloat16
+NAN = float("nan")
+LOOSE_DTYPE = {Opcode.ATTN_PARTIAL: BF16}   # GPU vs CPU reference: see _compare_with_reference
+
+
+@pytest.fixture(autouse=True)
+def _one_cpu_thread():
+    """Stage references are tiny torch ops; thread hand-offs cost more than they save."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---- a test bench: the model, the step layout and CPU buffers of one drawn case ------------------------------
+
+@dataclass
+class Bench:
+    case: StageCase
+    config: ModelConfig
+    layout: StepLayout
+    program: StepProgram
+    weights: ModelWeights          # unpacked, as the model ops see them (any device)
+    ctx: StageContext              # CPU: packed weights, buffers, KV cache
+    gen: torch.Generator
+
+    def what(self, ins: Instruction | None = None) -> str:
+        s = f"{self.case.describe()} sms={self.layout.num_sms}"
+        if ins is not None:
+            s += (f" | {ins.opcode.name} #{ins.index} layer={ins.layer} a0={ins.a0} a1={ins.a1} a2={ins.a2} "
+                  f"a3={ins.a3}")
+        return s
+
+
+def _layout(case: StageCase, num_sms: int) -> StepLayout:
+    s = case.shape
+    return StepLayout(config=case.to_config(), batch=s.batch, kv_splits=case.kv_splits, block_size=s.block_size,
+                      max_blocks_per_seq=s.blocks_per_seq, num_sms=num_sms)
+
+
+def _num_blocks(case: StageCase) -> int:
+    return case.shape.batch * case.shape.blocks_per_seq + 3      # spare blocks nobody owns
+
+
+def _cpu_context(layout: StepLayout, program: StepProgram, packed, num_blocks: int) -> StageContext:
+    c = layout.config
+    bufs = allocate_buffers(layout, program.lm_tiles, program.num_counters)
+    shape = (c.num_layers, num_blocks, layout.block_size, c.num_kv_heads, c.head_dim)
+    return StageContext(layout, packed, bufs, torch.full(shape, NAN, dtype=BF16), torch.full(shape, NAN, dtype=BF16))
+
+
+def cpu_bench(case: StageCase, num_sms: int) -> Bench:
+    layout = _layout(case, num_sms)
+    program = build_program(layout)
+    weights = random_weights(layout.config, seed=case.seed, dtype=BF16)
+    packed = pack_weights(weights, layout.max_seq_len)
+    ctx = _cpu_context(layout, program, packed, _num_blocks(case))
+    return Bench(case, layout.config, layout, program, weights, ctx, torch.Generator().manual_seed(case.seed))
+
+
+def clone_ctx(ctx: StageContext) -> StageContext:
+    bufs = StepBuffers(**{f.name: getattr(ctx.bufs, f.name).clone() for f in fields(StepBuffers)})
+    return StageContext(ctx.layout, ctx.weights, bufs, ctx.k_cache.clone(), ctx.v_cache.clone())
+
+
+# ---- inputs and poison --------------------------------------------------------------------------------------
+
+OUTPUTS: dict[Opcode, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # (float buffers the stage writes: NaN before it runs, int buffers: -1 before it runs)
+    Opcode.EMBED: (("x",), ()),
+    Opcode.QKV: (("qkv",), ()),
+    Opcode.ATTN_PARTIAL: (("attn_part_o", "attn_part_lse", "attn_out"), ()),    # run with its ATTN_REDUCE
+    Opcode.ATTN_REDUCE: (("attn_out",), ()),
+    Opcode.O_PROJ: (("h",), ()),
+    Opcode.GATE_UP: (("act",), ()),
+    Opcode.DOWN: (("x",), ()),
+    Opcode.LM_HEAD: (("logits", "lm_max"), ("lm_idx",)),
+    Opcode.ARGMAX: ((), ("out_tokens",)),
+}
+
+
+def fill_inputs(bench: Bench, with_cache: bool = True) -> None:
+    """Fresh random values in every buffer a stage may read (never zeros), a shuffled block table, and (for
+    attention) a KV history of random bf16 for positions 0..pos-1 of each sequence, NaN in every other slot."""
+    gen, bufs, lay, c = bench.gen, bench.ctx.bufs, bench.layout, bench.config
+    s = bench.case.shape
+    for f in fields(StepBuffers):
+        t = getattr(bufs, f.name)
+        if t.is_floating_point():
+            t.copy_(torch.randn(t.shape, generator=gen))
+    bufs.tokens.copy_(torch.randint(0, c.vocab_size, (s.batch,), generator=gen))
+    bufs.positions.copy_(torch.tensor(s.positions))
+    num_blocks = bench.ctx.k_cache.shape[1]
+    table = torch.randperm(num_blocks, generator=gen)[: s.batch * lay.max_blocks_per_seq]
+    bufs.block_table.copy_(table.view(s.batch, lay.max_blocks_per_seq))
+    for cache in (bench.ctx.k_cache, bench.ctx.v_cache):
+        cache.fill_(NAN)
+        if not with_cache:
+            continue
+        for b, pos in enumerate(s.positions):
+            p = torch.arange(pos)
+            blocks = bufs.block_table[b, p // lay.block_size].long()
+            cache[:, blocks, p % lay.block_size] = torch.randn(
+                c.num_layers, pos, c.num_kv_heads, c.head_dim, generator=gen).to(BF16)
+    # LM head tiles as ARGMAX sees them: tile t's index lies in its own rows, so indices grow with t;
+    # some sequences get an exact tie between two tiles (ties go to the lowest vocabulary index).
+    tiles = sorted((i for i in bench.program.instructions if i.opcode == Opcode.LM_HEAD), key=lambda i: i.a2)
+    for t, ins in enumerate(tiles):
+        bufs.lm_idx[:, t] = ins.a0 + torch.randint(0, ins.a1, (s.batch,), generator=gen).to(torch.int32)
+    if len(tiles) > 1:
+        for b in range(s.batch):
+            if torch.rand((), generator=gen) < 0.5:
+                i, j = torch.randperm(len(tiles), generator=gen)[:2].tolist()
+                bufs.lm_max[b, i] = bufs.lm_max[b, j] = bufs.lm_max[b].max() + 1.0
+    # ATTN_REDUCE inputs: some splits empty (lse = -inf, o = 0), as ATTN_PARTIAL writes them
+    empty = torch.rand(bufs.attn_part_lse.shape, generator=gen) < 0.3
+    empty[..., -1] = False                 # the last split always holds the new token
+    bufs.attn_part_lse.mul_(2.0).masked_fill_(empty, -math.inf)
+    bufs.attn_part_o.masked_fill_(empty[..., None], 0.0)
+
+
+def poison_outputs(ctx: StageContext, op: Opcode) -> None:
+    floats, ints = OUTPUTS[op]
+    for name in floats:
+        getattr(ctx.bufs, name).fill_(NAN)
+    for name in ints:
+        getattr(ctx.bufs, name).fill_(-1)
+
+
+def run_reference(ctx: StageContext, instructions: list[Instruction]) -> None:
+    for ins in instructions:
+        STAGE_MODULES[ins.opcode].reference(ins, ctx)
+
+
+def pick(bench: Bench, op: Opcode, layer: int | None = None) -> Instruction:
+    """One instruction of `op` (in the case's layer for per-layer stages), chosen by the case's seed."""
+    layer = bench.case.layer if layer is None else layer
+    if op in (Opcode.EMBED, Opcode.LM_HEAD, Opcode.ARGMAX):
+        layer = 0
+    found = [i for i in bench.program.instructions if i.opcode == op and i.layer == layer]
+    assert found, f"{bench.what()}: no {op.name} instruction in layer {layer}"
+    return found[int(torch.randint(len(found), (1,), generator=bench.gen))]
+
+
+def attention_group(bench: Bench) -> list[Instruction]:
+    """Every ATTN_PARTIAL split of one (sequence, kv head), then its ATTN_REDUCE."""
+    red = pick(bench, Opcode.ATTN_REDUCE)
+    parts = [i for i in bench.program.instructions if i.opcode == Opcode.ATTN_PARTIAL and i.layer == red.layer
+             and i.a0 == red.a0 and i.a1 == red.a1]
+    return sorted(parts, key=lambda i: i.a2) + [red]
+
+
+def instructions_for(bench: Bench, op: Opcode) -> list[Instruction]:
+    return attention_group(bench) if op == Opcode.ATTN_PARTIAL else [pick(bench, op)]
+
+
+# ---- the float64 side ---------------------------------------------------------------------------------------
+
+def f64(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", torch.float64)
+
+
+def assert_region(actual: torch.Tensor, index, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """actual[index] matches the float64 `expected` at `dtype`'s tolerance; nothing outside it was written."""
+    assert_close(actual[index], expected, dtype, context=what)
+    outside = torch.ones(actual.shape, dtype=torch.bool)
+    outside[index] = False
+    stray = ~torch.isnan(actual[outside])
+    assert not stray.any(), f"{what}: {int(stray.sum())} of {int(outside.sum())} elements outside the region written"
+
+
+def check_embed(bench, ins, before, after, what):
+    tokens = before.bufs.tokens.long()
+    expected = f64(bench.weights.embed[tokens.to(bench.weights.embed.device)])
+    assert torch.equal(f64(after.bufs.x[0]), expected), f"{what}: x[0] != embed[tokens {tokens.tolist()}]"
+    assert_region(after.bufs.x, 0, expected, F32, what)
+
+
+def _rows(ins):
+    return slice(ins.a0, ins.a0 + ins.a1)
+
+
+def check_qkv(bench, ins, before, after, what):
+    c, l, rows = bench.config, ins.layer, _rows(ins)
+    lw = bench.weights.layers[l]
+    normed = ops.rms_norm(f64(before.bufs.x[l]), f64(lw.attn_norm), c.rms_norm_eps)
+    expected = normed @ f64(lw.qkv[rows]).T
+    assert_region(after.bufs.qkv, (l, slice(None), rows), expected, F32, what)
+
+
+def check_o_proj(bench, ins, before, after, what):
+    l, rows = ins.layer, _rows(ins)
+    w = f64(bench.weights.layers[l].o_proj[rows])
+    expected = f64(before.bufs.x[l, :, rows]) + f64(before.bufs.attn_out[l]) @ w.T
+    assert_region(after.bufs.h, (l, slice(None), rows), expected, F32, what)
+
+
+def check_gate_up(bench, ins, before, after, what):
+    c, l = bench.config, ins.layer
+    lw = bench.weights.layers[l]
+    # packed rows [a0, a0 + a1) hold whole (8 gate rows, 8 up rows) groups: MLP columns a0/2 .. (a0 + a1)/2
+    cols = slice(ins.a0 // 2, (ins.a0 + ins.a1) // 2)
+    f = c.intermediate_size
+    gate_w, up_w = f64(lw.gate_up[:f][cols]), f64(lw.gate_up[f:][cols])
+    normed = ops.rms_norm(f64(before.bufs.h[l]), f64(lw.mlp_norm), c.rms_norm_eps)
+    expected = ops.silu_and_mul(normed @ gate_w.T, normed @ up_w.T)
+    assert_region(after.bufs.act, (l, slice(None), cols), expected, F32, what)
+
+
+def check_down(bench, ins, before, after, what):
+    l, rows = ins.layer, _rows(ins)
+    w = f64(bench.weights.layers[l].down[rows])
+    expected = f64(before.bufs.h[l, :, rows]) + f64(before.bufs.act[l]) @ w.T
+    assert_region(after.bufs.x, (l + 1, slice(None), rows), expected, F32, what)
+
+
+def check_lm_head(bench, ins, before, after, what):
+    c, rows, tile = bench.config, _rows(ins), ins.a2
+    normed = ops.rms_norm(f64(before.bufs.x[c.num_layers]), f64(bench.weights.final_norm), c.rms_norm_eps)
+    y = normed @ f64(bench.weights.lm_head[rows]).T                       # [B, rows]
+    assert_region(after.bufs.logits, (slice(None), rows), y, F32, what)
+    assert_region(after.bufs.lm_max, (slice(None), tile), y.max(dim=1).values, F32, what)
+    idx = after.bufs.lm_idx
+    others = torch.ones(idx.shape[1], dtype=torch.bool)
+    others[tile] = False
+    assert (idx[:, others] == -1).all(), f"{what}: lm_idx written outside tile {tile}"
+    tol = tolerance_for(F32)
+    for b in range(y.shape[0]):
+        i = int(idx[b, tile])
+        top = float(y[b].max())
+        assert ins.a0 <= i < ins.a0 + ins.a1, f"{what}: sequence {b} tile argmax {i} outside rows {rows}"
+        # the argmax, or a row within float32 noise of the max (a near-tie may go either way)
+        assert float(y[b, i - ins.a0]) >= top - (tol.atol + tol.rtol * abs(top)), \
+            f"{what}: sequence {b} tile argmax {i} has logit {float(y[b, i - ins.a0]):.6g}, the max is {top:.6g}"
+        assert after.bufs.lm_max[b, tile] == after.bufs.logits[b, i], \
+            f"{what}: sequence {b} tile max is not the logit of its argmax {i}"
+
+
+def check_argmax(bench, ins, before, after, what):
+    best = before.bufs.lm_max[:, :ins.a0]
+    expected = []
+    for b in range(best.shape[0]):
+        top = best[b].max()
+        expected.append(min(int(before.bufs.lm_idx[b, t]) for t in range(ins.a0) if best[b, t] == top))
+    expected = torch.tensor(expected, dtype=torch.int32)
+    assert torch.equal(after.bufs.out_tokens, expected), \
+        f"{what}: next tokens {after.bufs.out_tokens.tolist()}, expected {expected.tolist()}"
+    assert torch.equal(after.bufs.tokens, expected), f"{what}: tokens not advanced"
+    assert torch.equal(after.bufs.positions, before.bufs.positions + 1), f"{what}: positions not advanced"
+
+
+def _new_token_qkv(bench, l: int, b: int, kvh: int, pos: int, before):
+    """(q [G, D], k [D], v [D]) float64 of the token at `pos`: QK-norm (Qwen3), then RoPE at `pos`."""
+    c = bench.config
+    g, d = c.gqa_group, c.head_dim
+    row = f64(before.bufs.qkv[l, b])
+    q = row[kvh * g * d:(kvh + 1) * g * d].view(g, d)
+    k = row[c.q_size + kvh * d:c.q_size + (kvh + 1) * d].view(1, d)
+    v = row[c.q_size + c.kv_size + kvh * d:c.q_size + c.kv_size + (kvh + 1) * d]
+    if c.qk_norm:
+        lw = bench.weights.layers[l]
+        q = ops.rms_norm(q, f64(lw.q_norm), c.rms_norm_eps)
+        k = ops.rms_norm(k, f64(lw.k_norm), c.rms_norm_eps)
+    cos, sin = ops.rope_cos_sin(ops.rope_inv_freq(c), torch.tensor([pos]))
+    return ops.apply_rope(q[None], cos, sin)[0], ops.apply_rope(k[None], cos, sin)[0, 0], v
+
+
+def _cache_bits(cache: torch.Tensor) -> torch.Tensor:
+    return cache.view(torch.int16)
+
+
+def check_attention(bench, group, before, after, what):
+    """All splits of one (sequence, kv head) then their reduction: the new k, v in the cache at pos, each
+    split's (lse, o) over its own range, and the merged output = attention over the whole cache."""
+    c, lay = bench.config, bench.layout
+    red = group[-1]
+    l, b, kvh, splits = red.layer, red.a0, red.a1, red.a3
+    g, d, bs = c.gqa_group, c.head_dim, lay.block_size
+    assert [i.a2 for i in group[:-1]] == list(range(splits)), what
+    pos = int(before.bufs.positions[b])
+    table = before.bufs.block_table
+    blk, off = int(table[b, pos // bs]), pos % bs
+    q, k, v = _new_token_qkv(bench, l, b, kvh, pos, before)
+
+    # the new token's k, v in its slot (bf16), and no other slot touched
+    for name, new, cache_before, cache_after in (("k", k, before.k_cache, after.k_cache),
+                                                  ("v", v, before.v_cache, after.v_cache)):
+        assert_close(cache_after[l, blk, off, kvh], new, BF16, context=f"{what} new {name} at pos {pos}")
+        changed = _cache_bits(cache_after) != _cache_bits(cache_before)
+        changed[l, blk, off, kvh] = False
+        assert not changed.any(), f"{what}: {int(changed.sum())} {name}-cache elements changed outside pos {pos}"
+
+    # keys/values as the cache now holds them, positions 0..pos (the new ones as stored, bf16-rounded)
+    t = torch.arange(pos + 1)
+    slots = table[b, t // bs].long()
+    keys = f64(after.k_cache[l, slots, t % bs, kvh])          # [pos + 1, D]
+    vals = f64(after.v_cache[l, slots, t % bs, kvh])
+    scale = d ** -0.5
+    heads = slice(kvh * g, (kvh + 1) * g)
+    chunk = -(-pos // splits)
+    lse_exp = torch.empty(g, splits, dtype=torch.float64)
+    o_exp = torch.empty(g, splits, d, dtype=torch.float64)
+    for s in range(splits):
+        lo = min(s * chunk, pos)
+        hi = min(lo + chunk, pos)
+        idx = torch.arange(lo, hi)
+        if s == splits - 1:
+            idx = torch.cat([idx, torch.tensor([pos])])        # the last split adds the new token
+        if idx.numel() == 0:
+            lse_exp[:, s], o_exp[:, s] = -math.inf, 0.0
+            continue
+        scores = (q @ keys[idx].T) * scale
+        lse_exp[:, s] = torch.logsumexp(scores, dim=-1)
+        o_exp[:, s] = torch.softmax(scores, dim=-1) @ vals[idx]
+    assert_region(after.bufs.attn_part_lse, (l, b, heads), lse_exp, F32, f"{what} partial lse")
+    assert_region(after.bufs.attn_part_o, (l, b, heads), o_exp, F32, f"{what} partial o")
+
+    out = ops.paged_attention_decode(q[None], f64(after.k_cache[l, :, :, kvh:kvh + 1]),
+                                     f64(after.v_cache[l, :, :, kvh:kvh + 1]), table[b:b + 1],
+                                     torch.tensor([pos + 1]), scale)[0]          # [G, D]
+    cols = slice(kvh * g * d, (kvh + 1) * g * d)
+    assert_region(after.bufs.attn_out, (l, b, cols), out.reshape(-1), F32, f"{what} attention output")
+
+
+def check_attn_reduce(bench, ins, before, after, what):
+    c = bench.config
+    g, d = c.gqa_group, c.head_dim
+    l, b, kvh = ins.layer, ins.a0, ins.a1
+    heads = slice(kvh * g, (kvh + 1) * g)
+    lse = f64(before.bufs.attn_part_lse[l, b, heads])          # [G, S], some -inf (empty splits)
+    o = f64(before.bufs.attn_part_o[l, b, heads])              # [G, S, D]
+    weight = torch.softmax(lse, dim=-1)
+    expected = (weight[..., None] * o).sum(dim=1)
+    assert_region(after.bufs.attn_out, (l, b, slice(kvh * g * d, (kvh + 1) * g * d)), expected.reshape(-1), F32,
+                  what)
+
+
+CHECKS = {
+    Opcode.EMBED: check_embed, Opcode.QKV: check_qkv, Opcode.O_PROJ: check_o_proj,
+    Opcode.GATE_UP: check_gate_up, Opcode.DOWN: check_down, Opcode.LM_HEAD: check_lm_head,
+    Opcode.ARGMAX: check_argmax, Opcode.ATTN_REDUCE: check_attn_reduce,
+}
+
+
+def check(bench: Bench, op: Opcode, instructions, before, after, where: str) -> None:
+    what = f"{where}: {bench.what(instructions[-1])}"
+    if op == Opcode.ATTN_PARTIAL:
+        check_attention(bench, instructions, before, after, what)
+    else:
+        CHECKS[op](bench, instructions[0], before, after, what)
+
+
+# ---- CPU: each stage's reference against float64 -------------------------------------------------------------
+
+def run_cpu_case(case: StageCase, num_sms: int, op: Opcode) -> None:
+    bench = cpu_bench(case, num_sms)
+    instructions = instructions_for(bench, op)
+    fill_inputs(bench, with_cache=op == Opcode.ATTN_PARTIAL)
+    poison_outputs(bench.ctx, op)
+    before = clone_ctx(bench.ctx)
+    run_reference(bench.ctx, instructions)
+    check(bench, op, instructions, before, bench.ctx, "stage reference (CPU) vs float64")
+
+
+@given(case=CPU_CASES, num_sms=CPU_SMS)
+def test_embed_stage(case, num_sms):
+    run_cpu_case(case, num_sms, Opcode.EMBED)
+
+
+@given(case=CPU_CASES, num_sms=CPU_SMS)
+def test_qkv_stage(case, num_sms):
+    run_cpu_case(case, num_sms, Opcode.QKV)
+
+
+@given(case=CPU_CASES, num_sms=CPU_SMS)
+def test_attention_partial_and_reduce_stages(case, num_sms):
+    run_cpu_case(case, num_sms, Opcode.ATTN_PARTIAL)
+
+
+@given(case=CPU_CASES, num_sms=CPU_SMS)
+def test_attn_reduce_stage_with_empty_splits(case, num_sms):
+    run_cpu_case(case, num_sms, Opcode.ATTN_REDUCE)
+
+
+@given(case=CPU_CASES, num_sms=CPU_SMS)
+def test_o_proj_stage(case, num_sms):
+    run_cpu_case(case, num_sms, Opcode.O_PROJ)
+
+
+@given(case=CPU_CASES, num_sms=CPU_SMS)
+def test_gate_up_stage(case, num_sms):
+    run_cpu_case(case, num_sms, Opcode.GATE_UP)
+
+
+@given(case=CPU_CASES, num_sms=CPU_SMS)
+def test_down_stage(case, num_sms):
+    run_cpu_case(case, num_sms, Opcode.DOWN)
+
+
+@given(case=CPU_CASES, num_sms=CPU_SMS)
+def test_lm_head_stage(case, num_sms):
+    run_cpu_case(case, num_sms, Opcode.LM_HEAD)
+
+
+@given(case=CPU_CASES, num_sms=CPU_SMS)
+def test_argmax_stage(case, num_sms):
+    run_cpu_case(case, num_sms, Opcode.ARGMAX)
+
+
+# ---- shapes outside the kernel's limits ----------------------------------------------------------------------
+
+def _violations(req) -> list[str]:
+    """The limits a request breaks, written from the kernel's documented constraints (KERNEL_API.md)."""
+    out = []
+    if not 1 <= req.batch <= 8:
+        out.append("batch")
+    if req.hidden_size % 256:
+        out.append("hidden_size")
+    if req.intermediate_size % 256:
+        out.append("intermediate_size")
+    if (req.num_heads * req.head_dim) % 256:
+        out.append("num_heads*head_dim")
+    if req.vocab_size % 8:
+        out.append("vocab_size")
+    if req.head_dim not in (64, 128):
+        out.append("head_dim")
+    if req.num_heads // req.num_kv_heads > 8:
+        out.append("num_heads/num_kv_heads")
+    return out
+
+
+def _request_config(req) -> ModelConfig:
+    return ModelConfig(architecture="LlamaForCausalLM", hidden_size=req.hidden_size, num_layers=1,
+                       num_heads=req.num_heads, num_kv_heads=req.num_kv_heads, head_dim=req.head_dim,
+                       intermediate_size=req.intermediate_size, vocab_size=req.vocab_size,
+                       tie_word_embeddings=False, rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-5,
+                       qk_norm=False, max_position_embeddings=4096, name="request")
+
+
+@given(req=layout_requests())
+def test_layouts_outside_the_kernel_limits_are_rejected(req):
+    layout = StepLayout(config=_request_config(req), batch=req.batch, kv_splits=2, block_size=16,
+                        max_blocks_per_seq=2, num_sms=8)
+    broken = _violations(req)
+    if not broken:
+        layout.validate()
+        build_program(layout)
+        return
+    with pytest.raises(ValueError) as info:
+        layout.validate()
+    message = str(info.value)
+    assert any(name.split("/")[0].split("*")[0] in message for name in broken), \
+        f"{req}: breaks {broken}; the error says {message!r}"
+
+
+@given(req=layout_requests())
+def test_vm_decoder_rejects_unsupported_shapes(req):
+    """The CPU twin of the engine refuses what the kernel cannot run, with ValueError, before any work."""
+    from megakernel.schedule.vm import VMDecoder
+
+    if not _violations(req):
+        return
+    weights = random_weights(_request_config(req), seed=0, dtype=BF16)
+    with pytest.raises(ValueError):
+        VMDecoder(weights, req.batch, 32, num_sms=8)
+
+
+def test_batch_zero_is_rejected_with_value_error():
+    """Without an explicit kv_splits the decoder sizes the splits by the batch first: that must not divide by 0."""
+    from megakernel.model.presets import get_preset
+    from megakernel.schedule.vm import VMDecoder
+
+    weights = random_weights(get_preset("tiny-llama"), seed=0, dtype=BF16)
+    with pytest.raises(ValueError, match="batch=0"):
+        VMDecoder(weights, 0, 32)
+
+
+# ---- GPU: the real kernel, one instruction at a time ---------------------------------------------------------
+
+def _gpu_bench(case: StageCase):
+    from megakernel.runtime.engine import MegakernelEngine
+
+    s = case.shape
+    config = case.to_config()
+    weights = random_weights(config, seed=case.seed, dtype=BF16, device=GPU, rng_device=GPU)
+    engine = MegakernelEngine(weights, s.batch, s.max_seq_len, block_size=s.block_size,
+                              num_blocks=_num_blocks(case), kv_splits=case.kv_splits, device=GPU)
+    packed = engine.weights.to("cpu")
+    ctx = _cpu_context(engine.layout, engine.program, packed, engine.num_blocks)
+    bench = Bench(case, config, engine.layout, engine.program, weights, ctx,
+                  torch.Generator().manual_seed(case.seed))
+    return bench, engine
+
+
+_ENGINE_STATE = ("counters", "sync", "error")     # the engine's own synchronisation state: not copied
+
+
+def push(ctx: StageContext, engine) -> None:
+    for f in fields(StepBuffers):
+        if f.name not in _ENGINE_STATE:
+            getattr(engine.bufs, f.name).copy_(getattr(ctx.bufs, f.name))
+    engine.k_cache.copy_(ctx.k_cache)
+    engine.v_cache.copy_(ctx.v_cache)
+
+
+def pull(engine, like: StageContext) -> StageContext:
+    bufs = StepBuffers(**{f.name: getattr(engine.bufs, f.name).cpu() for f in fields(StepBuffers)})
+    return StageContext(like.layout, like.weights, bufs, engine.k_cache.cpu(), engine.v_cache.cpu())
+
+
+def _compare_with_reference(op: Opcode, instructions, gpu: StageContext, ref: StageContext, what: str) -> None:
+    """The kernel's outputs against the stage reference's on the same inputs. Attention goes through the
+    bf16 cache: the new token's k, v are rounded to bf16 on both sides, and the kernel's float32 (with
+    approximate rsqrt/exp2) may land one bf16 ulp away from the reference's; that ulp reaches the scores,
+    so attention outputs are compared at the bf16 tolerance (the float64 check above holds them to float32
+    against the values the kernel actually stored)."""
+    dtype = LOOSE_DTYPE.get(op, F32)
+    floats, ints = OUTPUTS[op]
+    for name in floats:
+        mine, theirs = getattr(gpu.bufs, name), getattr(ref.bufs, name)
+        assert torch.equal(torch.isnan(mine), torch.isnan(theirs)), f"{what}: {name} written at other elements"
+        written = ~torch.isnan(theirs)
+        assert_close(mine[written], theirs[written], dtype, context=f"{what} {name} vs stage reference")
+    if op == Opcode.ATTN_PARTIAL:
+        for name in ("k_cache", "v_cache"):
+            mine, theirs = getattr(gpu, name), getattr(ref, name)
+            assert torch.equal(torch.isnan(mine), torch.isnan(theirs)), f"{what}: {name} NaN pattern differs"
+            written = ~torch.isnan(theirs)
+            assert_close(mine[written], theirs[written], BF16, context=f"{what} {name} vs stage reference")
+    for name in ints:
+        if name == "lm_idx":            # a near-tie may go either way: check_lm_head judges it
+            continue
+        assert torch.equal(getattr(gpu.bufs, name), getattr(ref.bufs, name)), f"{what}: {name}"
+    if op == Opcode.ARGMAX:
+        for name in ("tokens", "positions"):
+            assert torch.equal(getattr(gpu.bufs, name), getattr(ref.bufs, name)), f"{what}: {name}"
+
+
+GPU_OPCODES = (Opcode.EMBED, Opcode.QKV, Opcode.ATTN_PARTIAL, Opcode.ATTN_REDUCE, Opcode.O_PROJ, Opcode.GATE_UP,
+               Opcode.DOWN, Opcode.LM_HEAD, Opcode.ARGMAX)
+
+
+@pytest.mark.gpu
+@settings(max_examples=GPU_EXAMPLES)
+@given(case=GPU_CASES)
+def test_stages_on_gpu_match_reference(case):
+    """One engine per drawn shape (one compile); every opcode in turn on fresh random buffers."""
+    bench, engine = _gpu_bench(case)
+    try:
+        for op in GPU_OPCODES:
+            instructions = instructions_for(bench, op)
+            fill_inputs(bench, with_cache=op == Opcode.ATTN_PARTIAL)
+            poison_outputs(bench.ctx, op)
+            before = clone_ctx(bench.ctx)
+            push(before, engine)
+            torch.cuda.synchronize()
+            for ins in instructions:
+                engine.run_instructions([ins])
+            gpu = pull(engine, before)
+            ref = clone_ctx(before)
+            run_reference(ref, instructions)
+            what = f"kernel (GPU) {bench.what(instructions[-1])}"
+            check(bench, op, instructions, before, gpu, "kernel (GPU) vs float64")
+            _compare_with_reference(op, instructions, gpu, ref, what)
+    finally:
+        del engine
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@settings(max_examples=GPU_EXAMPLES)
+@given(req=layout_requests())
+def test_engine_rejects_unsupported_shapes(req):
+    from megakernel.runtime.engine import MegakernelEngine
+
+    if not _violations(req):
+        return          # accepted shapes are test_stages_on_gpu_match_reference's business (a compile each)
+    config = dataclasses.replace(_request_config(req), num_layers=1)
+    weights = random_weights(config, seed=0, dtype=BF16, device=GPU, rng_device=GPU)
+    with pytest.raises(ValueError):
+        MegakernelEngine(weights, req.batch, 32, device=GPU)
+
+
+@pytest.mark.gpu
+def test_engine_rejects_batch_zero_with_value_error():
+    from megakernel.model.presets import get_preset
+    from megakernel.runtime.engine import MegakernelEngine
+
+    weights = random_weights(get_preset("tiny-llama"), seed=0, dtype=BF16, device=GPU)
+    with pytest.raises(ValueError, match="batch=0"):
+        MegakernelEngine(weights, 0, 32, device=GPU)

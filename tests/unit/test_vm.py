@@ -1,0 +1,159 @@
+"""The instruction VM (the serialized per-SM queues run with each stage's torch reference) against the float32
+ReferenceDecoder: same weights, same paged cache geometry, several steps of a batch whose sequences sit at
+different positions. Float32 weights and caches on both sides, so only op order differs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megakernel.model.kv_cache import PagedKVCache, contiguous_block_table
+from megakernel.model.presets import get_preset
+from megakernel.model.reference import ReferenceDecoder
+from megakernel.model.weights import random_weights
+from megakernel.schedule import ScheduleError
+from megakernel.schedule.vm import VMDecoder
+from megakernel.testing.tolerances import assert_close, greedy_tolerance_for
+
+PROMPT_LENS = (11, 1, 6)     # sequences at different positions (and one that starts at position 0)
+NEW_TOKENS = 8
+LAST_POSITION = max(PROMPT_LENS) - 1 + NEW_TOKENS - 1     # 17
+
+# (preset, policy, interleaving order, num_sms, kv_splits, block_size, shuffled block table)
+VM_CASES = [
+    ("tiny-llama", "balanced", "round-robin", 132, None, 16, False),
+    ("tiny-llama", "balanced", "reverse", 7, 3, 6, True),
+    ("tiny-llama", "round-robin", "round-robin", 7, 1, 6, True),
+    ("tiny-llama", "round-robin", "reverse", 132, None, 16, True),
+    ("tiny-qwen3", "balanced", "round-robin", 7, 2, 6, True),
+    ("tiny-qwen3", "balanced", "reverse", 132, None, 16, True),
+    ("tiny-qwen3", "round-robin", "round-robin", 132, None, 16, False),
+    ("tiny-qwen3", "round-robin", "reverse", 7, 5, 1, True),
+]
+
+
+@pytest.fixture(autouse=True)
+def _one_cpu_thread():
+    """The VM runs thousands of tiny torch ops per step; thread hand-offs cost more than they save."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _ids(case) -> str:
+    preset, policy, order, sms, splits, bs, shuffled = case
+    return f"{preset}-{policy}-{order}-sms{sms}-splits{splits or 'auto'}-bs{bs}" + ("-shuffled" if shuffled else "")
+
+
+def _block_table(batch: int, max_seq_len: int, block_size: int, num_blocks: int, shuffled: bool,
+                 gen: torch.Generator) -> torch.Tensor:
+    if not shuffled:
+        return contiguous_block_table(batch, max_seq_len, block_size)
+    per_seq = -(-max_seq_len // block_size)
+    # every sequence gets a random, interleaved subset of a pool with spare blocks
+    return torch.randperm(num_blocks, generator=gen)[: batch * per_seq].view(batch, per_seq).to(torch.int32)
+
+
+@pytest.mark.parametrize("case", VM_CASES, ids=[_ids(c) for c in VM_CASES])
+def test_vm_decoder_equals_reference_decoder(case):
+    preset, policy, order, num_sms, kv_splits, block_size, shuffled = case
+    seed = 100 + VM_CASES.index(case)
+    config = get_preset(preset)
+    weights = random_weights(config, seed=seed, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(PROMPT_LENS)
+    max_seq_len = LAST_POSITION + 1
+    per_seq = -(-max_seq_len // block_size)
+    num_blocks = batch * per_seq + (5 if shuffled else 0)
+
+    vm = VMDecoder(weights, batch, max_seq_len, block_size=block_size, num_sms=num_sms, policy=policy,
+                   kv_splits=kv_splits, num_blocks=num_blocks)
+    table = _block_table(batch, max_seq_len, block_size, num_blocks, shuffled, gen)
+    assert tuple(table.shape) == (batch, vm.layout.max_blocks_per_seq)
+    ref = ReferenceDecoder(weights)
+    cache = PagedKVCache.allocate(config, num_blocks, block_size, dtype=torch.float32)
+    tol = greedy_tolerance_for(torch.float32)
+
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    longest = max(PROMPT_LENS)
+    # right-aligned prompts: a shorter sequence repeats its first token at position 0 until its prompt starts
+    padded = torch.tensor([[p[0]] * (longest - len(p)) + p for p in prompts]).T          # [longest, B]
+    offsets = torch.tensor([longest - n for n in PROMPT_LENS])
+    what = (f"{_ids(case)} seed={seed} batch={batch} prompt_lens={PROMPT_LENS} V={config.vocab_size} "
+            f"splits={vm.layout.kv_splits} float32")
+    generated = []
+    tokens = padded[0]
+    for t in range(longest - 1 + NEW_TOKENS):
+        positions = (t - offsets).clamp(min=0)
+        if t < longest:
+            tokens = padded[t]
+        ref_logits = ref.step(tokens, positions, cache, table)
+        vm_tokens, vm_logits = vm.step(tokens, positions, table, order=order)
+        step = f"{what} step {t} positions {positions.tolist()}"
+        assert_close(vm_logits, ref_logits, torch.float32, context=step)
+        expected = ref_logits.argmax(-1)
+        gaps = ref_logits.topk(2, dim=-1).values
+        gaps = (gaps[:, 0] - gaps[:, 1]).tolist()
+        for b in range(batch):
+            assert int(vm_tokens[b]) == int(expected[b]) or gaps[b] < tol.near_tie_gap, \
+                f"{step} sequence {b}: token {int(vm_tokens[b])} vs {int(expected[b])}, top-2 gap {gaps[b]:.3g}"
+        # ARGMAX advances the step inputs in place, ready for the next launch
+        assert torch.equal(vm.ctx.bufs.tokens, vm_tokens) and torch.equal(
+            vm.ctx.bufs.positions.long(), positions + 1), step
+        if t >= longest - 1:
+            tokens = vm_tokens.long()
+            generated.append(tokens.tolist())
+    assert int((LAST_POSITION - offsets).max()) == LAST_POSITION
+    if block_size == 6:   # the cache is exactly full: the last step decoded at the cache limit - 1
+        assert vm.layout.max_seq_len == LAST_POSITION + 1, what
+    # same KV cache contents, same slots written (the rest still NaN)
+    for name, mine, theirs in (("k", vm.ctx.k_cache, cache.k), ("v", vm.ctx.v_cache, cache.v)):
+        written = ~torch.isnan(theirs)
+        assert torch.equal(~torch.isnan(mine), written), f"{what}: {name} cache written at other slots"
+        assert_close(mine[written], theirs[written], torch.float32, context=f"{what} {name} cache")
+    distinct = len({tok for row in generated for tok in row})
+    assert distinct > NEW_TOKENS // 2, f"{what}: degenerate generation {generated}"
+
+
+def test_vm_orders_really_interleave_differently():
+    weights = random_weights(get_preset("tiny-llama"), seed=5, dtype=torch.float32)
+    table = contiguous_block_table(2, 16, 16)
+    traces = {}
+    outputs = {}
+    for order in ("round-robin", "reverse"):
+        vm = VMDecoder(weights, 2, 16, num_sms=7)
+        out, logits = vm.step(torch.tensor([3, 9]), torch.tensor([0, 0]), table, order=order)
+        traces[order] = [index for _, index in vm.vm.trace]
+        outputs[order] = (out, logits)
+    assert sorted(traces["reverse"]) == sorted(traces["round-robin"])
+    assert traces["reverse"] != traces["round-robin"], "tiny-llama seed=5 batch=2 sms=7: same execution order"
+    assert torch.equal(outputs["reverse"][0], outputs["round-robin"][0])
+    assert_close(outputs["reverse"][1], outputs["round-robin"][1], torch.float32, context="tiny-llama seed=5")
+
+
+@pytest.mark.parametrize("position", [16, 17, 1000])
+def test_positions_past_the_cache_raise(position):
+    weights = random_weights(get_preset("tiny-qwen3"), seed=6, dtype=torch.float32)
+    vm = VMDecoder(weights, 2, 16, block_size=8, num_sms=4)
+    assert vm.layout.max_seq_len == 16
+    table = contiguous_block_table(2, 16, 8)
+    with pytest.raises(ValueError, match=f"position {position} is past the KV cache"):
+        vm.step(torch.tensor([1, 2]), torch.tensor([0, position]), table)
+
+
+@pytest.mark.parametrize("tokens,positions", [([1, 2], [-1, 0]), ([-3, 2], [0, 0]), ([1024, 2], [0, 0])],
+                         ids=["negative-position", "negative-token", "token-past-vocab"])
+def test_bad_inputs_raise_value_error(tokens, positions):
+    weights = random_weights(get_preset("tiny-llama"), seed=7, dtype=torch.float32)
+    vm = VMDecoder(weights, 2, 32, num_sms=4)
+    with pytest.raises(ValueError):
+        vm.step(torch.tensor(tokens), torch.tensor(positions), contiguous_block_table(2, 32, 16))
+
+
+def test_vm_raises_on_a_deadlocking_queue_instead_of_hanging():
+    weights = random_weights(get_preset("tiny-llama"), seed=8, dtype=torch.float32)
+    vm = VMDecoder(weights, 1, 16, num_sms=5)
+    vm.vm.queues = [list(reversed(q)) for q in vm.vm.queues]
+    with pytest.raises(ScheduleError, match="deadlock"):
+        vm.step(torch.tensor([4]), torch.tensor([0]), contiguous_block_table(1, 16, 16))
