@@ -130,7 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
         description=("Prints the GPU (name, SMs, memory) and the torch, CUDA, nvidia-cutlass-dsl and "
                      "transformers versions. With --preset: the model's shape, the bytes one decode step must "
                      "read and the read floor (measured bandwidth on a GPU, or --bandwidth)."))
-    info.add_argument("--preset", help=f"also describe this preset ({presets})")
+    info.add_argument("--preset", help=f"also describe this preset ({presets}; or a DeepSeek/Kimi one: "
+                                       f"{', '.join(_deepseek_presets())})")
+    info.add_argument("--batch", type=int, default=1,
+                      help="sequences per step for the bytes and the floor (default 1; MoE: the expected "
+                           "distinct experts of this many tokens under uniform routing)")
+    info.add_argument("--context", type=int, default=0, help="cached tokens per sequence (default 0)")
     info.add_argument("--bandwidth", type=float, metavar="TB_PER_S",
                       help="compute the floor at this read bandwidth instead of measuring it")
     return parser
@@ -356,6 +361,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         print("GPU: none (torch.cuda.is_available() is False)")
     if args.preset is None:
         return 0
+    if args.batch < 1 or args.context < 0:
+        raise InputError(f"--batch must be >= 1 and --context >= 0, got {args.batch} and {args.context}")
+    if args.preset in _deepseek_presets():
+        return _info_deepseek(args, cuda)
     config = _get_config(args.preset, None)
     from megakernel.integrations.floor import floor_ms, measure_read_bandwidth
 
@@ -377,8 +386,51 @@ def cmd_info(args: argparse.Namespace) -> int:
     else:
         print("read floor: no GPU to measure the bandwidth on (pass --bandwidth TB_PER_S to compute it)")
         return 0
-    print(f"read floor at {bw / 1e12:.2f} TB/s ({how}): {floor_ms(config, 1, bw):.3f} ms/step at batch 1, "
-          f"context 0")
+    print(f"read floor at {bw / 1e12:.2f} TB/s ({how}): {floor_ms(config, args.batch, bw, args.context):.3f} "
+          f"ms/step at batch {args.batch}, context {args.context}")
+    return 0
+
+
+def _deepseek_presets() -> list[str]:
+    from megakernel.model.deepseek.presets import PRESETS
+    return sorted(PRESETS)
+
+
+def _read_bandwidth(args: argparse.Namespace, cuda: bool) -> tuple[float | None, str]:
+    from megakernel.integrations.floor import measure_read_bandwidth
+    if args.bandwidth is not None:
+        if args.bandwidth <= 0:
+            raise InputError(f"--bandwidth must be positive, got {args.bandwidth}")
+        return args.bandwidth * 1e12, "given with --bandwidth"
+    if cuda:
+        _eprint("measuring the read bandwidth (sum over 2 GiB of bf16)...")
+        return measure_read_bandwidth(device="cuda"), "measured now on GPU 0"
+    return None, ""
+
+
+def _info_deepseek(args: argparse.Namespace, cuda: bool) -> int:
+    """The bytes a DeepSeek/Kimi (MLA + MoE) decode step must read at a batch, part by part."""
+    from megakernel.model.deepseek.floor import decode_bytes, expected_distinct_experts, floor_ms
+    from megakernel.model.deepseek.presets import get_preset
+
+    c = get_preset(args.preset)
+    print(f"preset {args.preset}: DeepseekV3ForCausalLM, hidden {c.hidden_size}, {c.num_layers} layers "
+          f"({c.first_k_dense_replace} dense), {c.num_heads} heads, MLA kv_lora_rank {c.kv_lora_rank}, "
+          f"q_lora_rank {c.q_lora_rank}, {c.n_routed_experts} routed experts (top-{c.num_experts_per_tok}), "
+          f"{c.n_shared_experts} shared, expert ffn {c.moe_intermediate_size}, vocab {c.vocab_size}")
+    parts = decode_bytes(c, args.batch, 2, args.context)
+    experts = expected_distinct_experts(c.n_routed_experts, c.num_experts_per_tok, args.batch)
+    print(f"bytes read per decode step at batch {args.batch}, context {args.context} (bf16; {experts:.1f} "
+          f"distinct routed experts per MoE layer expected under uniform routing):")
+    for name, value in parts.items():
+        if name != "total":
+            print(f"  {name:15s} {value / 1e9:10.3f} GB")
+    print(f"  {'total':15s} {parts['total'] / 1e9:10.3f} GB")
+    bw, how = _read_bandwidth(args, cuda)
+    if bw is None:
+        print("read floor: no GPU to measure the bandwidth on (pass --bandwidth TB_PER_S to compute it)")
+        return 0
+    print(f"read floor at {bw / 1e12:.2f} TB/s ({how}): {floor_ms(parts, bw):.3f} ms/step")
     return 0
 
 

@@ -190,3 +190,24 @@ def test_gpu_backend_without_gpu_says_why(capsys, no_work, backend):
     rc, _, err = _run(capsys, ["generate", "--backend", backend])
     assert rc == 2
     assert "needs a CUDA GPU" in err and "no CUDA device" in err, err
+
+
+def test_info_deepseek_preset_reports_moe_bytes(capsys):
+    """MoE floor: the routed-expert bytes follow the expected distinct experts of the batch."""
+    from megakernel.model.deepseek.floor import decode_bytes
+    from megakernel.model.deepseek.presets import get_preset
+
+    rc, out, _ = _run(capsys, ["info", "--preset", "moonlight-16b-a3b", "--batch", "8", "--bandwidth", "4"])
+    assert rc == 0, out
+    parts = decode_bytes(get_preset("moonlight-16b-a3b"), 8, 2, 0)
+    assert f"{parts['routed_experts'] / 1e9:10.3f} GB" in out, out
+    assert f"{parts['total'] / 4e12 * 1e3:.3f} ms/step" in out, out
+    rc1, out1, _ = _run(capsys, ["info", "--preset", "moonlight-16b-a3b", "--batch", "1", "--bandwidth", "4"])
+    one = decode_bytes(get_preset("moonlight-16b-a3b"), 1, 2, 0)
+    assert one["routed_experts"] < parts["routed_experts"], "batch 8 must touch more experts than batch 1"
+    assert f"{one['total'] / 1e9:10.3f} GB" in out1, out1
+
+
+def test_info_rejects_bad_batch(capsys):
+    assert cli.main(["info", "--preset", "tiny-llama", "--batch", "0"]) == 2
+    assert "--batch must be >= 1" in capsys.readouterr().err
