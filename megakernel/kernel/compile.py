@@ -13,10 +13,8 @@ import tempfile
 from dataclasses import dataclass
 
 # Before cutlass is first imported (by .decode): it reads the target at import. Without a GPU it
-# would otherwise pick its own default; the megakernel is built for Hopper. Artifacts kept for
-# inspection go to a temporary folder, not the working directory.
+# would otherwise pick its own default; the megakernel is built for Hopper.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-os.environ.setdefault("CUTE_DSL_DUMP_DIR", os.path.join(tempfile.gettempdir(), "megakernel-cute-dsl"))
 
 from ..instructions.layout import StepLayout  # noqa: E402
 from .decode import ARG_NAMES, DecodeKernel, KernelOptions  # noqa: E402

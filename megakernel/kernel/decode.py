@@ -489,21 +489,26 @@ class DecodeKernel:
             if rows > CHUNK_ROWS:
                 rows = Int32(CHUNK_ROWS)
             n_items = rows * n_seg
+            sx_base = Int32(0)
             if cutlass.const_expr(self.x_smem):
                 sx_base = Int32(s_x.iterator.toint())
-                for it0 in range(warp, n_items, self.items_per_step * self.warps):
-                    for half in cutlass.range_constexpr(self.items_per_step):
-                        item = it0 + half * self.warps
-                        if item < n_items:
-                            r = item // n_seg
-                            sg = item - r * n_seg
-                            col0 = sg * seg_cols + lane * 8
-                            wrow = w_addr + (Int64(c0 + r) * Int64(K) + Int64(col0)) * 2
-                            acc = cute.make_rmem_tensor((B,), Float32)
-                            for b in cutlass.range_constexpr(B):
-                                acc[b] = Float32(0.0)
-                            for u in cutlass.range_constexpr(self.unroll):
-                                w = load_weights_bf16x8(wrow + u * COL_PASS * 2)
+            for it0 in range(warp, n_items, self.items_per_step * self.warps):
+                for half in cutlass.range_constexpr(self.items_per_step):
+                    item = it0 + half * self.warps
+                    if item < n_items:
+                        r = item // n_seg
+                        sg = item - r * n_seg
+                        col0 = sg * seg_cols + lane * 8
+                        wrow = w_addr + (Int64(c0 + r) * Int64(K) + Int64(col0)) * 2
+                        acc = cute.make_rmem_tensor((B,), Float32)
+                        ssq = cute.make_rmem_tensor((B,), Float32)
+                        for b in cutlass.range_constexpr(B):
+                            acc[b] = Float32(0.0)
+                            ssq[b] = Float32(0.0)
+                        for u in cutlass.range_constexpr(self.unroll):
+                            w = load_weights_bf16x8(wrow + u * COL_PASS * 2)
+                            if cutlass.const_expr(self.x_smem):
+                                # x * norm weight, staged above; the statistic is already in s_rstd
                                 for b in cutlass.range_constexpr(B):
                                     xs = sx_base + (b * K + col0 + u * COL_PASS) * 4
                                     xa = ld_shared_f32x4(xs)
@@ -514,26 +519,8 @@ class DecodeKernel:
                                     for e in cutlass.range_constexpr(4):
                                         s0 = s0 + w[4 + e] * xb[e]
                                     acc[b] = s0
-                            for b in cutlass.range_constexpr(B):
-                                dot = warp_sum(acc[b])
-                                if lane == 0:
-                                    s_part[item * B + b] = dot
-            else:
-                for it0 in range(warp, n_items, self.items_per_step * self.warps):
-                    for half in cutlass.range_constexpr(self.items_per_step):
-                        item = it0 + half * self.warps
-                        if item < n_items:
-                            r = item // n_seg
-                            sg = item - r * n_seg
-                            col0 = sg * seg_cols + lane * 8
-                            wrow = w_addr + (Int64(c0 + r) * Int64(K) + Int64(col0)) * 2
-                            acc = cute.make_rmem_tensor((B,), Float32)
-                            ssq = cute.make_rmem_tensor((B,), Float32)
-                            for b in cutlass.range_constexpr(B):
-                                acc[b] = Float32(0.0)
-                                ssq[b] = Float32(0.0)
-                            for u in cutlass.range_constexpr(self.unroll):
-                                w = load_weights_bf16x8(wrow + u * COL_PASS * 2)
+                            else:
+                                # x and the norm weight from global (L1), sum(x^2) beside the dot product
                                 c64 = Int64(col0 + u * COL_PASS)
                                 nw = load_weights_bf16x8(norm_addr + c64 * 2)
                                 for b in cutlass.range_constexpr(B):
@@ -549,8 +536,12 @@ class DecodeKernel:
                                         s0 = s0 + w[4 + e] * (xb[e] * nw[4 + e])
                                     acc[b] = s0
                                     ssq[b] = sq
-                            for b in cutlass.range_constexpr(B):
-                                dot = warp_sum(acc[b])
+                        for b in cutlass.range_constexpr(B):
+                            dot = warp_sum(acc[b])
+                            if cutlass.const_expr(self.x_smem):
+                                if lane == 0:
+                                    s_part[item * B + b] = dot
+                            else:
                                 sqs = warp_sum(ssq[b])
                                 if lane == 0:
                                     s_part[item * B + b] = dot
