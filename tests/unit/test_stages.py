@@ -145,6 +145,10 @@ def fill_inputs(bench: Bench, with_cache: bool = True) -> None:
         t = getattr(bufs, f.name)
         if t.is_floating_point():
             t.copy_(torch.randn(t.shape, generator=gen))
+    # the RMSNorm inputs at a scale drawn from 1e-3..10: at the small end mean(x^2) is comparable to eps,
+    # so a norm that drops or misplaces eps fails (at unit scale eps is below the float32 tolerance)
+    for name in ("x", "h"):
+        getattr(bufs, name).mul_(10.0 ** (4.0 * float(torch.rand((), generator=gen)) - 3.0))
     bufs.tokens.copy_(torch.randint(0, c.vocab_size, (s.batch,), generator=gen))
     bufs.positions.copy_(torch.tensor(s.positions))
     num_blocks = bench.ctx.k_cache.shape[1]
