@@ -509,20 +509,9 @@ class DeepseekVMDecoder:
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
              order: str = "round-robin") -> tuple[torch.Tensor, torch.Tensor]:
         """-> (next tokens int32 [B], logits float32 [B, V])."""
-        bufs, B = self.ctx.bufs, self.layout.batch
-        if tuple(tokens.shape) != (B,) or tuple(positions.shape) != (B,):
-            raise ValueError(f"tokens {tuple(tokens.shape)} / positions {tuple(positions.shape)} must be [{B}]")
-        vocab = self.layout.config.vocab_size
-        if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
-            raise ValueError(f"tokens {tokens.tolist()} outside [0, vocab_size={vocab})")
-        if int(positions.min()) < 0 or int(positions.max()) >= self.layout.max_seq_len:
-            raise ValueError(f"positions {positions.tolist()} outside the latent cache "
-                             f"(max_seq_len={self.layout.max_seq_len})")
-        if tuple(block_table.shape) != tuple(bufs.block_table.shape):
-            raise ValueError(f"block_table {tuple(block_table.shape)} must be {tuple(bufs.block_table.shape)}")
-        nb = self.cache.num_blocks
-        if int(block_table.min()) < 0 or int(block_table.max()) >= nb:
-            raise ValueError(f"block_table holds ids outside [0, num_blocks={nb})")
+        from ..instructions.layout import validate_step_inputs
+        bufs = self.ctx.bufs
+        validate_step_inputs(self.layout, tokens, positions, block_table, self.cache.num_blocks)
         bufs.poison()
         bufs.tokens.copy_(tokens.to(torch.int32))
         bufs.positions.copy_(positions.to(torch.int32))
