@@ -66,7 +66,6 @@ class KernelOptions:
     timeout_ns: int = 2_000_000_000          # bounded spin on a counter
     prefetch_bytes: int = 256 * 1024         # cap on the L2 prefetch of the next weight tile
     prefetch: bool = True
-    prefetch_rows_ahead: int = 4             # row pairs a warp prefetches ahead within a tile (0: off)
     warps: int = 0                           # warps per CTA, a multiple of 8 (0: 16 when the matvec input
                                              # fits in shared memory, else 8, so each thread gets 255 registers)
     x_in_smem: bool = True                   # stage normalized matvec inputs in shared memory where they fit

@@ -68,20 +68,10 @@ def store_relaxed(addr: Int64, value: Int32):
 
 
 @cute.jit
-def nanosleep(ns: Int32):
-    cute.arch.inline_ptx("nanosleep.u32 {$r0};", read_only_args=[ns])
-
-
-@cute.jit
 def warp_sum(v: Float32) -> Float32:
     for off in [16, 8, 4, 2, 1]:
         v = v + cute.arch.shuffle_sync_bfly(v, offset=off)
     return v
-
-
-def addr_of(tensor: cute.Tensor) -> Int64:
-    """Int64 global address of a tensor's first element."""
-    return tensor.iterator.toint()
 
 
 __all__ = [name for name in dir() if not name.startswith("_") and name not in ("cutlass", "cute", "annotations")]

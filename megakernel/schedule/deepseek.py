@@ -60,7 +60,8 @@ from ..model.deepseek.reference import LatentKVCache, rope_inv_freq
 from ..model.deepseek.weights import ROUTER_DTYPE, DeepseekWeights
 from .assign import assign, simulate
 from .dag import FIXED_COST_BYTES, StepProgram, tile_rows
-from .vm import InstructionVM
+from .verify import conflicting_pairs
+from .vm import InstructionVM, run_vm_step
 
 # Query heads an MLA_PARTIAL scores side by side: they share every latent row it loads.
 MAX_HEAD_GROUP = 16
@@ -509,15 +510,8 @@ class DeepseekVMDecoder:
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
              order: str = "round-robin") -> tuple[torch.Tensor, torch.Tensor]:
         """-> (next tokens int32 [B], logits float32 [B, V])."""
-        from ..instructions.layout import validate_step_inputs
-        bufs = self.ctx.bufs
-        validate_step_inputs(self.layout, tokens, positions, block_table, self.cache.num_blocks)
-        bufs.poison()
-        bufs.tokens.copy_(tokens.to(torch.int32))
-        bufs.positions.copy_(positions.to(torch.int32))
-        bufs.block_table.copy_(block_table.to(torch.int32))
-        out = self.vm.step(order)
-        return out.clone(), bufs.logits.clone()
+        return run_vm_step(self.vm, self.layout, self.ctx.bufs, tokens, positions, block_table,
+                           self.cache.num_blocks, order)
 
 
 def check_program(program: DeepseekStepProgram) -> None:
@@ -597,10 +591,6 @@ def _predecessor_bits(program: StepProgram) -> list[int]:
     return bits
 
 
-def _overlap(a: tuple, b: tuple) -> bool:
-    return a[0] == b[0] and a[1] == b[1] and a[2] < b[3] and b[2] < a[3]
-
-
 def find_races(program: DeepseekStepProgram, limit: int = 10) -> list[str]:
     """Unordered conflicting pairs (schedule.verify.find_races over stage_reads / stage_writes): two
     instructions touching the same region, at least one writing it, neither waiting (transitively)
@@ -611,24 +601,5 @@ def find_races(program: DeepseekStepProgram, limit: int = 10) -> list[str]:
     def ordered(a: int, b: int) -> bool:
         return bool((before[a] >> b) & 1 or (before[b] >> a) & 1)
 
-    by_key: dict[tuple, list[tuple[int, tuple, bool]]] = {}
-    for ins in program.instructions:
-        for region in stage_reads(ins, layout):
-            by_key.setdefault(region[:2], []).append((ins.index, region, False))
-        for region in stage_writes(ins, layout):
-            by_key.setdefault(region[:2], []).append((ins.index, region, True))
-    problems: list[str] = []
-    instrs = program.instructions
-    for accesses in by_key.values():
-        for wi, wreg, _ in (a for a in accesses if a[2]):
-            for oi, oreg, owrite in accesses:
-                if oi == wi or not _overlap(wreg, oreg) or (owrite and oi < wi):
-                    continue
-                if ordered(wi, oi):
-                    continue
-                kind = "write/write" if owrite else "read/write"
-                problems.append(f"{kind} race on {wreg[0]}[layer {wreg[1]}] between "
-                                f"#{wi} {instrs[wi].opcode.name} and #{oi} {instrs[oi].opcode.name}")
-                if len(problems) >= limit:
-                    return problems
-    return problems
+    return conflicting_pairs(program.instructions,
+                             lambda ins: (stage_reads(ins, layout), stage_writes(ins, layout)), ordered, limit)

@@ -26,25 +26,35 @@ def find_races(program: StepProgram, limit: int = 10) -> list[str]:
             if len(problems) >= limit:
                 return problems
     closure = dependency_closure(program)
+    mods = {ins.index: STAGE_MODULES[ins.opcode] for ins in program.instructions}
+    problems += conflicting_pairs(program.instructions,
+                                  lambda ins: (mods[ins.index].reads(ins, layout), mods[ins.index].writes(ins, layout)),
+                                  lambda a, b: a in closure[b] or b in closure[a], limit - len(problems))
+    return problems
+
+
+def conflicting_pairs(instructions, accesses, ordered, limit: int = 10) -> list[str]:
+    """Pairs of instructions touching overlapping regions, at least one writing, that `ordered(a, b)`
+    (by instruction index) does not order. `accesses(ins)` -> (read regions, written regions); a
+    region is (buffer, layer, lo, hi)."""
     by_key: dict[tuple, list[tuple[int, tuple, bool]]] = {}
-    for ins in program.instructions:
-        mod = STAGE_MODULES[ins.opcode]
-        for region in mod.reads(ins, layout):
+    for ins in instructions:
+        reads, writes = accesses(ins)
+        for region in reads:
             by_key.setdefault(region[:2], []).append((ins.index, region, False))
-        for region in mod.writes(ins, layout):
+        for region in writes:
             by_key.setdefault(region[:2], []).append((ins.index, region, True))
-    instrs = program.instructions
-    for accesses in by_key.values():
-        writes = [a for a in accesses if a[2]]
-        for wi, wreg, _ in writes:
-            for oi, oreg, owrite in accesses:
+    problems: list[str] = []
+    for group in by_key.values():
+        for wi, wreg, _ in (a for a in group if a[2]):
+            for oi, oreg, owrite in group:
                 if oi == wi or not _overlap(wreg, oreg) or (owrite and oi < wi):
                     continue
-                if wi in closure[oi] or oi in closure[wi]:
+                if ordered(wi, oi):
                     continue
                 kind = "write/write" if owrite else "read-after-write"
                 problems.append(f"{kind} race on {wreg[0]}[layer {wreg[1]}] between "
-                                f"#{wi} {instrs[wi].opcode.name} and #{oi} {instrs[oi].opcode.name}")
+                                f"#{wi} {instructions[wi].opcode.name} and #{oi} {instructions[oi].opcode.name}")
                 if len(problems) >= limit:
                     return problems
     return problems

@@ -91,12 +91,19 @@ class VMDecoder:
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
              order: str = "round-robin") -> tuple[torch.Tensor, torch.Tensor]:
         """-> (next tokens int32 [B], logits float32 [B, V])."""
-        from ..instructions.layout import validate_step_inputs
-        bufs = self.ctx.bufs
-        validate_step_inputs(self.layout, tokens, positions, block_table, self.ctx.k_cache.shape[1])
-        bufs.poison()
-        bufs.tokens.copy_(tokens.to(torch.int32))
-        bufs.positions.copy_(positions.to(torch.int32))
-        bufs.block_table.copy_(block_table.to(torch.int32))
-        out = self.vm.step(order)
-        return out.clone(), bufs.logits.clone()
+        return run_vm_step(self.vm, self.layout, self.ctx.bufs, tokens, positions, block_table,
+                           self.ctx.k_cache.shape[1], order)
+
+
+def run_vm_step(vm: InstructionVM, layout, bufs, tokens, positions, block_table, num_blocks: int,
+                order: str = "round-robin") -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate the step inputs, poison the buffers, load the inputs and run one step through the VM
+    -> (next tokens int32 [B], logits float32 [B, V]). Shared by the dense and DeepSeek decoders."""
+    from ..instructions.layout import validate_step_inputs
+    validate_step_inputs(layout, tokens, positions, block_table, num_blocks)
+    bufs.poison()
+    bufs.tokens.copy_(tokens.to(torch.int32))
+    bufs.positions.copy_(positions.to(torch.int32))
+    bufs.block_table.copy_(block_table.to(torch.int32))
+    out = vm.step(order)
+    return out.clone(), bufs.logits.clone()
