@@ -9,6 +9,15 @@ python3 -c "import cutlass, torch; print('cutlass-dsl', cutlass.__version__ if h
 case "$what" in
   smoke) python3 tools/gpu_smoke.py "$@" 2>&1 | tee "$OUT/smoke.log" ;;
   tests) python3 -m pytest -m "gpu and not perf" -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/tests.log" ;;
+  tests-par)
+    sel=(-m "gpu and not perf" -q -p no:cacheprovider -o junit_family=xunit1)
+    python3 -m pytest "${sel[@]}" tests/unit/test_stages.py --junitxml="$OUT/junit_stages.xml" "$@" > "$OUT/tests_stages.log" 2>&1 &
+    python3 -m pytest "${sel[@]}" tests/e2e --junitxml="$OUT/junit_e2e.xml" "$@" > "$OUT/tests_e2e.log" 2>&1 &
+    python3 -m pytest "${sel[@]}" tests/unit --ignore=tests/unit/test_stages.py --junitxml="$OUT/junit_rest.xml" "$@" \
+        > "$OUT/tests_rest.log" 2>&1 &
+    wait
+    for f in "$OUT"/tests_stages.log "$OUT"/tests_e2e.log "$OUT"/tests_rest.log; do
+      echo "== $f"; tail -n 15 "$f"; done ;;
   bench) python3 -m pytest -m perf -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/perf.log" ;;
   all)
     python3 -m pytest -m "gpu and not perf" -q -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"

@@ -12,6 +12,9 @@ def parse(spec):
     opts, eng = {}, {}
     for item in filter(None, kv.split(",")):
         k, v = item.split("=")
+        if k == "fuse":                      # fuse=0: keep the ATTN_REDUCE stage
+            eng["fuse_attn_reduce"] = bool(int(v))
+            continue
         (eng if k in ("kv_splits", "policy") else opts)[k] = v if k == "policy" else int(v)
     return name, opts, eng
 

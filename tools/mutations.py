@@ -141,8 +141,8 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
                  "sn = ld_f32(rope_sin + (Int64(pos + 1) * half + Int64(fi)) * 4)")))
     + _pair("o_proj_residual_dropped",
             "O_PROJ writes h = Wo . attn without adding the residual x",
-            (Patch(MATVEC, "b.h[l, :, lo:hi] = b.x[l, :, lo:hi] + matvec(w.o_proj[l, lo:hi], b.attn_out[l])",
-                   "b.h[l, :, lo:hi] = matvec(w.o_proj[l, lo:hi], b.attn_out[l])"),),
+            (Patch(MATVEC, "b.h[l, :, lo:hi] = b.x[l, :, lo:hi] + matvec(w.o_proj[l, lo:hi], inp)",
+                   "b.h[l, :, lo:hi] = matvec(w.o_proj[l, lo:hi], inp)"),),
             (stage_probe("test_o_proj_stage"), VM_PROBE, E2E_CPU_PROBE),
             (Patch(KERNEL, "res_addr = x + (l64 * (B * H) + Int64(a0)) * 4\n            has_res = Boolean(True)",
                    "res_addr = x + (l64 * (B * H) + Int64(a0)) * 4\n            has_res = Boolean(False)"),))
@@ -180,12 +180,15 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
              stage_probe("test_attention_partial_and_reduce_stages"), VM_PROBE, E2E_CPU_PROBE),
             (Patch(KERNEL, "self.eps = float(c.rms_norm_eps)", "self.eps = 0.0"),))
     + _pair("split_merge_unnormalized",
-            "ATTN_REDUCE weights the splits by exp(lse_s - max lse) without dividing by their sum",
-            (Patch(ATTN, "wgt = torch.exp(lse - total)", "wgt = torch.exp(lse - lse.amax(-1, keepdim=True))"),),
-            (stage_probe("test_attn_reduce_stage_with_empty_splits"),
+            "the split merge (ATTN_REDUCE, or O_PROJ's folded merge) weights the splits by exp(lse_s - max lse) "
+            "without dividing by their sum",
+            (Patch(ATTN, "return (torch.softmax(lse, dim=-1)[..., None] * o).sum(dim=-2)",
+                   "return (torch.exp(lse - lse.amax(-1, keepdim=True))[..., None] * o).sum(dim=-2)"),),
+            (stage_probe("test_attn_reduce_stage_with_empty_splits"), stage_probe("test_o_proj_stage"),
              stage_probe("test_attention_partial_and_reduce_stages"), VM_PROBE, E2E_CPU_PROBE),
             (Patch(KERNEL, "* self.Q + Int64(head * D + d)) * 4, acc_o / tot)",
-                   "* self.Q + Int64(head * D + d)) * 4, acc_o)"),))
+                   "* self.Q + Int64(head * D + d)) * 4, acc_o)"),
+             Patch(KERNEL, "            out[e] = out[e] / tot", "            out[e] = out[e]")))
     + _pair("argmax_tie_to_highest",
             "ARGMAX breaks a tie between LM-head tiles toward the highest vocabulary index",
             (Patch(ARGMAX, "best = b.lm_max[:, :ins.a0].argmax(dim=1)",

@@ -26,6 +26,12 @@ from .record import Instruction
 OPCODES = (Opcode.ATTN_PARTIAL, Opcode.ATTN_REDUCE)
 
 
+def merge_splits(lse: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """lse [..., S], o [..., S, D] -> sum_s exp(lse_s - logsumexp(lse)) * o_s, [..., D]; -inf (empty) splits
+    weigh nothing."""
+    return (torch.softmax(lse, dim=-1)[..., None] * o).sum(dim=-2)
+
+
 def split_range(pos: int, split: int, num_splits: int) -> tuple[int, int]:
     chunk = -(-pos // num_splits)
     lo = min(split * chunk, pos)
@@ -91,11 +97,8 @@ def reference(ins: Instruction, ctx: StageContext) -> None:
     l, b, kvh = ins.layer, ins.a0, ins.a1
     heads = slice(kvh * g, (kvh + 1) * g)
     if ins.opcode == Opcode.ATTN_REDUCE:
-        lse = bufs.attn_part_lse[l, b, heads]                 # [G, S]
-        o = bufs.attn_part_o[l, b, heads]                     # [G, S, D]
-        total = torch.logsumexp(lse, dim=-1, keepdim=True)    # [G, 1]
-        wgt = torch.exp(lse - total)
-        bufs.attn_out[l, b, kvh * g * d:(kvh + 1) * g * d] = (wgt[..., None] * o).sum(1).reshape(-1)
+        merged = merge_splits(bufs.attn_part_lse[l, b, heads], bufs.attn_part_o[l, b, heads])   # [G, D]
+        bufs.attn_out[l, b, kvh * g * d:(kvh + 1) * g * d] = merged.reshape(-1)
         return
     split, num_splits = ins.a2, ins.a3
     pos = int(bufs.positions[b])

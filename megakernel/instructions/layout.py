@@ -18,6 +18,12 @@ ROW_GROUP = 8
 # Columns one warp covers per pass: 32 lanes x 8 bf16 (one 16-byte load each).
 COL_PASS = 256
 MAX_BATCH = 8
+# Largest matvec input (batch x widest K x float32) the kernel stages in shared memory. Layouts within
+# it also fold the attention split merge into O_PROJ's input staging (no ATTN_REDUCE stage).
+X_STAGE_BYTES = 160 * 1024
+# Shared memory of one sm_90 CTA, and what staging leaves for the instruction queue and small buffers.
+SMEM_LIMIT = 227 * 1024
+SMEM_RESERVE = 24 * 1024
 
 
 @dataclass(frozen=True)
@@ -30,10 +36,27 @@ class StepLayout:
     block_size: int
     max_blocks_per_seq: int
     num_sms: int
+    fuse_attn_reduce: bool | None = None   # None: wherever the matvec input is staged (stages_input)
 
     @property
     def max_seq_len(self) -> int:
         return self.block_size * self.max_blocks_per_seq
+
+    @property
+    def stages_input(self) -> bool:
+        """Whether every matvec's input row (all sequences, float32) fits the kernel's staging buffer, beside
+        what a 16-warp CTA keeps in shared memory with it: the attention scratch (a G x D output per warp)
+        and the matvec partials (at most 128 rows x K / 512 segments x batch, 32 KiB), with SMEM_RESERVE to spare."""
+        c = self.config
+        k_max = max(c.hidden_size, c.q_size, c.intermediate_size)
+        x_bytes = self.batch * k_max * 4
+        scratch = 16 * c.gqa_group * c.head_dim * 4 + min(128 * (k_max // 512) * self.batch, 8192) * 4
+        return x_bytes <= X_STAGE_BYTES and x_bytes + scratch + SMEM_RESERVE <= SMEM_LIMIT
+
+    @property
+    def fused_reduce(self) -> bool:
+        """O_PROJ merges the attention splits itself (operand a3 = splits) instead of an ATTN_REDUCE stage."""
+        return self.stages_input if self.fuse_attn_reduce is None else self.fuse_attn_reduce
 
     def validate(self) -> None:
         """Raise ValueError for a shape the kernel cannot run, before anything is launched."""
@@ -56,6 +79,11 @@ class StepLayout:
             raise ValueError(f"kv_splits={self.kv_splits} must be >= 1")
         if self.num_sms < 1:
             raise ValueError(f"num_sms={self.num_sms} must be >= 1")
+        if self.fuse_attn_reduce and not self.stages_input:
+            raise ValueError(f"fuse_attn_reduce needs the matvec input staged in shared memory: batch "
+                             f"{self.batch} x K {max(c.hidden_size, c.q_size, c.intermediate_size)} x 4 bytes "
+                             f"does not fit (at most {X_STAGE_BYTES}, with the CTA's other buffers within "
+                             f"{SMEM_LIMIT})")
         if self.block_size < 1 or self.max_blocks_per_seq < 1:
             raise ValueError(f"block_size={self.block_size} and max_blocks_per_seq={self.max_blocks_per_seq} must be >= 1")
 

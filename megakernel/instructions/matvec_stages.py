@@ -2,7 +2,9 @@
 a packed weight matrix times an activation vector per sequence, with a prologue (RMSNorm or none) and
 an epilogue (store, residual add, SiLU-and-multiply, logits + tile argmax).
 
-Operands of each: a0 = first row, a1 = row count, a2 = tile index (LM_HEAD's slot for its argmax).
+Operands of each: a0 = first row, a1 = row count, a2 = tile index (LM_HEAD's slot for its argmax);
+O_PROJ's a3 = number of KV splits when it merges the attention splits itself (its input is then the
+log-sum-exp merge of attn_part[l], what ATTN_REDUCE would have written to attn_out[l]), else 0.
 
 | stage   | weight            | input (rows of)          | prologue            | epilogue                        |
 |---------|-------------------|--------------------------|---------------------|---------------------------------|
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from .attention import merge_splits
 from .context import StageContext, matvec, rms_normalize
 from .layout import ROW_GROUP
 from .opcodes import Opcode
@@ -52,7 +55,10 @@ def reads(ins: Instruction, layout) -> list:
     op, l = ins.opcode, ins.layer
     in_layer = c.num_layers if op == Opcode.LM_HEAD else l
     _, k = weight_rows(op, layout)
-    out = per_batch(_input_name(op), in_layer, 0, k, nb, k)
+    if op == Opcode.O_PROJ and ins.a3 > 0:
+        out = [("attn_part", l, 0, nb * c.num_heads * ins.a3)]
+    else:
+        out = per_batch(_input_name(op), in_layer, 0, k, nb, k)
     lo, hi = ins.a0, ins.a0 + ins.a1
     if op == Opcode.O_PROJ:
         out += per_batch("x", l, lo, hi, nb, c.hidden_size)
@@ -84,7 +90,11 @@ def reference(ins: Instruction, ctx: StageContext) -> None:
     if op == Opcode.QKV:
         b.qkv[l, :, lo:hi] = matvec(w.qkv[l, lo:hi], rms_normalize(b.x[l], w.attn_norm[l], eps))
     elif op == Opcode.O_PROJ:
-        b.h[l, :, lo:hi] = b.x[l, :, lo:hi] + matvec(w.o_proj[l, lo:hi], b.attn_out[l])
+        if ins.a3 > 0:
+            inp = merge_splits(b.attn_part_lse[l], b.attn_part_o[l]).reshape(b.h.shape[1], -1)
+        else:
+            inp = b.attn_out[l]
+        b.h[l, :, lo:hi] = b.x[l, :, lo:hi] + matvec(w.o_proj[l, lo:hi], inp)
     elif op == Opcode.GATE_UP:
         y = matvec(w.gate_up[l, lo:hi], rms_normalize(b.h[l], w.mlp_norm[l], eps))
         y = y.view(y.shape[0], -1, 2, ROW_GROUP)          # [B, pairs, gate|up, ROW_GROUP]

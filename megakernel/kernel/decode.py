@@ -25,17 +25,17 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64
 
-from ..instructions.layout import COL_PASS, ROW_GROUP, StepLayout
+from ..instructions.layout import COL_PASS, ROW_GROUP, SMEM_LIMIT, StepLayout
 from ..instructions.opcodes import Opcode
 from ..instructions.record import (W_A0, W_A1, W_A2, W_A3, W_INDEX, W_LAYER, W_OPCODE, W_SIGNAL_ID,
                                    W_WAIT_COUNT, W_WAIT_ID, WORDS)
 from .ptx import (atomic_add_acq_rel, atomic_cas, load_acquire, load_f32x4, load_weights_bf16x8,
-                  prefetch_l2, red_release_add, store_relaxed, warp_sum)
+                  load_weights_raw, prefetch_l2, red_release_add, store_relaxed, unpack_bf16x8, warp_sum)
 
 THREADS = 256
 WARPS = THREADS // 32
-CHUNK_ROWS = 128           # matvec rows whose partials share memory at once
-X_SMEM_BYTES = 96 * 1024   # largest staged matvec input (batch x K x float32)
+CHUNK_ROWS = 128           # matvec rows whose partials share memory at once (fewer where K needs many segments)
+PART_SLOTS_MAX = 8192      # partials (float32) one chunk may keep in shared memory
 X_UNROLL = 4               # input quads each thread loads per round when staging it
 MAX_PASS_UNROLL = 8        # 256-column passes per loop iteration: up to 8 x 16 B loads in flight per row
 LOG2E = 1.4426950408889634
@@ -69,6 +69,10 @@ class KernelOptions:
     warps: int = 0                           # warps per CTA, a multiple of 8 (0: 16 when the matvec input
                                              # fits in shared memory, else 8, so each thread gets 255 registers)
     x_in_smem: bool = True                   # stage normalized matvec inputs in shared memory where they fit
+    unroll: int = 0                          # 256-column passes per work unit (0: by batch, within the
+                                             # registers: 8 at batch 1 or 8 warps, 4 up to batch 4, else 2)
+    preload: int = 1                         # work items per warp whose weight loads are issued before the
+                                             # matvec's wait (0: none; at most the items of one step)
 
 
 @cute.jit
@@ -177,22 +181,45 @@ class DecodeKernel:
         self.eps = float(c.rms_norm_eps)
         self.qk_norm = bool(c.qk_norm)
         self.E = self.D // 32                     # head elements per lane
-        fits = options.x_in_smem and self.B * max(self.H, self.Q, self.F) * 4 <= X_SMEM_BYTES
-        warps = options.warps or (16 if fits else 8)
+        self.scale_log2 = LOG2E / math.sqrt(self.D)
+        self.k_max = max(self.H, self.Q, self.F)
+        self.x_smem = options.x_in_smem and layout.stages_input
+        # 256-column passes per work unit (loads in flight per row): 8, or fewer where 16 warps (128
+        # registers each) hold the accumulators and inputs of several sequences
+        passes = [k // COL_PASS for k in (self.H, self.Q, self.F)]
+        cap = options.unroll or (MAX_PASS_UNROLL if self.B == 1 or not self.x_smem else 4 if self.B <= 4 else 2)
+        self.unroll = next(u for u in (8, 4, 2, 1) if u <= cap and all(p % u == 0 for p in passes))
+        seg_max = self.k_max // (COL_PASS * self.unroll)
+        self.chunk_rows = max(16, min(CHUNK_ROWS, PART_SLOTS_MAX // (seg_max * self.B) // 16 * 16))
+        self.part_slots = self.chunk_rows * seg_max * self.B
+        # The matvec input, times the norm weights, is staged in shared memory as float32 when it fits
+        # beside everything else the CTA keeps there (queue, partials, attention scratch): the item
+        # loop then reads it with shared loads, and 16 warps have registers for two items in flight.
+        self.fused_reduce = layout.fused_reduce
+        if self.fused_reduce and not self.x_smem:
+            raise ValueError("a layout with the attention merge folded into O_PROJ needs x_in_smem=True")
+        warps = options.warps or (16 if self.x_smem else 8)
         if warps % ROW_GROUP or not ROW_GROUP <= warps <= 32:
             raise ValueError(f"warps={warps} must be a multiple of {ROW_GROUP} in 8..32")
         self.warps = warps
         self.threads = 32 * warps
-        self.scale_log2 = LOG2E / math.sqrt(self.D)
-        passes = [k // COL_PASS for k in (self.H, self.Q, self.F)]
-        self.unroll = next(u for u in (MAX_PASS_UNROLL, 4, 2, 1) if all(p % u == 0 for p in passes))
         # loads in flight per warp: items side by side x unroll passes, within the register budget
-        # The matvec input, times the norm weights, is staged in shared memory as float32 when it fits:
-        # the item loop then reads it with shared loads and has registers for two items in flight.
-        self.k_max = max(self.H, self.Q, self.F)
-        self.x_smem = options.x_in_smem and self.B * self.k_max * 4 <= X_SMEM_BYTES
         self.items_per_step = 2 if self.x_smem else max(1, 8 // self.unroll)
-        self.part_slots = CHUNK_ROWS * (max(self.H, self.Q, self.F) // (COL_PASS * self.unroll)) * self.B
+        self.raw_words = self.items_per_step * self.unroll * 4
+        self.preload_items = min(max(0, int(options.preload)), self.items_per_step)
+        if self.smem_bytes(warps, with_x=True) > SMEM_LIMIT:
+            raise ValueError(f"the kernel needs {self.smem_bytes(warps, with_x=True)} bytes of shared memory per "
+                             f"CTA, more than the {SMEM_LIMIT} an sm_90 CTA can have; use fewer kv_splits or a "
+                             f"smaller batch")
+
+    def smem_bytes(self, warps: int, with_x: bool) -> int:
+        """Shared memory the kernel allocates (each buffer 16-byte aligned), as in `kernel`."""
+        G, D = self.G, self.D
+        words = [4, 8, 8, warps * 8, warps * 8, self.part_slots,
+                 4 if with_x and self.x_smem else self.part_slots, 8,
+                 (self.B * self.k_max if self.x_smem else 4) if with_x else 0,
+                 G * D, 2 * D, warps * G, warps * G, warps * G * D, self.max_queue_len * WORDS]
+        return sum((4 * w + 15) // 16 * 16 for w in words)
 
     # ------------------------------------------------------------------ host entry
     @cute.jit
@@ -258,7 +285,8 @@ class DecodeKernel:
         s_wi = smem.allocate_tensor(Int32, cute.make_layout((self.warps * 8,)), byte_alignment=16)
         # matvec partials: one per (row, segment, sequence) of a chunk
         s_part = smem.allocate_tensor(Float32, cute.make_layout((self.part_slots,)), byte_alignment=16)
-        s_ssq = smem.allocate_tensor(Float32, cute.make_layout((self.part_slots,)), byte_alignment=16)
+        s_ssq = smem.allocate_tensor(Float32, cute.make_layout((4 if self.x_smem else self.part_slots,)),
+                                     byte_alignment=16)
         s_rstd = smem.allocate_tensor(Float32, cute.make_layout((8,)), byte_alignment=16)
         s_x = smem.allocate_tensor(Float32, cute.make_layout((self.B * self.k_max if self.x_smem else 4,)),
                                    byte_alignment=16)
@@ -296,10 +324,7 @@ class DecodeKernel:
             a1 = s_queue[ins + W_A1]
             a2 = s_queue[ins + W_A2]
             a3 = s_queue[ins + W_A3]
-            wait_id = s_queue[ins + W_WAIT_ID]
-            wait_count = s_queue[ins + W_WAIT_COUNT]
-            signal_id = s_queue[ins + W_SIGNAL_ID]
-            index = s_queue[ins + W_INDEX]
+            # (wait, signal and index words are read where used: fewer registers live across the body)
             t_begin = Int32(0)
             t_ready = Int32(0)
             if cutlass.const_expr(self.options.trace):
@@ -309,9 +334,23 @@ class DecodeKernel:
                 if tidx == 0 and i + 1 < n:
                     self.prefetch_instruction(s_queue, ins + WORDS, w_qkv, w_o, w_gate_up, w_down, w_lm_head)
 
+            # ---- preload: a matvec's first weights do not depend on the producing stage, so every
+            # warp issues its first step of loads now and they arrive while thread 0 waits
+            is_matvec = op >= OP_QKV and op != OP_ATTN_PARTIAL and op != OP_ATTN_REDUCE and op != OP_ARGMAX
+            raw = cute.make_rmem_tensor((self.raw_words,), Int32)
+            if cutlass.const_expr(self.preload_items > 0):
+                if is_matvec:
+                    w0_addr, k0 = self.weight_tile(op, layer, a0, w_qkv, w_o, w_gate_up, w_down, w_lm_head)
+                    n_units0 = (a1 // self.items_per_step) * (k0 // (COL_PASS * self.unroll))
+                    if a1 > self.chunk_rows:
+                        n_units0 = Int32(self.chunk_rows // self.items_per_step) * (k0 // (COL_PASS * self.unroll))
+                    if warp < n_units0:
+                        self.load_step(lane, w0_addr, k0, Int32(0), warp, raw, count=self.preload_items)
+
             # ---- wait for the producing stage (thread 0 spins, the CTA barrier broadcasts)
+            wait_id = s_queue[ins + W_WAIT_ID]
             if tidx == 0 and wait_id >= 0:
-                target = (epoch + 1) * wait_count
+                target = (epoch + 1) * s_queue[ins + W_WAIT_COUNT]
                 caddr = counters + Int64(wait_id) * 4
                 seen = load_acquire(caddr)
                 t0 = cute.arch.globaltimer()
@@ -322,7 +361,7 @@ class DecodeKernel:
                         ok = Boolean(False)
                 if not ok:
                     if atomic_cas(error, Int32(0), Int32(ERR_TIMEOUT)) == 0:
-                        store_relaxed(error + 4, index)
+                        store_relaxed(error + 4, s_queue[ins + W_INDEX])
                         store_relaxed(error + 8, wait_id)
                         store_relaxed(error + 12, seen)
                     s_ctrl[1] = Int32(1)
@@ -332,29 +371,33 @@ class DecodeKernel:
                 t_ready = globaltimer_lo()
 
             if aborted == 0:
-                if op == OP_EMBED:
-                    self.embed(tidx, w_embed, tokens, x, error, index)
-                if op == OP_ATTN_PARTIAL:
-                    self.attn_partial(tidx, warp, lane, layer, a0, a1, a2, a3, index, qkv, q_norm, k_norm,
-                                      rope_cos, rope_sin, positions, block_table, kv_table,
-                                      attn_part_o, attn_part_lse, error, s_q, s_kv, s_m, s_l, s_o)
-                if op == OP_ATTN_REDUCE:
-                    self.attn_reduce(tidx, layer, a0, a1, a3, attn_part_o, attn_part_lse, attn_out)
-                if op == OP_ARGMAX:
-                    self.argmax(tidx, a0, lm_max, lm_idx, out_tokens, tokens, positions)
-                if op >= OP_QKV and op != OP_ATTN_PARTIAL and op != OP_ATTN_REDUCE and op != OP_ARGMAX:
+                # matvec or not as one if/else: the preloaded registers are dead on the other branch
+                if is_matvec:
                     self.matvec(tidx, warp, lane, op, layer, a0, a1, a2, w_qkv, w_o, w_gate_up, w_down,
                                 w_lm_head, attn_norm, mlp_norm, final_norm, ones, x, h, qkv, attn_out, act,
-                                logits, lm_max, lm_idx, s_red, s_ired, s_part, s_ssq, s_wv, s_wi, s_rstd, s_x)
+                                logits, lm_max, lm_idx, s_red, s_ired, s_part, s_ssq, s_wv, s_wi, s_rstd, s_x,
+                                raw, a3, attn_part_o, attn_part_lse)
+                else:
+                    if op == OP_EMBED:
+                        self.embed(tidx, w_embed, tokens, x, error, s_queue[ins + W_INDEX])
+                    if op == OP_ATTN_PARTIAL:
+                        self.attn_partial(tidx, warp, lane, layer, a0, a1, a2, a3, s_queue[ins + W_INDEX], qkv,
+                                          q_norm, k_norm, rope_cos, rope_sin, positions, block_table, kv_table,
+                                          attn_part_o, attn_part_lse, error, s_q, s_kv, s_m, s_l, s_o)
+                    if op == OP_ATTN_REDUCE:
+                        self.attn_reduce(tidx, layer, a0, a1, a3, attn_part_o, attn_part_lse, attn_out)
+                    if op == OP_ARGMAX:
+                        self.argmax(tidx, a0, lm_max, lm_idx, out_tokens, tokens, positions)
 
             # ---- signal: every thread's stores precede the barrier; the release orders them
             cute.arch.sync_threads()
+            signal_id = s_queue[ins + W_SIGNAL_ID]
             if tidx == 0 and aborted == 0 and signal_id >= 0:
                 red_release_add(counters + Int64(signal_id) * 4, Int32(1))
             if cutlass.const_expr(self.options.trace):
                 if tidx == 0:
                     rec = trace + (Int64(sm) * self.max_queue_len + Int64(i)) * 32
-                    st_i32(rec, index)
+                    st_i32(rec, s_queue[ins + W_INDEX])
                     st_i32(rec + 4, op)
                     st_i32(rec + 8, t_begin)
                     st_i32(rec + 12, t_ready)
@@ -402,7 +445,8 @@ class DecodeKernel:
                attn_norm: Int64, mlp_norm: Int64, final_norm: Int64, ones: Int64, x: Int64, h: Int64,
                qkv: Int64, attn_out: Int64, act: Int64, logits: Int64, lm_max: Int64, lm_idx: Int64,
                s_red: cute.Tensor, s_ired: cute.Tensor, s_part: cute.Tensor, s_ssq: cute.Tensor,
-               s_wv: cute.Tensor, s_wi: cute.Tensor, s_rstd: cute.Tensor, s_x: cute.Tensor):
+               s_wv: cute.Tensor, s_wi: cute.Tensor, s_rstd: cute.Tensor, s_x: cute.Tensor, raw: cute.Tensor,
+               a3: Int32, attn_part_o: Int64, attn_part_lse: Int64):
         B, H = self.B, self.H
         l64 = Int64(layer)
         w_addr, K = self.weight_tile(op, layer, a0, w_qkv, w_o, w_gate_up, w_down, w_lm_head)
@@ -446,10 +490,11 @@ class DecodeKernel:
             out_w = Int32(self.V)
         is_gate_up = op == OP_GATE_UP
         is_lm = op == OP_LM_HEAD
+        merge = op == OP_O_PROJ and a3 > 0      # O_PROJ's input is the merge of the attention splits
 
         # Work items are (row, segment): a segment is `unroll` 256-column passes of one row, so a
         # warp issues all its 16-byte loads for an item at once, and two items side by side. A chunk
-        # of up to CHUNK_ROWS rows is spread over every warp of the CTA (all of a small tile's loads
+        # of up to chunk_rows rows is spread over every warp of the CTA (all of a small tile's loads
         # are in flight together); partial dot products meet in shared memory and are summed in a
         # fixed order (deterministic), then the epilogue runs one thread per output.
         seg_cols = COL_PASS * self.unroll
@@ -457,18 +502,15 @@ class DecodeKernel:
         if cutlass.const_expr(self.x_smem):
             # stage x * norm weight in shared memory, and sum(x^2) per sequence for the RMSNorm
             ss = cute.make_rmem_tensor((B,), Float32)
-            # X_UNROLL quads per thread per round, so a whole input row is one round of loads
             for b in cutlass.range_constexpr(B):
                 ss[b] = Float32(0.0)
-                for q0 in range(tidx, K // 4, self.threads * X_UNROLL):
-                    for v in cutlass.range_constexpr(X_UNROLL):
-                        q = q0 + v * self.threads
-                        if q < K // 4:
-                            xv = load_f32x4(in_addr + (Int64(b) * Int64(K) + Int64(q * 4)) * 4)
-                            nv = load_weights_bf16x4(norm_addr + Int64(q * 4) * 2)
-                            for e in cutlass.range_constexpr(4):
-                                ss[b] = ss[b] + xv[e] * xv[e]
-                                s_x[b * K + q * 4 + e] = xv[e] * nv[e]
+            if cutlass.const_expr(self.fused_reduce):
+                if merge:
+                    self.stage_merged_attention(tidx, layer, K, attn_part_o, attn_part_lse, s_x)
+                else:
+                    self.stage_input(tidx, K, in_addr, norm_addr, s_x, ss)
+            else:
+                self.stage_input(tidx, K, in_addr, norm_addr, s_x, ss)
             for b in cutlass.range_constexpr(B):
                 tot = warp_sum(ss[b])
                 if lane == 0:
@@ -483,68 +525,25 @@ class DecodeKernel:
         if is_lm and tidx < B:
             s_red[tidx] = Float32(-math.inf)
             s_ired[tidx] = Int32(0x7FFFFFFF)
-        for c0 in range(0, a1, CHUNK_ROWS):
+        for c0 in range(0, a1, self.chunk_rows):
             rows = a1 - c0
-            if rows > CHUNK_ROWS:
-                rows = Int32(CHUNK_ROWS)
-            n_items = rows * n_seg
+            if rows > self.chunk_rows:
+                rows = Int32(self.chunk_rows)
+            n_units = (rows // self.items_per_step) * n_seg
             sx_base = Int32(0)
             if cutlass.const_expr(self.x_smem):
                 sx_base = Int32(s_x.iterator.toint())
-            for it0 in range(warp, n_items, self.items_per_step * self.warps):
-                for half in cutlass.range_constexpr(self.items_per_step):
-                    item = it0 + half * self.warps
-                    if item < n_items:
-                        r = item // n_seg
-                        sg = item - r * n_seg
-                        col0 = sg * seg_cols + lane * 8
-                        wrow = w_addr + (Int64(c0 + r) * Int64(K) + Int64(col0)) * 2
-                        acc = cute.make_rmem_tensor((B,), Float32)
-                        ssq = cute.make_rmem_tensor((B,), Float32)
-                        for b in cutlass.range_constexpr(B):
-                            acc[b] = Float32(0.0)
-                            ssq[b] = Float32(0.0)
-                        for u in cutlass.range_constexpr(self.unroll):
-                            w = load_weights_bf16x8(wrow + u * COL_PASS * 2)
-                            if cutlass.const_expr(self.x_smem):
-                                # x * norm weight, staged above; the statistic is already in s_rstd
-                                for b in cutlass.range_constexpr(B):
-                                    xs = sx_base + (b * K + col0 + u * COL_PASS) * 4
-                                    xa = ld_shared_f32x4(xs)
-                                    xb = ld_shared_f32x4(xs + 16)
-                                    s0 = acc[b]
-                                    for e in cutlass.range_constexpr(4):
-                                        s0 = s0 + w[e] * xa[e]
-                                    for e in cutlass.range_constexpr(4):
-                                        s0 = s0 + w[4 + e] * xb[e]
-                                    acc[b] = s0
-                            else:
-                                # x and the norm weight from global (L1), sum(x^2) beside the dot product
-                                c64 = Int64(col0 + u * COL_PASS)
-                                nw = load_weights_bf16x8(norm_addr + c64 * 2)
-                                for b in cutlass.range_constexpr(B):
-                                    xa = load_f32x4(in_addr + (Int64(b) * Int64(K) + c64) * 4)
-                                    xb = load_f32x4(in_addr + (Int64(b) * Int64(K) + c64) * 4 + 16)
-                                    s0 = acc[b]
-                                    sq = ssq[b]
-                                    for e in cutlass.range_constexpr(4):
-                                        sq = sq + xa[e] * xa[e]
-                                        s0 = s0 + w[e] * (xa[e] * nw[e])
-                                    for e in cutlass.range_constexpr(4):
-                                        sq = sq + xb[e] * xb[e]
-                                        s0 = s0 + w[4 + e] * (xb[e] * nw[4 + e])
-                                    acc[b] = s0
-                                    ssq[b] = sq
-                        for b in cutlass.range_constexpr(B):
-                            dot = warp_sum(acc[b])
-                            if cutlass.const_expr(self.x_smem):
-                                if lane == 0:
-                                    s_part[item * B + b] = dot
-                            else:
-                                sqs = warp_sum(ssq[b])
-                                if lane == 0:
-                                    s_part[item * B + b] = dot
-                                    s_ssq[item * B + b] = sqs
+            for unit in range(warp, n_units, self.warps):
+                # the first unit of the first chunk was (partly) loaded before the wait (preload)
+                if cutlass.const_expr(self.preload_items > 0):
+                    if c0 > 0 or unit != warp:
+                        self.load_step(lane, w_addr, K, c0, unit, raw)
+                    else:
+                        if cutlass.const_expr(self.preload_items < self.items_per_step):
+                            self.load_step(lane, w_addr, K, c0, unit, raw, first=self.preload_items)
+                else:
+                    self.load_step(lane, w_addr, K, c0, unit, raw)
+                self.compute_step(lane, K, unit, raw, in_addr, norm_addr, sx_base, s_part, s_ssq)
             cute.arch.sync_threads()
             # ---- epilogue: one thread per (output row, sequence)
             n_out = rows * B
@@ -623,6 +622,143 @@ class DecodeKernel:
         if is_lm and tidx < B:
             st_f32(lm_max + (Int64(tidx) * self.T + Int64(tile)) * 4, s_red[tidx])
             st_i32(lm_idx + (Int64(tidx) * self.T + Int64(tile)) * 4, s_ired[tidx])
+
+    @cute.jit
+    def stage_input(self, tidx: Int32, K: Int32, in_addr: Int64, norm_addr: Int64, s_x: cute.Tensor,
+                    ss: cute.Tensor):
+        """s_x = input row x norm weight for every sequence, ss[b] = sum(x^2): X_UNROLL quads per thread
+        per round, so a whole input row is one round of loads."""
+        for b in cutlass.range_constexpr(self.B):
+            for q0 in range(tidx, K // 4, self.threads * X_UNROLL):
+                for v in cutlass.range_constexpr(X_UNROLL):
+                    q = q0 + v * self.threads
+                    if q < K // 4:
+                        xv = load_f32x4(in_addr + (Int64(b) * Int64(K) + Int64(q * 4)) * 4)
+                        nv = load_weights_bf16x4(norm_addr + Int64(q * 4) * 2)
+                        for e in cutlass.range_constexpr(4):
+                            ss[b] = ss[b] + xv[e] * xv[e]
+                            s_x[b * K + q * 4 + e] = xv[e] * nv[e]
+
+    @cute.jit
+    def stage_merged_attention(self, tidx: Int32, layer: Int32, K: Int32, attn_part_o: Int64,
+                               attn_part_lse: Int64, s_x: cute.Tensor):
+        """O_PROJ folded with the attention merge: s_x = the merged attention output of every sequence,
+        one quad per thread at a time (each quad is 2 x splits loads)."""
+        for b in cutlass.range_constexpr(self.B):
+            for q in range(tidx, K // 4, self.threads):
+                xv = cute.make_rmem_tensor((4,), Float32)
+                self.merge_quad(layer, b, q * 4, attn_part_o, attn_part_lse, xv)
+                for e in cutlass.range_constexpr(4):
+                    s_x[b * K + q * 4 + e] = xv[e]
+
+    @cute.jit
+    def merge_quad(self, layer: Int32, b: Int32, k: Int32, attn_part_o: Int64, attn_part_lse: Int64,
+                   out: cute.Tensor):
+        """Attention output elements k..k+3 (one head) of sequence b: the splits' partial outputs
+        weighted by exp(lse_s - max) and normalized, as ATTN_REDUCE computes them."""
+        head = k // self.D
+        d = k - head * self.D
+        base = ((Int64(layer) * self.B + Int64(b)) * self.Hq + Int64(head)) * self.S
+        lse = cute.make_rmem_tensor((self.S,), Float32)
+        mx = Float32(-math.inf)
+        for s in cutlass.range_constexpr(self.S):
+            lse[s] = ld_f32(attn_part_lse + (base + s) * 4)
+            if lse[s] > mx:
+                mx = lse[s]
+        tot = Float32(0.0)
+        for e in cutlass.range_constexpr(4):
+            out[e] = Float32(0.0)
+        for s in cutlass.range_constexpr(self.S):
+            if lse[s] > Float32(-math.inf):
+                f = ex2((lse[s] - mx) * Float32(LOG2E))
+                ov = load_f32x4(attn_part_o + ((base + s) * self.D + Int64(d)) * 4)
+                tot = tot + f
+                for e in cutlass.range_constexpr(4):
+                    out[e] = out[e] + f * ov[e]
+        for e in cutlass.range_constexpr(4):
+            out[e] = out[e] / tot
+
+    @cute.jit
+    def load_step(self, lane: Int32, w_addr: Int64, K: Int32, c0: Int32, unit: Int32, raw: cute.Tensor,
+                  first: int = 0, count: int = -1):
+        """Issue a warp's 16-byte weight loads for one work unit into `raw` (4 words per load); nothing
+        waits for them here. A unit is `items_per_step` consecutive rows of the chunk starting at row c0,
+        over one column segment (`unroll` 256-column passes), so its rows share the input columns.
+        Only rows first .. first + count - 1 of the unit when given (the preload issues a prefix)."""
+        seg_cols = COL_PASS * self.unroll
+        n_seg = K // seg_cols
+        p = unit // n_seg
+        sg = unit - p * n_seg
+        for h in cutlass.range_constexpr(first, self.items_per_step if count < 0 else first + count):
+            r = p * self.items_per_step + h
+            wrow = w_addr + (Int64(c0 + r) * Int64(K) + Int64(sg * seg_cols + lane * 8)) * 2
+            for u in cutlass.range_constexpr(self.unroll):
+                v = load_weights_raw(wrow + u * COL_PASS * 2)
+                for e in cutlass.range_constexpr(4):
+                    raw[(h * self.unroll + u) * 4 + e] = v[e]
+
+    @cute.jit
+    def compute_step(self, lane: Int32, K: Int32, unit: Int32, raw: cute.Tensor, in_addr: Int64,
+                     norm_addr: Int64, sx_base: Int32, s_part: cute.Tensor, s_ssq: cute.Tensor):
+        """Dot products of a unit's rows (weights in `raw`) with the input, which is read once for all of
+        them: one partial per (row, segment, sequence) into s_part at ((row * n_seg + segment) * B + b)
+        (and sum(x^2) into s_ssq when the input is read from global)."""
+        B, R = self.B, self.items_per_step
+        seg_cols = COL_PASS * self.unroll
+        n_seg = K // seg_cols
+        p = unit // n_seg
+        sg = unit - p * n_seg
+        col0 = sg * seg_cols + lane * 8
+        acc = cute.make_rmem_tensor((R * B,), Float32)
+        ssq = cute.make_rmem_tensor((B,), Float32)
+        for i in cutlass.range_constexpr(R * B):
+            acc[i] = Float32(0.0)
+        for b in cutlass.range_constexpr(B):
+            ssq[b] = Float32(0.0)
+        for u in cutlass.range_constexpr(self.unroll):
+            for b in cutlass.range_constexpr(B):
+                xa = cute.make_rmem_tensor((8,), Float32)
+                if cutlass.const_expr(self.x_smem):
+                    # x * norm weight, staged by matvec; the statistic is already in s_rstd
+                    xs = sx_base + (b * K + col0 + u * COL_PASS) * 4
+                    xl = ld_shared_f32x4(xs)
+                    xh = ld_shared_f32x4(xs + 16)
+                    for e in cutlass.range_constexpr(4):
+                        xa[e] = xl[e]
+                        xa[4 + e] = xh[e]
+                else:
+                    # x and the norm weight from global (L1), sum(x^2) beside the dot product
+                    c64 = Int64(col0 + u * COL_PASS)
+                    nw = load_weights_bf16x8(norm_addr + c64 * 2)
+                    xl = load_f32x4(in_addr + (Int64(b) * Int64(K) + c64) * 4)
+                    xh = load_f32x4(in_addr + (Int64(b) * Int64(K) + c64) * 4 + 16)
+                    sq = ssq[b]
+                    for e in cutlass.range_constexpr(4):
+                        sq = sq + xl[e] * xl[e]
+                        xa[e] = xl[e] * nw[e]
+                    for e in cutlass.range_constexpr(4):
+                        sq = sq + xh[e] * xh[e]
+                        xa[4 + e] = xh[e] * nw[4 + e]
+                    ssq[b] = sq
+                for h in cutlass.range_constexpr(R):
+                    q = (h * self.unroll + u) * 4
+                    w = unpack_bf16x8(raw[q], raw[q + 1], raw[q + 2], raw[q + 3])
+                    s0 = acc[h * B + b]
+                    for e in cutlass.range_constexpr(8):
+                        s0 = s0 + w[e] * xa[e]
+                    acc[h * B + b] = s0
+        for h in cutlass.range_constexpr(R):
+            item = (p * R + h) * n_seg + sg
+            for b in cutlass.range_constexpr(B):
+                dot = warp_sum(acc[h * B + b])
+                if lane == 0:
+                    s_part[item * B + b] = dot
+        if cutlass.const_expr(not self.x_smem):
+            for b in cutlass.range_constexpr(B):
+                sqs = warp_sum(ssq[b])
+                if lane == 0:
+                    for h in cutlass.range_constexpr(R):
+                        s_ssq[((p * R + h) * n_seg + sg) * B + b] = sqs
 
     @cute.jit
     def attn_partial(self, tidx: Int32, warp: Int32, lane: Int32, layer: Int32, b: Int32, kvh: Int32,

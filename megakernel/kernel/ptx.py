@@ -26,6 +26,27 @@ def load_weights_bf16x8(addr: Int64):
 
 
 @cute.jit
+def load_weights_raw(addr: Int64):
+    """16 bytes of weights (8 bf16) at a 16-byte aligned address, as 4 raw 32-bit words: the same
+    read-only, L1-bypassing load as load_weights_bf16x8, for loads issued long before their use
+    (unpack_bf16x8 converts them then)."""
+    return cute.arch.inline_ptx(
+        "ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+        write_only_types=[Int32] * 4, read_only_args=[addr])
+
+
+@cute.jit
+def unpack_bf16x8(w0: Int32, w1: Int32, w2: Int32, w3: Int32):
+    """4 words of packed bf16 pairs (low half first) -> 8 float32."""
+    return cute.arch.inline_ptx(
+        "shl.b32 {$w0}, {$r0}, 16; and.b32 {$w1}, {$r0}, 0xffff0000;\n"
+        "shl.b32 {$w2}, {$r1}, 16; and.b32 {$w3}, {$r1}, 0xffff0000;\n"
+        "shl.b32 {$w4}, {$r2}, 16; and.b32 {$w5}, {$r2}, 0xffff0000;\n"
+        "shl.b32 {$w6}, {$r3}, 16; and.b32 {$w7}, {$r3}, 0xffff0000;",
+        write_only_types=[Float32] * 8, read_only_args=[w0, w1, w2, w3])
+
+
+@cute.jit
 def load_f32x4(addr: Int64):
     """4 float32 activations written earlier in this step by other CTAs (coherent path)."""
     return cute.arch.inline_ptx(

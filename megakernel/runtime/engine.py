@@ -59,7 +59,7 @@ class MegakernelEngine:
     def __init__(self, weights: ModelWeights, batch: int, max_seq_len: int, *, block_size: int = 16,
                  num_blocks: int | None = None, num_sms: int | None = None, policy: str = "balanced",
                  kv_splits: int | None = None, options: KernelOptions = KernelOptions(),
-                 device: str | torch.device = "cuda"):
+                 fuse_attn_reduce: bool | None = None, device: str | torch.device = "cuda"):
         config = weights.config
         self.device = torch.device(device)
         if self.device.type != "cuda" or not torch.cuda.is_available():
@@ -78,7 +78,8 @@ class MegakernelEngine:
         blocks_per_seq = -(-max_seq_len // block_size)
         self.layout = StepLayout(config=config, batch=batch,
                                  kv_splits=kv_splits or default_kv_splits(config, batch, num_sms, blocks_per_seq * block_size),
-                                 block_size=block_size, max_blocks_per_seq=blocks_per_seq, num_sms=num_sms)
+                                 block_size=block_size, max_blocks_per_seq=blocks_per_seq, num_sms=num_sms,
+                                 fuse_attn_reduce=fuse_attn_reduce if options.x_in_smem else False)
         self.layout.validate()
         self.num_blocks = num_blocks or batch * blocks_per_seq
         self.program = build_program(self.layout)

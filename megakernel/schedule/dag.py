@@ -4,7 +4,8 @@ on one counter (the stage it reads from) and signalling the counter of its own s
 Every edge is a (layer, stage) counter: a consumer waits until all instructions of the producing
 stage have signalled. Release/acquire chains make that transitive, so an instruction sees every
 store that happened before the stage it waits on (e.g. O_PROJ reads x[l], written by DOWN of layer
-l-1, two stages before the ATTN_REDUCE it waits for).
+l-1, two stages before the ATTN_REDUCE it waits for). Where the layout stages matvec inputs in shared
+memory, O_PROJ waits on ATTN_PARTIAL directly and merges the splits itself (`StepLayout.fused_reduce`).
 """
 
 from __future__ import annotations
@@ -60,11 +61,11 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None) ->
     def add(**kw) -> None:
         out.append(Instruction(index=len(out), **kw))
 
-    def matvec_stage(op: Opcode, layer: int, wait: tuple[int, int], signal: int) -> int:
+    def matvec_stage(op: Opcode, layer: int, wait: tuple[int, int], signal: int, a3: int = 0) -> int:
         rows, k = weight_rows(op, layout)
         tiles = _tiles(rows, rows_per_tile(op))
         for t, (lo, n) in enumerate(tiles):
-            add(opcode=op, layer=layer, a0=lo, a1=n, a2=t, wait_id=wait[0], wait_count=wait[1],
+            add(opcode=op, layer=layer, a0=lo, a1=n, a2=t, a3=a3, wait_id=wait[0], wait_count=wait[1],
                 signal_id=signal, cost=n * k * elem + FIXED_COST_BYTES)
         return len(tiles)
 
@@ -81,13 +82,19 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None) ->
                         signal_id=counter_id(l, Stage.ATTN_PARTIAL),
                         cost=kv_bytes_per_split + FIXED_COST_BYTES)
         n_attn = B * c.num_kv_heads * S
-        for b in range(B):
-            for kvh in range(c.num_kv_heads):
-                add(opcode=Opcode.ATTN_REDUCE, layer=l, a0=b, a1=kvh, a3=S,
-                    wait_id=counter_id(l, Stage.ATTN_PARTIAL), wait_count=n_attn,
-                    signal_id=counter_id(l, Stage.ATTN_REDUCE), cost=FIXED_COST_BYTES)
-        n_red = B * c.num_kv_heads
-        n = matvec_stage(Opcode.O_PROJ, l, (counter_id(l, Stage.ATTN_REDUCE), n_red), counter_id(l, Stage.O_PROJ))
+        if layout.fused_reduce:
+            # O_PROJ merges the splits while staging its input: one dependency hop less per layer
+            n = matvec_stage(Opcode.O_PROJ, l, (counter_id(l, Stage.ATTN_PARTIAL), n_attn),
+                             counter_id(l, Stage.O_PROJ), a3=S)
+        else:
+            for b in range(B):
+                for kvh in range(c.num_kv_heads):
+                    add(opcode=Opcode.ATTN_REDUCE, layer=l, a0=b, a1=kvh, a3=S,
+                        wait_id=counter_id(l, Stage.ATTN_PARTIAL), wait_count=n_attn,
+                        signal_id=counter_id(l, Stage.ATTN_REDUCE), cost=FIXED_COST_BYTES)
+            n_red = B * c.num_kv_heads
+            n = matvec_stage(Opcode.O_PROJ, l, (counter_id(l, Stage.ATTN_REDUCE), n_red),
+                             counter_id(l, Stage.O_PROJ))
         n = matvec_stage(Opcode.GATE_UP, l, (counter_id(l, Stage.O_PROJ), n), counter_id(l, Stage.GATE_UP))
         n = matvec_stage(Opcode.DOWN, l, (counter_id(l, Stage.GATE_UP), n), counter_id(l, Stage.DOWN))
         prev = (counter_id(l, Stage.DOWN), n)

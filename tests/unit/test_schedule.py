@@ -36,12 +36,14 @@ BLOCKS_PER_SEQ = 8
 
 
 @functools.lru_cache(maxsize=None)
-def _program(name: str, batch: int, num_sms: int = NUM_SMS, num_layers: int | None = None) -> StepProgram:
+def _program(name: str, batch: int, num_sms: int = NUM_SMS, num_layers: int | None = None,
+             fuse: bool | None = None) -> StepProgram:
     config = get_preset(name)
     if num_layers is not None:
         config = dataclasses.replace(config, num_layers=num_layers)
     layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, num_sms),
-                        block_size=BLOCK_SIZE, max_blocks_per_seq=BLOCKS_PER_SEQ, num_sms=num_sms)
+                        block_size=BLOCK_SIZE, max_blocks_per_seq=BLOCKS_PER_SEQ, num_sms=num_sms,
+                        fuse_attn_reduce=fuse)
     return build_program(layout)
 
 
@@ -49,7 +51,7 @@ def _what(program: StepProgram, policy: str | None = None) -> str:
     lay = program.layout
     pol = f" policy={policy}" if policy else ""
     return (f"{lay.config.name} L={lay.config.num_layers} batch={lay.batch} splits={lay.kv_splits} "
-            f"sms={lay.num_sms}{pol} ({len(program.instructions)} instructions)")
+            f"sms={lay.num_sms} fused_reduce={lay.fused_reduce}{pol} ({len(program.instructions)} instructions)")
 
 
 # ---- the dataflow, written out independently of the DAG builder -----------------------------------------
@@ -65,8 +67,9 @@ def _stage_rows(config: ModelConfig, op: Opcode) -> int:
     }[op]
 
 
-def _producer_stage(ins: Instruction, num_layers: int) -> tuple[Opcode, int] | None:
-    """(opcode, layer) of the stage whose outputs `ins` consumes first: what it must wait for."""
+def _producer_stage(ins: Instruction, num_layers: int, fused: bool) -> tuple[Opcode, int] | None:
+    """(opcode, layer) of the stage whose outputs `ins` consumes first: what it must wait for. With the
+    attention merge folded into O_PROJ (fused), O_PROJ consumes the partials."""
     op, layer = ins.opcode, ins.layer
     if op == Opcode.EMBED:
         return None
@@ -77,7 +80,8 @@ def _producer_stage(ins: Instruction, num_layers: int) -> tuple[Opcode, int] | N
     if op == Opcode.ARGMAX:
         return Opcode.LM_HEAD, 0
     previous = {Opcode.ATTN_PARTIAL: Opcode.QKV, Opcode.ATTN_REDUCE: Opcode.ATTN_PARTIAL,
-                Opcode.O_PROJ: Opcode.ATTN_REDUCE, Opcode.GATE_UP: Opcode.O_PROJ, Opcode.DOWN: Opcode.GATE_UP}
+                Opcode.O_PROJ: Opcode.ATTN_PARTIAL if fused else Opcode.ATTN_REDUCE,
+                Opcode.GATE_UP: Opcode.O_PROJ, Opcode.DOWN: Opcode.GATE_UP}
     return previous[op], layer
 
 
@@ -100,7 +104,7 @@ def check_program(program: StepProgram) -> None:
         assert len(stages) == 1, f"{what}: counter {counter} is signalled by several stages {stages}"
 
     for ins in instrs:
-        producer = _producer_stage(ins, config.num_layers)
+        producer = _producer_stage(ins, config.num_layers, layout.fused_reduce)
         name = f"{what}: #{ins.index} {ins.opcode.name} layer {ins.layer}"
         if producer is None:
             assert ins.wait_id == NO_COUNTER, f"{name} waits on counter {ins.wait_id}"
@@ -136,8 +140,15 @@ def check_program(program: StepProgram) -> None:
         assert partial == Counter((q, h, t, s) for q in range(b) for h in range(kvh) for t in range(s)), \
             f"{what}: layer {layer} attention partials do not cover (sequence, kv head, split) once each"
         reduce = Counter((i.a0, i.a1, i.a3) for i in by_stage[(Opcode.ATTN_REDUCE, layer)])
-        assert reduce == Counter((q, h, s) for q in range(b) for h in range(kvh)), \
-            f"{what}: layer {layer} attention reductions do not cover (sequence, kv head) once each"
+        o_proj_a3 = {i.a3 for i in by_stage[(Opcode.O_PROJ, layer)]}
+        if layout.fused_reduce:
+            assert not reduce and o_proj_a3 == {s}, \
+                f"{what}: layer {layer} folds the merge into O_PROJ, yet has {sum(reduce.values())} ATTN_REDUCE " \
+                f"and O_PROJ a3 {o_proj_a3} (splits {s})"
+        else:
+            assert reduce == Counter((q, h, s) for q in range(b) for h in range(kvh)), \
+                f"{what}: layer {layer} attention reductions do not cover (sequence, kv head) once each"
+            assert o_proj_a3 == {0}, f"{what}: layer {layer} O_PROJ a3 {o_proj_a3} without the folded merge"
     assert stage_size[(Opcode.EMBED, 0)] == 1 and stage_size[(Opcode.ARGMAX, 0)] == 1, what
 
 
@@ -164,11 +175,13 @@ def check_queues(program: StepProgram, queues: list[list[Instruction]], policy: 
 
 # ---- every preset, every batch, both policies ------------------------------------------------------------
 
+@pytest.mark.parametrize("fuse", (None, False), ids=("fused-reduce", "reduce-stage"))
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("name", TINY_PRESETS)
-def test_tiny_presets_fully(name, batch):
+def test_tiny_presets_fully(name, batch, fuse):
     for num_sms in (NUM_SMS, FEW_SMS):
-        program = _program(name, batch, num_sms)
+        program = _program(name, batch, num_sms, fuse=fuse)
+        assert program.layout.fused_reduce == (fuse is None), _what(program)
         check_program(program)
         races = find_races(program)
         assert races == [], f"{_what(program)}: {races}"
@@ -276,10 +289,17 @@ STAGES_THAT_WAIT = [(Opcode.QKV, 0), (Opcode.QKV, 1), (Opcode.ATTN_PARTIAL, 1), 
                     (Opcode.ARGMAX, 0)]
 
 
-@pytest.mark.parametrize("op,layer", STAGES_THAT_WAIT, ids=[f"{op.name}-L{layer}" for op, layer in STAGES_THAT_WAIT])
-def test_find_races_catches_a_missing_wait(op, layer):
+# (ATTN_REDUCE exists only where O_PROJ does not merge the splits itself)
+MISSING_WAIT_CASES = [(op, layer, fuse) for fuse in (None, False) for op, layer in STAGES_THAT_WAIT
+                      if not (op == Opcode.ATTN_REDUCE and fuse is None)]
+
+
+@pytest.mark.parametrize("op,layer,fuse", MISSING_WAIT_CASES,
+                         ids=[f"{op.name}-L{layer}-{'fused' if fuse is None else 'reduce'}"
+                              for op, layer, fuse in MISSING_WAIT_CASES])
+def test_find_races_catches_a_missing_wait(op, layer, fuse):
     """One instruction loses its wait: it may now run before the stage that writes its input."""
-    program = _program("tiny-qwen3", 3, FEW_SMS)
+    program = _program("tiny-qwen3", 3, FEW_SMS, fuse=fuse)
     index = _first(program, op, layer)
     broken = _with(program, index, wait_id=NO_COUNTER, wait_count=0)
     races = find_races(broken)
@@ -289,7 +309,7 @@ def test_find_races_catches_a_missing_wait(op, layer):
 
 def test_find_races_catches_a_wait_on_the_wrong_stage():
     """O_PROJ waiting on the attention partials instead of their reduction reads attn_out unordered."""
-    program = _program("tiny-llama", 2, FEW_SMS)
+    program = _program("tiny-llama", 2, FEW_SMS, fuse=False)
     index = _first(program, Opcode.O_PROJ, 1)
     partial = program.instructions[_first(program, Opcode.ATTN_PARTIAL, 1)]
     n_partial = sum(1 for i in program.instructions if i.opcode == Opcode.ATTN_PARTIAL and i.layer == 1)
@@ -298,8 +318,21 @@ def test_find_races_catches_a_wait_on_the_wrong_stage():
     assert any(f"#{index} O_PROJ" in r and "attn_out" in r for r in races), f"{_what(program)}: {races}"
 
 
-def test_find_races_catches_a_wait_that_is_one_short():
+def test_find_races_catches_a_fused_o_proj_waiting_on_qkv():
+    """A merging O_PROJ waiting on QKV (the stage before the partials) reads attn_part unordered."""
     program = _program("tiny-llama", 2, FEW_SMS)
+    assert program.layout.fused_reduce, _what(program)
+    index = _first(program, Opcode.O_PROJ, 1)
+    qkv = program.instructions[_first(program, Opcode.QKV, 1)]
+    n_qkv = sum(1 for i in program.instructions if i.opcode == Opcode.QKV and i.layer == 1)
+    broken = _with(program, index, wait_id=qkv.signal_id, wait_count=n_qkv)
+    races = find_races(broken)
+    assert any(f"#{index} O_PROJ" in r and "attn_part" in r for r in races), f"{_what(program)}: {races}"
+
+
+@pytest.mark.parametrize("fuse", (None, False), ids=("fused-reduce", "reduce-stage"))
+def test_find_races_catches_a_wait_that_is_one_short(fuse):
+    program = _program("tiny-llama", 2, FEW_SMS, fuse=fuse)
     index = _first(program, Opcode.O_PROJ, 0)
     ins = program.instructions[index]
     broken = _with(program, index, wait_count=ins.wait_count - 1)

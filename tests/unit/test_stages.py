@@ -11,7 +11,8 @@ What the float64 side computes, per stage:
     QKV           qkv[l][:, rows] = W_qkv[rows] @ rms_norm(x[l])
     ATTN_*        attn_out = paged_attention_decode over the cache + the new token's k, v (QK-norm, RoPE), and
                   each split's (lse, o) over its documented range; the new k, v land in the cache at pos
-    O_PROJ        h[l][:, rows] = x[l][:, rows] + W_o[rows] @ attn_out[l]
+    O_PROJ        h[l][:, rows] = x[l][:, rows] + W_o[rows] @ attn_out[l], or @ the splits' merge of attn_part[l]
+                  (a3 = splits: O_PROJ folded with the attention reduction)
     GATE_UP       act[l][:, j] = silu(W_gate[j] @ n) * (W_up[j] @ n), n = rms_norm(h[l]); j from the interleave
     DOWN          x[l+1][:, rows] = h[l][:, rows] + W_down[rows] @ act[l]
     LM_HEAD       logits[:, rows] = W_lm[rows] @ rms_norm(x[L]); tile max and argmax
@@ -194,10 +195,16 @@ def run_reference(ctx: StageContext, instructions: list[Instruction]) -> None:
 
 
 def pick(bench: Bench, op: Opcode, layer: int | None = None) -> Instruction:
-    """One instruction of `op` (in the case's layer for per-layer stages), chosen by the case's seed."""
+    """One instruction of `op` (in the case's layer for per-layer stages), chosen by the case's seed. Where
+    O_PROJ merges the attention splits itself the program has no ATTN_REDUCE: the kernel still runs that
+    instruction (layouts that do not stage their inputs use it), so one is made from a partial's operands."""
     layer = bench.case.layer if layer is None else layer
     if op in (Opcode.EMBED, Opcode.LM_HEAD, Opcode.ARGMAX):
         layer = 0
+    if op == Opcode.ATTN_REDUCE and bench.layout.fused_reduce:
+        part = pick(bench, Opcode.ATTN_PARTIAL, layer)
+        return Instruction(opcode=Opcode.ATTN_REDUCE, layer=layer, a0=part.a0, a1=part.a1, a3=part.a3,
+                           index=len(bench.program.instructions))
     found = [i for i in bench.program.instructions if i.opcode == op and i.layer == layer]
     assert found, f"{bench.what()}: no {op.name} instruction in layer {layer}"
     return found[int(torch.randint(len(found), (1,), generator=bench.gen))]
@@ -211,8 +218,15 @@ def attention_group(bench: Bench) -> list[Instruction]:
     return sorted(parts, key=lambda i: i.a2) + [red]
 
 
-def instructions_for(bench: Bench, op: Opcode) -> list[Instruction]:
-    return attention_group(bench) if op == Opcode.ATTN_PARTIAL else [pick(bench, op)]
+def runs_for(bench: Bench, op: Opcode) -> list[list[Instruction]]:
+    """The instruction sequences one stage test runs, each on fresh inputs. An O_PROJ that merges the
+    attention splits (a3 = splits) is run in that form and in the attn_out-reading form (a3 = 0)."""
+    if op == Opcode.ATTN_PARTIAL:
+        return [attention_group(bench)]
+    ins = pick(bench, op)
+    if op == Opcode.O_PROJ and ins.a3 > 0:
+        return [[ins], [dataclasses.replace(ins, a3=0)]]
+    return [[ins]]
 
 
 # ---- the float64 side ---------------------------------------------------------------------------------------
@@ -252,7 +266,14 @@ def check_qkv(bench, ins, before, after, what):
 def check_o_proj(bench, ins, before, after, what):
     l, rows = ins.layer, _rows(ins)
     w = f64(bench.weights.layers[l].o_proj[rows])
-    expected = f64(before.bufs.x[l, :, rows]) + f64(before.bufs.attn_out[l]) @ w.T
+    if ins.a3 > 0:
+        # the attention splits merged by their log-sum-exp (some splits empty: lse = -inf)
+        lse, o = f64(before.bufs.attn_part_lse[l]), f64(before.bufs.attn_part_o[l])   # [B, Hq, S], [.., D]
+        assert ins.a3 == lse.shape[-1], f"{what}: a3={ins.a3}, the buffers hold {lse.shape[-1]} splits"
+        attn = (torch.softmax(lse, dim=-1)[..., None] * o).sum(dim=2).reshape(lse.shape[0], -1)
+    else:
+        attn = f64(before.bufs.attn_out[l])
+    expected = f64(before.bufs.x[l, :, rows]) + attn @ w.T
     assert_region(after.bufs.h, (l, slice(None), rows), expected, F32, what)
 
 
@@ -415,12 +436,12 @@ def check(bench: Bench, op: Opcode, instructions, before, after, where: str) -> 
 
 def run_cpu_case(case: StageCase, num_sms: int, op: Opcode) -> None:
     bench = cpu_bench(case, num_sms)
-    instructions = instructions_for(bench, op)
-    fill_inputs(bench, with_cache=op == Opcode.ATTN_PARTIAL)
-    poison_outputs(bench.ctx, op)
-    before = clone_ctx(bench.ctx)
-    run_reference(bench.ctx, instructions)
-    check(bench, op, instructions, before, bench.ctx, "stage reference (CPU) vs float64")
+    for instructions in runs_for(bench, op):
+        fill_inputs(bench, with_cache=op == Opcode.ATTN_PARTIAL)
+        poison_outputs(bench.ctx, op)
+        before = clone_ctx(bench.ctx)
+        run_reference(bench.ctx, instructions)
+        check(bench, op, instructions, before, bench.ctx, "stage reference (CPU) vs float64")
 
 
 @given(case=CPU_CASES, num_sms=CPU_SMS)
@@ -608,8 +629,7 @@ def test_stages_on_gpu_match_reference(case):
     """One engine per drawn shape (one compile); every opcode in turn on fresh random buffers."""
     bench, engine = _gpu_bench(case)
     try:
-        for op in GPU_OPCODES:
-            instructions = instructions_for(bench, op)
+        for op, instructions in [(op, run) for op in GPU_OPCODES for run in runs_for(bench, op)]:
             fill_inputs(bench, with_cache=op == Opcode.ATTN_PARTIAL)
             poison_outputs(bench.ctx, op)
             before = clone_ctx(bench.ctx)
