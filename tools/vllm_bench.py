@@ -108,7 +108,7 @@ def main() -> int:
     p.add_argument("--logprob-atol", type=float, default=common.LOGPROB_ATOL)
     args = p.parse_args()
     if args.worker:
-        return common.worker_main(args, extra=worker_extra(args))
+        common.exit_now(common.worker_main(args, extra=worker_extra(args)))
     os.makedirs(args.out, exist_ok=True)
     model_dir = common.make_model_dir(args.preset, args.seed, args.models)
     results = common.run_workers(os.path.abspath(__file__), args, model_dir, ["--parity"] if args.parity else [])
@@ -118,6 +118,7 @@ def main() -> int:
         "ms_per_step": "(t257 - t1) / 256, best of repeats"}, "paths": {}}
     for path, r in results.items():
         report["paths"][path] = {k: v for k, v in r.items() if k != "parity"}
+    report["megakernel_used"], report["megakernel"] = common.megakernel_used(results.get("plugin", {}))
     s, m = results.get("stock", {}).get("bench"), results.get("plugin", {}).get("bench")
     if s and m:
         report["speedup_plugin_over_stock"] = {b: s[b]["ms_per_step"] / m[b]["ms_per_step"] for b in s if b in m}
@@ -133,17 +134,17 @@ def main() -> int:
                              for k, v in b.items())
             print(f"RESULT bench {args.preset} {path}: {line}", flush=True)
         else:
-            print(f"RESULT bench {args.preset} {path}: FAILED {results.get(path, {}).get('error')}", flush=True)
+            r = results.get(path, {})
+            print(f"RESULT bench {args.preset} {path}: FAILED {r.get('error')} {r.get('errors')}", flush=True)
     if "speedup_plugin_over_stock" in report:
         print(f"RESULT bench {args.preset} speedup: {json.dumps(report['speedup_plugin_over_stock'])} -> {out}",
               flush=True)
-    mk = results.get("plugin", {}).get("megakernel")
-    if mk is not None:
-        print(f"RESULT megakernel {args.preset}: disabled={mk.get('disabled')!r} eager_steps={mk.get('eager_steps')} "
-              f"captured={mk.get('captured')} kernel_error={mk.get('kernel_error')!r}", flush=True)
+    used, how = common.megakernel_used(results.get("plugin", {}))
+    print(f"RESULT megakernel {args.preset}: {'used' if used else 'NOT USED'}: {how}", flush=True)
+    ok = ok and used
 
     if args.parity and all("parity" in results.get(k, {}) for k in common.PATHS):
-        par = {"preset": args.preset, "seed": args.seed,
+        par = {"preset": args.preset, "seed": args.seed, "megakernel_used": used, "megakernel": how,
                "parity": common.compare(results["stock"]["parity"], results["plugin"]["parity"],
                                         args.near_tie_gap, args.logprob_atol)}
         ppath = os.path.join(args.out, f"vllm_parity_{args.preset}.json")
@@ -151,10 +152,13 @@ def main() -> int:
             json.dump(par, f, indent=1)
         summary = {k: {kk: vv for kk, vv in w.items() if kk != "per_request"}
                    for k, w in par["parity"]["workloads"].items()}
-        print(f"RESULT parity {args.preset}: {'PASS' if par['parity']['ok'] else 'FAIL'} {json.dumps(summary)}",
-              flush=True)
+        verdict = ("FAIL" if not par["parity"]["ok"] else "PASS" if used else
+                   "VACUOUS (the megakernel did not run)")
+        print(f"RESULT parity {args.preset}: {verdict} {json.dumps(summary)} -> {ppath}", flush=True)
         ok = ok and par["parity"]["ok"]
     elif args.parity:
+        missing = [k for k in common.PATHS if "parity" not in results.get(k, {})]
+        print(f"RESULT parity {args.preset}: INCOMPLETE (no result for {', '.join(missing)})", flush=True)
         ok = False
     return 0 if ok else 1
 

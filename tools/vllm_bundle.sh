@@ -90,6 +90,9 @@ _vllm_bundle_stage() {
       else
         mkdir -p "$site"
         if cat "$stage"/"$VLLM_BUNDLE_NAME".part* | tar -xJ -C "$site"; then
+          # quack (a vLLM dependency) needs a newer CuTe DSL than the 4.6.0 vLLM pins; vLLM only uses
+          # it to warm up MoE router GEMMs, which the tools skip when quack is absent (docs/vllm.md)
+          [ -d "$site/quack" ] && mv "$site/quack" "$site/.quack-needs-newer-cutedsl"
           touch "$site/.complete"
           rm -f "$stage"/"$VLLM_BUNDLE_NAME".part*
         else

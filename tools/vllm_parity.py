@@ -31,12 +31,15 @@ tools/vllm_bench.py imports the functions here (model directory, worker launch, 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
+import traceback
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,6 +93,12 @@ def build_llm(model_dir: str, path: str, arch: str, args: argparse.Namespace):
 
     vllm_plugin.register()
     from vllm import LLM
+    from vllm.model_executor.warmup import kernel_warmup
+
+    # vLLM 0.26 warms up CuTe DSL router GEMMs (MoE models only) on every sm_90 start, through quack,
+    # whose bundled release needs a newer CuTe DSL than the 4.6.0 vLLM pins; dense models never use them
+    if importlib.util.find_spec("quack") is None:
+        kernel_warmup._warmup_ll_bf16_router_gemm = lambda: None
 
     kw: dict[str, Any] = dict(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
                               max_model_len=args.max_model_len, max_num_seqs=8,
@@ -162,6 +171,25 @@ def megakernel_report() -> dict[str, Any]:
     return stats
 
 
+def megakernel_used(plugin: dict) -> tuple[bool, str]:
+    """Whether the plugin worker's decode steps really ran on the megakernel (a disabled adapter
+    leaves the plugin path stock, which would make parity pass and the speedup 1 vacuously)."""
+    mk = plugin.get("megakernel")
+    if not mk:
+        return False, "no megakernel report from the plugin worker"
+    if mk.get("import_error"):
+        return False, f"megakernel.integrations.vllm_model did not import: {mk['import_error']}"
+    if mk.get("disabled"):
+        return False, f"disabled: {mk['disabled']}"
+    if mk.get("kernel_error"):
+        return False, f"kernel error word: {mk['kernel_error']}"
+    graphs, eager = sorted(set(mk.get("captured") or [])), mk.get("eager_steps") or 0
+    if not graphs and not eager:
+        return False, "no decode step went through the megakernel"
+    return True, (f"engines {sorted(e['batch'] for e in mk.get('engines', []))}, CUDA graphs of {graphs} rows, "
+                  f"{eager} eager steps, fallbacks {mk.get('fallbacks')}")
+
+
 def environment() -> dict[str, Any]:
     import torch
 
@@ -178,28 +206,59 @@ def environment() -> dict[str, Any]:
 
 
 def worker_main(args: argparse.Namespace, extra=None) -> int:
-    """Run one path; write its JSON to args.json. `extra(llm, result)` adds more workloads."""
+    """Run one path; write its JSON to args.json. `extra(llm, result)` adds more workloads.
+
+    Each stage (engine start, parity, `extra`) that raises is logged with its traceback and recorded
+    under "errors"; the later stages still run where they can, and the JSON is written in any case
+    (with the megakernel report on the plugin path), so one failure does not hide the other results."""
     arch = architecture(args.preset)
     from megakernel.model import get_preset
 
     vocab = get_preset(args.preset).vocab_size
-    llm, startup, kw = build_llm(args.model_dir, args.worker, arch, args)
-    result: dict[str, Any] = {"path": args.worker, "preset": args.preset, "startup_s": round(startup, 1),
-                              "llm_kwargs": kw, "env": environment()}
-    try:
-        result["v2_model_runner"] = bool(llm.llm_engine.vllm_config.use_v2_model_runner)
-        result["cudagraph_mode"] = str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)
-    except Exception:   # noqa: BLE001
-        pass
-    if args.parity:
-        result["parity"] = run_parity(llm, vocab, args.seed)
-    if extra is not None:
-        extra(llm, result)
+    result: dict[str, Any] = {"path": args.worker, "preset": args.preset, "errors": []}
+
+    def stage(name: str, fn) -> bool:
+        try:
+            fn()
+            return True
+        except Exception as exc:   # noqa: BLE001
+            traceback.print_exc()
+            result["errors"].append(f"{name}: {type(exc).__name__}: {exc}")
+            print(f"[worker {args.worker}] {name} FAILED: {type(exc).__name__}: {exc}", flush=True)
+            return False
+
+    state: dict[str, Any] = {}
+
+    def start() -> None:
+        llm, startup, kw = build_llm(args.model_dir, args.worker, arch, args)
+        state["llm"] = llm
+        result.update(startup_s=round(startup, 1), llm_kwargs=kw)
+        try:
+            result["v2_model_runner"] = bool(llm.llm_engine.vllm_config.use_v2_model_runner)
+            result["cudagraph_mode"] = str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)
+        except Exception:   # noqa: BLE001
+            pass
+
+    stage("environment", lambda: result.update(env=environment()))
+    if stage("startup", start):
+        llm = state["llm"]
+        if args.parity:
+            stage("parity", lambda: result.update(parity=run_parity(llm, vocab, args.seed)))
+        if extra is not None:
+            stage("extra", lambda: extra(llm, result))
     if args.worker == "plugin":
         result["megakernel"] = megakernel_report()
     with open(args.json, "w") as f:
         json.dump(result, f)
-    return 0
+    return 1 if result["errors"] else 0
+
+
+def exit_now(code: int) -> None:
+    """Leave without interpreter shutdown: vLLM's engine teardown (threads, compile workers) must not
+    be able to hang a worker whose results are already written."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -229,26 +288,40 @@ def run_workers(script: str, args: argparse.Namespace, model_dir: str, extra_arg
             cmd.append("--plugin-eager")
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
                    PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        # the host reaches no network: nothing may wait on a hub or a usage-stats server
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
         env.pop("MEGAKERNEL_VLLM", None)   # the stock path must stay stock: the plugin path uses hf_overrides
         remaining = args.budget - (time.perf_counter() - START)
         timeout = max(30.0, remaining / (len(todo) - i))
+        print(f"[{args.preset}] {path}: starting (at most {timeout:.0f} s; log {log})", flush=True)
         t0 = time.perf_counter()
         with open(log, "w") as lf:
+            # its own process group, so a timeout also ends what it started (compile workers)
+            proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             try:
-                rc = subprocess.run(cmd, stdout=lf, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+                rc = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
                 rc = f"timeout after {timeout:.0f} s"
         wall = time.perf_counter() - t0
-        if rc == 0 and os.path.exists(js):
+        if os.path.exists(js):   # written even when a stage failed (its "errors" say which)
             shutil.copy(js, os.path.join(args.out, os.path.basename(js)))
             with open(js) as f:
                 results[path] = json.load(f)
         else:
+            results[path] = {}
+        if rc != 0:
             with open(log) as f:
                 tail = f.read()[-3000:]
-            results[path] = {"error": f"worker exited with {rc}", "log_tail": tail}
+            results[path].update(error=f"worker exited with {rc}", log_tail=tail)
         results[path]["wall_s"] = round(wall, 1)
-        print(f"[{args.preset}] {path}: {'ok' if rc == 0 else rc} in {wall:.0f} s (log {log})", flush=True)
+        errs = results[path].get("errors")
+        print(f"[{args.preset}] {path}: {'ok' if rc == 0 else rc} in {wall:.0f} s"
+              f"{' errors: ' + '; '.join(errs) if errs else ''} (log {log})", flush=True)
     for path in PATHS:
         js = os.path.join(cache, f"{tool}_{args.preset}_seed{args.seed}_{path}.json")
         if path not in results and os.path.exists(js):
@@ -327,7 +400,7 @@ def main() -> int:
     args = p.parse_args()
     if args.worker:
         args.parity = True
-        return worker_main(args)
+        exit_now(worker_main(args))
     os.makedirs(args.out, exist_ok=True)
     model_dir = make_model_dir(args.preset, args.seed, args.models)
     results = run_workers(os.path.abspath(__file__), args, model_dir, [])
@@ -335,10 +408,12 @@ def main() -> int:
                               "workers": {k: {kk: vv for kk, vv in v.items() if kk != "parity"}
                                           for k, v in results.items()}}
     missing = [k for k in PATHS if "parity" not in results.get(k, {})]
+    used, how = megakernel_used(results.get("plugin", {}))
+    report["megakernel_used"], report["megakernel"] = used, how
     if not missing:
         report["parity"] = compare(results["stock"]["parity"], results["plugin"]["parity"],
                                    args.near_tie_gap, args.logprob_atol)
-        ok = report["parity"]["ok"]
+        ok = report["parity"]["ok"] and used
     else:
         ok = False
     path = os.path.join(args.out, f"vllm_parity_{args.preset}.json")
@@ -346,7 +421,9 @@ def main() -> int:
         json.dump(report, f, indent=1)
     summary = {k: {kk: vv for kk, vv in w.items() if kk != "per_request"}
                for k, w in report.get("parity", {}).get("workloads", {}).items()}
-    verdict = f"INCOMPLETE (no result for {', '.join(missing)})" if missing else ("PASS" if ok else "FAIL")
+    verdict = (f"INCOMPLETE (no result for {', '.join(missing)})" if missing else "PASS" if ok else
+               "FAIL" if report["parity"]["ok"] is False else "VACUOUS (the megakernel did not run)")
+    print(f"RESULT megakernel {args.preset}: {'used' if used else 'NOT USED'}: {how}", flush=True)
     print(f"RESULT parity {args.preset}: {verdict} {json.dumps(summary)} -> {path}", flush=True)
     return 0 if ok else (2 if missing else 1)
 

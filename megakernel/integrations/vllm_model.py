@@ -77,10 +77,11 @@ def _capturing() -> bool:
     return _CUDA and torch.cuda.is_current_stream_capturing()
 
 
-def _log_once(message: str, level: int = logging.INFO) -> None:
+def _log_once(message: str, level: int = logging.INFO,
+              consequence: str = "this batch runs on the stock vLLM path") -> None:
     if message not in _LOGGED:
         _LOGGED.add(message)
-        logger.log(level, "megakernel: %s; this batch runs on the stock vLLM path", message)
+        logger.log(level, "megakernel: %s; %s", message, consequence)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -353,7 +354,7 @@ class MegakernelDecode:
     def _disable(self, why: str) -> None:
         self.disabled = why
         STATS["disabled"] = why
-        _log_once(f"disabled ({why})", logging.WARNING)
+        _log_once(f"disabled ({why})", logging.WARNING, "every batch runs on the stock vLLM path")
 
     def on_weights_loaded(self) -> None:
         """After vLLM loaded the weights: view them, check the GPU and the engine API, and pack the
@@ -361,6 +362,14 @@ class MegakernelDecode:
         if self.disabled or self.prepared:
             return
         self.prepared = True
+        try:
+            self._prepare()
+        except Exception as exc:   # never fail vLLM's model loading: log it, go stock
+            logger.exception("megakernel: preparing the decode path raised")
+            self.engine_cls = None
+            self._disable(f"preparing the decode path raised {type(exc).__name__}: {exc}")
+
+    def _prepare(self) -> None:
         model = self._model()
         try:
             self.weights = weights_from_vllm(model, self.config)
@@ -464,6 +473,15 @@ class MegakernelDecode:
                      ) -> torch.Tensor | None:
         if self.disabled:
             return None
+        try:
+            return self._decode(input_ids, positions, intermediate_tensors, inputs_embeds)
+        except Exception as exc:   # a bug on this path must not take vLLM down: log it, go stock
+            logger.exception("megakernel: the decode path raised")
+            self._disable(f"the decode path raised {type(exc).__name__}: {exc}")
+            return None
+
+    def _decode(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors: Any,
+                inputs_embeds: torch.Tensor | None) -> torch.Tensor | None:
         if not self.prepared and not _capturing():
             self.on_weights_loaded()   # weights that did not come through load_weights (dummy weights)
         if self.engine_cls is None:

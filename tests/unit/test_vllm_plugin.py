@@ -597,6 +597,67 @@ def test_adapter_waits_for_vllms_kv_cache():
     assert not FakeEngine.built and a.disabled is None
 
 
+class _FailingEngine(FakeEngine):
+    def launch(self):
+        raise RuntimeError("launch broke")
+
+
+def test_adapter_error_on_the_decode_path_goes_stock_and_disables(mk_log):
+    """A bug on the megakernel path must not take vLLM down (at CUDA graph capture it would abort
+    the engine start): the batch goes to the stock path, the reason is logged, and later batches
+    stay stock."""
+    a, cfg, ctx, _ = _ready_adapter()
+    a.engine_cls = _FailingEngine
+    ctx.attn_metadata = {f"model.layers.{i}.self_attn.attn": _metadata(2, 1, 0) for i in range(cfg.num_layers)}
+    ids, pos = torch.tensor([3, 4]), torch.tensor([5, 6])
+    assert a.maybe_decode(ids, pos) is None
+    assert a.disabled is not None and "launch broke" in a.disabled
+    assert "launch broke" in mk_log.text
+    assert a.maybe_decode(ids, pos) is None
+
+
+def test_adapter_error_while_preparing_does_not_fail_model_loading(monkeypatch, mk_log):
+    def broken(*_a, **_k):
+        raise RuntimeError("view broke")
+
+    monkeypatch.setattr(vm, "weights_from_vllm", broken)
+    model = fake_vllm_model(random_weights(get_preset("tiny-qwen3"), seed=3))
+    a = vm.MegakernelDecode(model, _vllm_config())
+    a.on_weights_loaded()                      # must not raise into vLLM's loader
+    assert a.engine_cls is None and "view broke" in a.disabled and "view broke" in mk_log.text
+    assert a.maybe_decode(torch.tensor([1]), torch.tensor([0])) is None
+
+
+# ------------------------------------------------------------------------------------------------
+# The GPU tools' verdict on whether the plugin path really ran the megakernel
+# ------------------------------------------------------------------------------------------------
+
+def _tools_vllm_parity():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "tools" / "vllm_parity.py"
+    spec = importlib.util.spec_from_file_location("tools_vllm_parity", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("report,used,needle", [
+    (None, False, "no megakernel report"),
+    ({"import_error": "ImportError('x')"}, False, "did not import"),
+    ({"disabled": "the GPU is sm_80", "captured": [8]}, False, "sm_80"),
+    ({"disabled": None, "kernel_error": "MegakernelError: timed out", "captured": [8]}, False, "timed out"),
+    ({"disabled": None, "kernel_error": None, "captured": [], "eager_steps": 0}, False, "no decode step"),
+    ({"disabled": None, "kernel_error": None, "captured": [8, 4, 8], "eager_steps": 3,
+      "engines": [{"batch": 8}, {"batch": 4}], "fallbacks": {}}, True, "[4, 8]"),
+])
+def test_megakernel_used_verdict(report, used, needle):
+    tool = _tools_vllm_parity()
+    got, how = tool.megakernel_used({} if report is None else {"megakernel": report})
+    assert got is used and needle in how, how
+
+
 # ------------------------------------------------------------------------------------------------
 # Against vLLM itself
 # ------------------------------------------------------------------------------------------------
@@ -642,6 +703,56 @@ def test_flash_attention_metadata_has_the_fields_the_adapter_reads():
     assert {"block_table", "slot_mapping", "max_query_len"} <= {f.name for f in fields(FlashAttentionMetadata)}
     # the logical per-layer cache shape split_kv_cache expects for this backend
     assert FlashAttentionBackend.get_kv_cache_shape(7, 16, 2, 64) == (7, 2, 16, 128)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_split_kv_cache_of_vllms_own_flash_attention_cache(layout, packed):
+    """The per-layer cache as vLLM 0.26's model runner builds it (vllm/v1/worker/gpu/attn_utils.py,
+    _reshape_attention_kv_cache with FlashAttentionBackend's shape and stride order), on the CPU: the
+    views address what FlashAttention reads, and every layer of a packed allocation shares strides."""
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    from vllm.v1.attention.backends.utils import set_kv_cache_layout
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.worker.gpu.attn_utils import _reshape_attention_kv_cache
+
+    nb, bs, hkv, d, layers = 5, 16, 2, 64, 3
+    spec = FullAttentionSpec(block_size=bs, num_kv_heads=hkv, head_size=d, dtype=torch.bfloat16)
+    page = spec.page_size_bytes
+    set_kv_cache_layout(layout)
+    try:
+        order = FlashAttentionBackend.get_kv_cache_stride_order()
+    finally:
+        set_kv_cache_layout(None)
+    shape = FlashAttentionBackend.get_kv_cache_shape(nb, bs, hkv, d)
+    gen = torch.Generator().manual_seed(9)
+    backing = torch.randint(-100, 100, (nb * page * layers,), generator=gen, dtype=torch.int8)
+    kvs = []
+    for layer in range(layers):
+        if packed:
+            raw, packing = backing, (layer * page, layers * page)
+        else:
+            raw, packing = backing[layer * nb * page:(layer + 1) * nb * page], None
+        kvs.append(_reshape_attention_kv_cache(raw, spec, shape, order, nb, packing))
+    pairs = [vm.split_kv_cache(kv, hkv, d) for kv in kvs]
+    ks, vs = [p[0] for p in pairs], [p[1] for p in pairs]
+    geom = vm.kv_geometry(ks, vs)
+    ctx = f"layout={layout} packed={packed}"
+    assert (geom.num_blocks, geom.block_size, geom.num_kv_heads, geom.head_dim) == (nb, bs, hkv, d), ctx
+    flat = backing.view(torch.bfloat16)
+
+    def same(a, b):   # bitwise: random bytes include NaNs
+        return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+    for kv, k, v in zip(kvs, ks, vs):
+        fa_k, fa_v = kv.transpose(1, 2).split(d, dim=-1)         # FlashAttentionImpl.forward
+        assert same(k, fa_k) and same(v, fa_v) and k.data_ptr() == fa_k.data_ptr(), ctx
+        for blk, off, h in [(0, 0, 0), (4, 15, 1), (2, 7, 1)]:
+            for t in (k, v):
+                idx = (t.data_ptr() - flat.data_ptr()) // 2 + blk * geom.block_stride + off * geom.token_stride \
+                    + h * geom.head_stride
+                assert same(flat[idx:idx + d], t[blk, off, h]), f"{ctx} ({blk},{off},{h})"
 
 
 @pytest.mark.vllm
