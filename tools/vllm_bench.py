@@ -1,6 +1,6 @@
 """Decode speed of stock vLLM and of the megakernel plugin path, batch 1 and 8 (GPU host).
 
-    python3 tools/vllm_bench.py --preset llama-3.2-1b [--parity] [--out DIR]
+    python3 tools/vllm_bench.py --preset llama-3.2-1b [--parity] [--profile] [--out DIR]
 
 Same model directory, processes and vLLM settings as tools/vllm_parity.py (stock: default
 compilation, FULL_AND_PIECEWISE CUDA graphs; plugin: hf_overrides to the megakernel architecture,
@@ -12,7 +12,9 @@ The worker also measures the GPU's read bandwidth (a sum over 2 GiB of bf16) in 
 reports the fraction of the weight-read floor each path reaches.
 
 --parity runs tools/vllm_parity.py's workloads in the same engines (one engine start per path
-serves both tools) and writes $OUT/vllm_parity_<preset>.json as well. Results:
+serves both tools) and writes $OUT/vllm_parity_<preset>.json as well. --profile profiles short
+generations after the bench in the same engines (tools/vllm_parity.py's profile_stage: wall vs GPU
+busy time per decode step, printed as `RESULT profile` lines; a trace per path in $OUT). Results:
 $OUT/vllm_bench_<preset>.json; worker logs $OUT/vllm_<preset>_<path>.log.
 """
 
@@ -160,6 +162,8 @@ def main() -> int:
         missing = [k for k in common.PATHS if "parity" not in results.get(k, {})]
         print(f"RESULT parity {args.preset}: INCOMPLETE (no result for {', '.join(missing)})", flush=True)
         ok = False
+    if args.profile:   # informative: the exit status stays that of the verdicts above
+        common.print_profiles(args.preset, results)
     return 0 if ok else 1
 
 

@@ -25,12 +25,19 @@ comparison of that request stops; each side's token must be in the other's top-5
 the sampled token's logprob may differ by at most --logprob-atol. Results go to
 $OUT/vllm_parity_<preset>.json; the exit status is 0 only if every request passes.
 
+--profile adds a last stage to each worker: a 64-token generation at batch 1 and 8 timed without and
+then under torch.profiler (CPU and CUDA activity), summarized per decode step (wall time, GPU busy
+time in and outside CUDA graph replays, top GPU ops, host ranges, CUDA API calls) under "profile" in
+the worker's JSON, with a trace of the last steps in $OUT/vllm_profile_<preset>_<path>.json.gz and one
+`RESULT profile` line per path. It never changes the exit status (docs/vllm.md).
+
 tools/vllm_bench.py imports the functions here (model directory, worker launch, comparison).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib.util
 import json
 import os
@@ -38,9 +45,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
-from typing import Any
+from typing import Any, NamedTuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START = time.perf_counter()
@@ -206,11 +214,12 @@ def environment() -> dict[str, Any]:
 
 
 def worker_main(args: argparse.Namespace, extra=None) -> int:
-    """Run one path; write its JSON to args.json. `extra(llm, result)` adds more workloads.
+    """Run one path; write its JSON to args.json. `extra(llm, result)` adds more workloads; with
+    --profile, profile_stage runs last (result["profile"]).
 
-    Each stage (engine start, parity, `extra`) that raises is logged with its traceback and recorded
-    under "errors"; the later stages still run where they can, and the JSON is written in any case
-    (with the megakernel report on the plugin path), so one failure does not hide the other results."""
+    Each stage (engine start, parity, `extra`, profile) that raises is logged with its traceback and
+    recorded under "errors"; the later stages still run where they can, and the JSON is written in any
+    case (with the megakernel report on the plugin path), so one failure does not hide the other results."""
     arch = architecture(args.preset)
     from megakernel.model import get_preset
 
@@ -246,6 +255,8 @@ def worker_main(args: argparse.Namespace, extra=None) -> int:
             stage("parity", lambda: result.update(parity=run_parity(llm, vocab, args.seed)))
         if extra is not None:
             stage("extra", lambda: extra(llm, result))
+        if getattr(args, "profile", False):
+            stage("profile", lambda: profile_stage(llm, vocab, args, result.setdefault("profile", {})))
     if args.worker == "plugin":
         result["megakernel"] = megakernel_report()
     with open(args.json, "w") as f:
@@ -259,6 +270,324 @@ def exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+# ------------------------------------------------------------------------------------------------
+# Profile stage (worker side, --profile): where the time of one decode step goes
+# ------------------------------------------------------------------------------------------------
+
+PROFILE_BATCHES = (1, 8)
+PROFILE_PROMPT_LEN = 32
+PROFILE_NEW_TOKENS = 64
+# engine steps left out at the start of a generation: the prefill, the first decode step (scheduled
+# while the prefill runs, under vLLM's async scheduling) and one more for the first graph replays
+PROFILE_SKIP_STEPS = 3
+PROFILE_TOP = 12
+PROFILE_NAME_CHARS = 100
+PROFILE_TRACE_STEPS = 8                 # steps of each batch kept in the trace under --out
+PROFILE_TRACE_MAX_BYTES = 2 << 20       # gzipped; fewer steps are kept until the trace fits
+PROFILE_MIN_LEFT_S = 30.0               # a batch is skipped when the worker has less time left than this
+STEP_MARK = "megakernel: engine step"   # profiler range around every LLMEngine.step call
+HOST_MARK = "megakernel: "              # prefix of the ranges around the host parts of a step
+GPU_KINDS = ("kernel", "memcpy", "memset")
+_TRACE_KIND = {"kernel": "kernel", "gpu_memcpy": "memcpy", "gpu_memset": "memset", "cuda_runtime": "runtime",
+               "cuda_driver": "runtime", "user_annotation": "range"}
+
+
+class TraceEvent(NamedTuple):
+    """One complete event of a profiler trace. kind: kernel, memcpy, memset (GPU); runtime,
+    graph_launch (CUDA API calls on the host); range (a profiler range), step (STEP_MARK)."""
+    name: str
+    start_us: float
+    dur_us: float
+    kind: str
+    correlation: int = 0    # CUDA API call <-> its GPU work; a graph's kernels carry its launch's id
+    graph_node: int = 0     # nonzero for GPU work launched as a node of a CUDA graph, where recorded
+
+
+def trace_events(chrome: dict) -> list[TraceEvent]:
+    """The events profile_summary reads, from a torch.profiler (Kineto) Chrome trace."""
+    out = []
+    for e in chrome.get("traceEvents", []):
+        kind = _TRACE_KIND.get(e.get("cat", ""))
+        if e.get("ph") != "X" or kind is None or "ts" not in e:
+            continue
+        name, args = str(e.get("name", "")), e.get("args") or {}
+        if kind == "runtime" and name.startswith(("cudaGraphLaunch", "cuGraphLaunch")):
+            kind = "graph_launch"
+        elif kind == "range" and name == STEP_MARK:
+            kind = "step"
+        out.append(TraceEvent(name, float(e["ts"]), float(e.get("dur", 0.0)), kind,
+                              int(args.get("correlation") or 0), int(args.get("graph node id") or 0)))
+    return out
+
+
+def union_us(intervals) -> float:
+    """Total length covered by (start, end) intervals; empty ones count nothing."""
+    total, end = 0.0, None
+    for a, b in sorted((a, b) for a, b in intervals if b > a):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def step_period_ms(starts: list[float], skip: int = PROFILE_SKIP_STEPS) -> float:
+    """Mean time (ms) from one engine step's start to the next over starts[skip:] (seconds)."""
+    if len(starts) < skip + 2:
+        raise ValueError(f"{len(starts)} engine steps; need at least {skip + 2}")
+    return (starts[-1] - starts[skip]) / (len(starts) - 1 - skip) * 1e3
+
+
+def _aggregate(events: list[TraceEvent], steps: int, top: int, graph: set[int] | None = None) -> list[dict]:
+    rows: dict[str, list] = {}
+    for e in events:
+        r = rows.setdefault(e.name[:PROFILE_NAME_CHARS], [0, 0.0, 0])
+        r[0] += 1
+        r[1] += e.dur_us
+        r[2] += graph is not None and (e.graph_node != 0 or e.correlation in graph)
+    out = []
+    for name, (count, total, in_graph) in sorted(rows.items(), key=lambda kv: -kv[1][1])[:top]:
+        row = {"name": name, "count": count, "mean_us": round(total / count, 2),
+               "us_per_step": round(total / steps, 2)}
+        if graph is not None:
+            row["in_graph"] = round(in_graph / count, 2)
+        out.append(row)
+    return out
+
+
+def profile_summary(events: list[TraceEvent], skip: int = PROFILE_SKIP_STEPS, top: int = PROFILE_TOP) -> dict:
+    """Per decode step, over the engine steps after the first `skip` (from the start of step `skip` to
+    the start of the last one; steps are STEP_MARK ranges): wall time, GPU busy time (union of kernel,
+    memcpy and memset intervals), GPU work inside CUDA graph replays and outside them (sums of
+    durations), graph launches, and the top GPU operations, profiler ranges and CUDA API calls."""
+    steps = sorted(e.start_us for e in events if e.kind == "step")
+    if len(steps) < skip + 2:
+        raise ValueError(f"{len(steps)} engine steps marked in the trace; need at least {skip + 2}")
+    lo, hi, n = steps[skip], steps[-1], len(steps) - 1 - skip
+    inside = [e for e in events if lo <= e.start_us < hi]
+    gpu = [e for e in inside if e.kind in GPU_KINDS]
+    graphs = {e.correlation for e in events if e.kind == "graph_launch" and e.correlation}
+    launches = sum(e.kind == "graph_launch" for e in inside)
+    in_graph = [e for e in gpu if e.graph_node != 0 or e.correlation in graphs]
+    busy = union_us((max(e.start_us, lo), min(e.start_us + e.dur_us, hi))
+                    for e in events if e.kind in GPU_KINDS)
+    wall, gpu_sum, graph_sum = hi - lo, sum(e.dur_us for e in gpu), sum(e.dur_us for e in in_graph)
+    out: dict[str, Any] = {
+        "steps": n,
+        "wall_ms_per_step": round(wall / n / 1e3, 4),
+        "gpu_busy_ms_per_step": round(busy / n / 1e3, 4),
+        "gpu_idle_ms_per_step": round((wall - busy) / n / 1e3, 4),
+        "gpu_idle_fraction": round(1 - busy / wall, 4) if wall > 0 else None,
+        "gpu_sum_ms_per_step": round(gpu_sum / n / 1e3, 4),
+        "gpu_in_graphs_ms_per_step": round(graph_sum / n / 1e3, 4),
+        "gpu_outside_graphs_ms_per_step": round((gpu_sum - graph_sum) / n / 1e3, 4),
+        "graph_launches_per_step": round(launches / n, 2),
+        "gpu_ops_per_step": round(len(gpu) / n, 2),
+        "gpu_ops_in_graphs_per_step": round(len(in_graph) / n, 2),
+        "top_gpu_ops": _aggregate(gpu, n, top, graphs),
+        "host_ranges": _aggregate([e for e in inside if e.kind == "range"], n, top),
+        "cuda_api_calls": _aggregate([e for e in inside if e.kind in ("runtime", "graph_launch")], n, top),
+    }
+    if launches and not in_graph:
+        out["caveat"] = ("CUDA graphs were launched but no GPU work was attributed to them: kernels inside "
+                         "graph replays were not recorded, so GPU busy time is a lower bound")
+    return out
+
+
+def last_steps(chrome: dict, k: int) -> dict:
+    """The trace cut to its last k STEP_MARK ranges (metadata events kept)."""
+    marks = sorted((e["ts"], e["ts"] + e.get("dur", 0.0)) for e in chrome.get("traceEvents", [])
+                   if e.get("ph") == "X" and e.get("cat") == "user_annotation" and e.get("name") == STEP_MARK
+                   and "ts" in e)   # not its gpu_user_annotation twin on the GPU's rows
+    if not marks:
+        return dict(chrome)
+    lo, hi = marks[-min(k, len(marks))][0], marks[-1][1]
+    keep = [e for e in chrome["traceEvents"]
+            if e.get("ph") == "M" or ("ts" in e and e["ts"] <= hi and e["ts"] + e.get("dur", 0.0) >= lo)]
+    return dict(chrome, traceEvents=keep)
+
+
+def merge_traces(parts: list[tuple[str, dict]], gap_us: float = 1000.0) -> dict:
+    """Chrome traces of separate profiler sessions in one, each after the previous one (its events
+    shifted so that gap_us separate them) and opened by an instant event named by its label."""
+    merged = {k: v for k, v in (parts[0][1] if parts else {}).items() if k != "traceEvents"}
+    events: list[dict] = []
+    meta: set[str] = set()
+    end = None
+    for label, chrome in parts:
+        timed = [e for e in chrome.get("traceEvents", []) if e.get("ph") != "M" and "ts" in e]
+        if not timed:
+            continue
+        first = min(timed, key=lambda e: e["ts"])
+        shift = 0.0 if end is None else end + gap_us - first["ts"]
+        for e in chrome["traceEvents"]:
+            if e.get("ph") == "M":
+                key = json.dumps({k: v for k, v in e.items() if k != "ts"}, sort_keys=True)
+                if key not in meta:
+                    meta.add(key)
+                    events.append(e)
+            elif "ts" in e:
+                events.append(dict(e, ts=e["ts"] + shift))
+        events.append({"ph": "i", "s": "g", "name": label, "ts": first["ts"] + shift,
+                       "pid": first.get("pid", 0), "tid": first.get("tid", 0), "args": {"shifted_us": shift}})
+        end = max(e["ts"] + e.get("dur", 0.0) for e in timed) + shift
+    merged["traceEvents"] = events
+    return merged
+
+
+def write_trace(parts: list[tuple[str, dict]], path: str, steps: int = PROFILE_TRACE_STEPS,
+                max_bytes: int = PROFILE_TRACE_MAX_BYTES) -> dict:
+    """The last `steps` engine steps of each part, merged, gzipped to path; fewer steps until it is
+    at most max_bytes (none written if even one step is larger). Returns what was written."""
+    while True:
+        data = gzip.compress(json.dumps(merge_traces([(label, last_steps(c, steps)) for label, c in parts]),
+                                        separators=(",", ":")).encode(), 6)
+        if len(data) <= max_bytes or steps <= 1:
+            break
+        steps //= 2
+    if len(data) > max_bytes:
+        return {"trace": None, "trace_error": f"{len(data)} bytes gzipped for one step per part"}
+    with open(path, "wb") as f:
+        f.write(data)
+    return {"trace": os.path.basename(path), "trace_bytes": len(data), "trace_steps_per_batch": steps}
+
+
+class StepHooks:
+    """Within `with`: every LLMEngine.step call's start time (perf_counter) is kept in .starts; with
+    ranges=True each step is also a STEP_MARK profiler range, the host parts of a step (scheduler,
+    model executor, output processing; where this vLLM has them) are ranges named HOST_MARK + method,
+    and vLLM's own profiling scopes (vllm.v1.utils.record_function_or_nullcontext) are on. The methods
+    are replaced on the instances and put back on exit."""
+
+    def __init__(self, llm, ranges: bool = False):
+        self.llm, self.ranges, self.starts = llm, ranges, []
+        self.undo: list[tuple[Any, str, Any]] = []
+        self.scopes = None
+
+    def _targets(self) -> list[tuple[Any, str, str]]:
+        eng = self.llm.llm_engine
+        out = [(eng, "step", STEP_MARK)]
+        if not self.ranges:
+            return out
+        core = getattr(getattr(eng, "engine_core", None), "engine_core", None)   # InprocClient -> EngineCore
+        sched, execu = getattr(core, "scheduler", None), getattr(core, "model_executor", None)
+        for obj, name in ((sched, "schedule"), (execu, "execute_model"), (execu, "sample_tokens"),
+                          (sched, "update_from_output"), (getattr(eng, "output_processor", None), "process_outputs")):
+            if obj is not None and callable(getattr(obj, name, None)):
+                out.append((obj, name, HOST_MARK + name))
+        return out
+
+    def __enter__(self) -> StepHooks:
+        import torch
+
+        record = torch.profiler.record_function
+        for obj, name, label in self._targets():
+            inner, own = getattr(obj, name), name in getattr(obj, "__dict__", {})
+
+            def hooked(*a, _inner=inner, _label=label, **kw):
+                if _label == STEP_MARK:
+                    self.starts.append(time.perf_counter())
+                if not self.ranges:
+                    return _inner(*a, **kw)
+                with record(_label):
+                    return _inner(*a, **kw)
+
+            try:
+                setattr(obj, name, hooked)
+            except (AttributeError, TypeError):
+                continue
+            self.undo.append((obj, name, inner if own else None))
+        if self.ranges:
+            try:
+                from vllm.v1 import utils as vutils
+
+                self.scopes = (vutils, vutils._PROFILER_FUNC)
+                vutils._PROFILER_FUNC = record
+            except (ImportError, AttributeError):
+                self.scopes = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for obj, name, inner in reversed(self.undo):
+            if inner is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, inner)
+        self.undo.clear()
+        if self.scopes is not None:
+            self.scopes[0]._PROFILER_FUNC = self.scopes[1]
+
+
+def profile_decode(llm, prompts: list[dict], new_tokens: int, tmp: str) -> tuple[dict, dict]:
+    """One generation (greedy, ignore_eos) timed without the profiler (it also warms up), then the
+    same under torch.profiler (CPU and CUDA activity). Returns (profile_summary of it plus the
+    unprofiled step period, its Chrome trace)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
+    with StepHooks(llm) as plain:
+        llm.generate(prompts, params, use_tqdm=False)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with StepHooks(llm, ranges=True) as hooks, profile(activities=activities) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    path = os.path.join(tmp, "trace.json")
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        chrome = json.load(f)
+    os.remove(path)
+    row: dict[str, Any] = {"engine_steps": len(hooks.starts)}
+    row.update(profile_summary(trace_events(chrome)))
+    wall = step_period_ms(plain.starts)
+    row["wall_ms_per_step_unprofiled"] = round(wall, 4)
+    row["gpu_idle_ms_per_step_unprofiled"] = round(wall - row["gpu_busy_ms_per_step"], 4)
+    row["gpu_idle_fraction_unprofiled"] = round(1 - row["gpu_busy_ms_per_step"] / wall, 4) if wall > 0 else None
+    return row, chrome
+
+
+def profile_stage(llm, vocab: int, args: argparse.Namespace, into: dict) -> None:
+    """--profile: profile_decode at each of PROFILE_BATCHES (32-token prompts, PROFILE_NEW_TOKENS new
+    tokens) into `into` ("batches": batch -> summary, "skipped" or "error"), and a trace of the last
+    steps of each batch to --out. A batch is skipped when less than PROFILE_MIN_LEFT_S of the worker's
+    --time-limit is left; a batch that fails leaves the others and raises at the end."""
+    into.update(method={"prompt_len": PROFILE_PROMPT_LEN, "new_tokens": PROFILE_NEW_TOKENS,
+                        "skip_steps": PROFILE_SKIP_STEPS,
+                        "per_step": "over engine steps after the first skip_steps; GPU busy = union of "
+                                    "kernel/memcpy/memset intervals; in/outside graphs = sums of durations"},
+                batches={})
+    failed, chromes = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for batch in PROFILE_BATCHES:
+            left = args.time_limit - (time.perf_counter() - START) if args.time_limit else float("inf")
+            if left < PROFILE_MIN_LEFT_S:
+                into["batches"][str(batch)] = {"skipped": f"{left:.0f} s left of the worker's {args.time_limit:.0f} s"}
+                continue
+            prompts = _prompts(vocab, [PROFILE_PROMPT_LEN] * batch, args.seed + 200 + batch)
+            t0 = time.perf_counter()
+            try:
+                row, chrome = profile_decode(llm, prompts, PROFILE_NEW_TOKENS, tmp)
+            except Exception as exc:   # noqa: BLE001 (the other batch may still work)
+                traceback.print_exc()
+                into["batches"][str(batch)] = {"error": f"{type(exc).__name__}: {exc}"}
+                failed.append(f"batch {batch}: {type(exc).__name__}: {exc}")
+                continue
+            row["profile_s"] = round(time.perf_counter() - t0, 1)
+            into["batches"][str(batch)] = row
+            chromes.append((f"batch {batch}", chrome))
+            print(f"[worker {args.worker}] profile batch {batch}: {row['wall_ms_per_step_unprofiled']:.3f} ms/step, "
+                  f"GPU busy {row['gpu_busy_ms_per_step']:.3f} ({row['profile_s']} s)", flush=True)
+    if chromes:
+        os.makedirs(args.out, exist_ok=True)
+        into.update(write_trace(chromes, os.path.join(args.out, f"vllm_profile_{args.preset}_{args.worker}.json.gz")))
+    if failed:
+        raise RuntimeError("; ".join(failed))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -280,19 +609,22 @@ def run_workers(script: str, args: argparse.Namespace, model_dir: str, extra_arg
         log = os.path.join(args.out, f"vllm_{args.preset}_{path}.log")
         if os.path.exists(js):
             os.remove(js)
+        remaining = args.budget - (time.perf_counter() - START)
+        timeout = max(30.0, remaining / (len(todo) - i))
         cmd = [sys.executable, script, "--worker", path, "--preset", args.preset, "--model-dir", model_dir,
                "--json", js, "--seed", str(args.seed), "--max-model-len", str(args.max_model_len),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-               "--plugin-cudagraph-mode", args.plugin_cudagraph_mode] + extra_args
+               "--plugin-cudagraph-mode", args.plugin_cudagraph_mode, "--out", args.out,
+               "--time-limit", f"{timeout:.0f}"] + extra_args
         if args.plugin_eager:
             cmd.append("--plugin-eager")
+        if args.profile:
+            cmd.append("--profile")
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
                    PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
         # the host reaches no network: nothing may wait on a hub or a usage-stats server
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
         env.pop("MEGAKERNEL_VLLM", None)   # the stock path must stay stock: the plugin path uses hf_overrides
-        remaining = args.budget - (time.perf_counter() - START)
-        timeout = max(30.0, remaining / (len(todo) - i))
         print(f"[{args.preset}] {path}: starting (at most {timeout:.0f} s; log {log})", flush=True)
         t0 = time.perf_counter()
         with open(log, "w") as lf:
@@ -372,6 +704,39 @@ def compare(stock: dict, plugin: dict, near_tie_gap: float = NEAR_TIE_GAP,
     return report
 
 
+def profile_line(path: str, result: dict) -> str:
+    """One worker's profile as a line: per batch the step time without and with the profiler (and the
+    bench's, where it ran), GPU busy time in and outside CUDA graphs, GPU idle time, the top GPU ops."""
+    prof = result.get("profile")
+    errors = [e for e in result.get("errors", []) if e.startswith("profile")]
+    if not prof or not prof.get("batches"):
+        return f"{path}: no profile{' (' + '; '.join(errors) + ')' if errors else ''}"
+    parts = []
+    for batch, row in prof["batches"].items():
+        if "skipped" in row or "error" in row:
+            why = f"skipped, {row['skipped']}" if "skipped" in row else f"FAILED {row['error']}"
+            parts.append(f"batch {batch}: {why}")
+            continue
+        wall, busy = row["wall_ms_per_step_unprofiled"], row["gpu_busy_ms_per_step"]
+        bench = result.get("bench", {}).get(batch, {}).get("ms_per_step")
+        top = ", ".join(f"{op['name'][:40]} {op['us_per_step']:.0f} us" for op in row["top_gpu_ops"][:3])
+        parts.append(
+            f"batch {batch}: {wall:.3f} ms/step ({row['wall_ms_per_step']:.3f} profiled"
+            f"{f', bench {bench:.3f}' if bench else ''}), GPU busy {busy:.3f} (kernels in graphs "
+            f"{row['gpu_in_graphs_ms_per_step']:.3f} + outside {row['gpu_outside_graphs_ms_per_step']:.3f}), "
+            f"GPU idle {wall - busy:.3f} ms ({(wall - busy) / wall * 100:.0f}%), "
+            f"{row['graph_launches_per_step']:.1f} graph launches and {row['gpu_ops_per_step']:.0f} GPU ops per step; "
+            f"top: {top}{'; ' + row['caveat'] if row.get('caveat') else ''}")
+    trace = f" -> {prof['trace']}" if prof.get("trace") else ""
+    return f"{path}: " + " | ".join(parts) + trace
+
+
+def print_profiles(preset: str, results: dict[str, dict]) -> None:
+    for path in PATHS:
+        if path in results:
+            print(f"RESULT profile {preset} {profile_line(path, results[path])}", flush=True)
+
+
 def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="llama-3.2-1b", help="megakernel model preset (shape of the random model)")
     p.add_argument("--seed", type=int, default=0)
@@ -386,8 +751,13 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=float, default=570.0,
                    help="seconds this command may take in all (the host allows 600 per call); each worker "
                         "gets an equal share of what is left")
+    p.add_argument("--profile", action="store_true",
+                   help="after the other stages, profile short generations (batch 1 and 8) with torch.profiler: "
+                        "wall vs GPU-busy time per decode step in each worker's JSON, a trace of the last steps "
+                        "in $OUT/vllm_profile_<preset>_<path>.json.gz (docs/vllm.md)")
     # worker-only
     p.add_argument("--worker", choices=PATHS, help=argparse.SUPPRESS)
+    p.add_argument("--time-limit", type=float, help=argparse.SUPPRESS)   # seconds the driver gives the worker
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
 
@@ -425,6 +795,8 @@ def main() -> int:
                "FAIL" if report["parity"]["ok"] is False else "VACUOUS (the megakernel did not run)")
     print(f"RESULT megakernel {args.preset}: {'used' if used else 'NOT USED'}: {how}", flush=True)
     print(f"RESULT parity {args.preset}: {verdict} {json.dumps(summary)} -> {path}", flush=True)
+    if args.profile:   # informative: the exit status stays that of the verdicts above
+        print_profiles(args.preset, results)
     return 0 if ok else (2 if missing else 1)
 
 
