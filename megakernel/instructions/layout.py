@@ -151,6 +151,55 @@ class PackedWeights:
         return PackedWeights(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
+def packed_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of every PackedWeights field but the RoPE tables (whose rows are positions), for a model."""
+    c = config
+    L, H, F, V, D = c.num_layers, c.hidden_size, c.intermediate_size, c.vocab_size, c.head_dim
+    return {"embed": (V, H), "qkv": (L, c.qkv_rows, H), "o_proj": (L, H, c.q_size), "gate_up": (L, 2 * F, H),
+            "down": (L, H, F), "lm_head": (V, H), "attn_norm": (L, H), "mlp_norm": (L, H), "final_norm": (H,),
+            "q_norm": (L, D), "k_norm": (L, D)}
+
+
+def validate_packed_weights(packed, layout: StepLayout, device=None, dtype: torch.dtype = torch.bfloat16) -> None:
+    """ValueError, naming the field, unless `packed` is weights the kernel can read for this layout: a
+    PackedWeights (from pack_weights) whose matrices and norms have the model's shapes, in `dtype`,
+    contiguous, 16-byte aligned, on `device` (when given), and whose float32 RoPE tables have a row for
+    every position the step may decode (layout.max_seq_len, the cache rounded up to whole blocks)."""
+    if not isinstance(packed, PackedWeights):
+        raise ValueError(f"packed_weights must be a PackedWeights (from pack_weights(weights, max_seq_len)); "
+                         f"got {type(packed).__name__}")
+    c = layout.config
+    device = None if device is None else torch.device(device)
+    expected = packed_weight_shapes(c)
+    half = c.head_dim // 2
+    for f in fields(PackedWeights):
+        t = getattr(packed, f.name)
+        name = f"packed_weights.{f.name}"
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} is a {type(t).__name__}, not a tensor")
+        if f.name in ("rope_cos", "rope_sin"):
+            if t.dim() != 2 or t.shape[1] != half:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}; expected (positions, {half}) for head_dim "
+                                 f"{c.head_dim} of {c.name}")
+            if t.shape[0] < layout.max_seq_len:
+                raise ValueError(f"{name} has {t.shape[0]} positions; this engine decodes positions up to "
+                                 f"{layout.max_seq_len - 1} (max_seq_len rounded up to whole blocks of "
+                                 f"{layout.block_size}): pack with pack_weights(weights, {layout.max_seq_len}) "
+                                 f"or more")
+            want_dtype = torch.float32
+        else:
+            if tuple(t.shape) != expected[f.name]:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}; {c.name} needs {expected[f.name]}")
+            want_dtype = dtype
+        if t.dtype != want_dtype:
+            raise ValueError(f"{name} is {t.dtype}; the kernel reads {want_dtype}")
+        if device is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device}; the engine runs on {device}")
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            raise ValueError(f"{name} must be contiguous and 16-byte aligned (strides {tuple(t.stride())}, "
+                             f"address {t.data_ptr():#x})")
+
+
 def interleave_gate_up(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
     """[2F, H] (gate rows then up rows) -> [2F, H] with groups of ROW_GROUP gate/up rows alternating."""
     f, h = intermediate_size, gate_up.shape[-1]
@@ -191,7 +240,8 @@ def pack_weights(weights: ModelWeights, max_seq_len: int) -> PackedWeights:
 @dataclass
 class StepBuffers:
     """Device (or CPU, for the VM) state of decode steps. Inputs: tokens, positions, block_table.
-    Outputs: out_tokens, logits. Everything else is scratch the stages hand to each other."""
+    Outputs: out_tokens, logits; x[L] of a program without the LM head (lm_tiles = 0), whose logits,
+    lm_max and lm_idx are then empty ([B, 0]). Everything else is scratch the stages hand to each other."""
 
     tokens: torch.Tensor       # int32 [B]
     positions: torch.Tensor    # int32 [B]: position of the token being decoded (seq_len - 1)
@@ -203,7 +253,7 @@ class StepBuffers:
     attn_part_lse: torch.Tensor  # f32 [L, B, Hq, S]
     attn_out: torch.Tensor     # f32 [L, B, q_size]
     act: torch.Tensor          # f32 [L, B, F]
-    logits: torch.Tensor       # f32 [B, V]
+    logits: torch.Tensor       # f32 [B, V] ([B, 0] without the LM head)
     lm_max: torch.Tensor       # f32 [B, T]
     lm_idx: torch.Tensor       # int32 [B, T]
     out_tokens: torch.Tensor   # int32 [B]
@@ -222,6 +272,9 @@ class StepBuffers:
 
 
 def allocate_buffers(layout: StepLayout, lm_tiles: int, num_counters: int, device="cpu") -> StepBuffers:
+    """The step's buffers, float ones poisoned. lm_tiles = 0 (a program without the LM head): no logits."""
+    if lm_tiles < 0:
+        raise ValueError(f"lm_tiles={lm_tiles} must be >= 0")
     c, b, s = layout.config, layout.batch, layout.kv_splits
     f32 = dict(dtype=torch.float32, device=device)
     i32 = dict(dtype=torch.int32, device=device)
@@ -237,7 +290,7 @@ def allocate_buffers(layout: StepLayout, lm_tiles: int, num_counters: int, devic
         attn_part_lse=torch.empty(L, b, c.num_heads, s, **f32),
         attn_out=torch.empty(L, b, c.q_size, **f32),
         act=torch.empty(L, b, c.intermediate_size, **f32),
-        logits=torch.empty(b, c.vocab_size, **f32),
+        logits=torch.empty(b, c.vocab_size if lm_tiles else 0, **f32),
         lm_max=torch.empty(b, lm_tiles, **f32),
         lm_idx=torch.zeros(b, lm_tiles, **i32),
         out_tokens=torch.zeros(b, **i32),

@@ -305,6 +305,12 @@ def final_hidden(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, dtype: 
     return rms_norm(x, norm_weight, eps).to(dtype)
 
 
+def rope_positions(max_seq_len: int, block_size: int) -> int:
+    """Positions the shared packed weights' RoPE tables must cover for an engine of this max_seq_len and
+    block size: the engine decodes positions up to its cache length, max_seq_len rounded up to blocks."""
+    return -(-max_seq_len // block_size) * block_size
+
+
 def engine_kwargs(engine_cls: type, **optional: Any) -> dict[str, Any]:
     """The subset of `optional` keyword arguments that engine_cls's constructor accepts."""
     params = inspect.signature(engine_cls).parameters
@@ -398,7 +404,8 @@ class MegakernelDecode:
             old = torch.get_default_dtype()
             torch.set_default_dtype(torch.float32)
             try:
-                self.packed = pack_weights(self.weights, self.max_seq_len).to(self.device)
+                self.packed = pack_weights(self.weights, rope_positions(self.max_seq_len, self.block_size)
+                                           ).to(self.device)
             finally:
                 torch.set_default_dtype(old)
 
@@ -452,6 +459,11 @@ class MegakernelDecode:
         k_list, v_list, geom = self.kv
         kw = engine_kwargs(self.engine_cls, packed_weights=self.packed, own_kv_cache=False, lm_head=False)
         if self.packed is None:
+            kw.pop("packed_weights", None)
+        elif self.packed.rope_cos.shape[0] < rope_positions(self.max_seq_len, geom.block_size):
+            # vLLM's cache blocks are larger than cache_config said at load time: this engine packs its own
+            _log_once(f"the KV cache's block size {geom.block_size} is not the {self.block_size} the weights "
+                      f"were packed for", consequence="each engine packs its own weights")
             kw.pop("packed_weights", None)
         try:
             eng = self.engine_cls(self.weights, bucket, self.max_seq_len, block_size=geom.block_size,

@@ -4,6 +4,22 @@
 can be captured in a CUDA graph; the kernel advances tokens/positions itself, so replaying the graph
 decodes the next token. `step()` is the checked user path: it validates inputs before the launch,
 and reads the error word after it.
+
+Three constructor options serve callers that bring their own LM head and KV cache (the vLLM
+integration, docs/vllm.md):
+
+- `lm_head=False`: the step's program has no LM_HEAD and no ARGMAX; it ends when x[L]
+  (`bufs.x[-1]`, float32 [B, H], the residual stream after the last layer, before the final norm)
+  is written. Nothing advances tokens/positions then: the caller writes both before every launch.
+  `step()` raises RuntimeError (there are no next tokens); `step_hidden()` is its checked
+  counterpart and returns x[L]; `logits` raises as well.
+- `packed_weights=`: a PackedWeights from `pack_weights(weights, n)` (n >= max_seq_len rounded up to
+  whole blocks), bf16, on the engine's device, used as is instead of packing `weights` again, so
+  several engines share one copy; `weights` then only supplies the model config. Checked by
+  `validate_packed_weights` (ValueError naming the field).
+- `own_kv_cache=False`: no KV cache is allocated and nothing is compiled at construction (the kernel
+  is compiled for the cache's strides at the first `bind_kv_caches`); `launch()`, `step()`,
+  `step_hidden()` and `set_inputs()` raise RuntimeError until `bind_kv_caches` has been called.
 """
 
 from __future__ import annotations
@@ -13,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..instructions.layout import (MAX_BATCH, StepLayout, allocate_buffers, default_kv_splits,
-                                   pack_weights, validate_step_inputs)
+from ..instructions.layout import (MAX_BATCH, PackedWeights, StepLayout, allocate_buffers, default_kv_splits,
+                                   pack_weights, validate_packed_weights, validate_step_inputs)
 from ..instructions.opcodes import Opcode
 from ..instructions.record import serialize
 from ..kernel.decode import ARG_NAMES, ERR_POSITION, ERR_TIMEOUT, ERR_TOKEN, KernelOptions
@@ -59,11 +75,17 @@ class MegakernelEngine:
     def __init__(self, weights: ModelWeights, batch: int, max_seq_len: int, *, block_size: int = 16,
                  num_blocks: int | None = None, num_sms: int | None = None, policy: str = "balanced",
                  kv_splits: int | None = None, options: KernelOptions = KernelOptions(),
-                 fuse_attn_reduce: bool | None = None, device: str | torch.device = "cuda"):
+                 fuse_attn_reduce: bool | None = None, device: str | torch.device = "cuda",
+                 own_kv_cache: bool = True, packed_weights: PackedWeights | None = None, lm_head: bool = True):
         config = weights.config
         self.device = torch.device(device)
         if self.device.type != "cuda" or not torch.cuda.is_available():
             raise RuntimeError("the megakernel needs a CUDA GPU (Hopper, sm_90a)")
+        if self.device.index is None:       # "cuda" -> "cuda:N": tensors report their device with an index
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if num_blocks is not None and not own_kv_cache:
+            raise ValueError(f"num_blocks={num_blocks} sizes the engine's own KV cache; with own_kv_cache=False "
+                             f"the cache bound by bind_kv_caches sets the block count")
         major, minor = torch.cuda.get_device_capability(self.device)
         if (major, minor) != (9, 0):
             raise RuntimeError(f"the megakernel is built for sm_90a (Hopper); this GPU is sm_{major}{minor}")
@@ -81,8 +103,7 @@ class MegakernelEngine:
                                  block_size=block_size, max_blocks_per_seq=blocks_per_seq, num_sms=num_sms,
                                  fuse_attn_reduce=fuse_attn_reduce if options.x_in_smem else False)
         self.layout.validate()
-        self.num_blocks = num_blocks or batch * blocks_per_seq
-        self.program = build_program(self.layout)
+        self.program = build_program(self.layout, lm_head=lm_head)
         self.queues = assign(self.program, policy)
         simulate(self.queues, self.program.num_counters)      # deadlock-free, proven before any launch
         table, lengths = serialize(self.queues)
@@ -92,28 +113,55 @@ class MegakernelEngine:
         self.queue_table = table.to(self.device)
         self.queue_lengths = lengths.to(self.device)
 
-        # the kernel streams bf16 weights: other dtypes are converted here (exact for bf16-representable values)
-        self.weights = pack_weights(weights.to(device=self.device, dtype=torch.bfloat16),
-                                    self.layout.max_seq_len).to(self.device)
+        if packed_weights is not None:
+            validate_packed_weights(packed_weights, self.layout, self.device)
+            self.weights = packed_weights
+        else:
+            # the kernel streams bf16 weights: other dtypes are converted here (exact for bf16-representable values)
+            self.weights = pack_weights(weights.to(device=self.device, dtype=torch.bfloat16),
+                                        self.layout.max_seq_len).to(self.device)
         c = config
         self.ones = torch.ones(max(c.hidden_size, c.q_size, c.intermediate_size), dtype=torch.bfloat16,
                                device=self.device)
         self.bufs = allocate_buffers(self.layout, self.program.lm_tiles, self.program.num_counters, self.device)
-        shape = (c.num_layers, self.num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        self.k_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=self.device)
-        self.v_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=self.device)
         # the kernel reads each layer's K and V base address from this table: int64 [L, 2]
-        self.kv_table = torch.empty(c.num_layers, 2, dtype=torch.int64, device=self.device)
-        self._fill_kv_table(list(self.k_cache.unbind(0)), list(self.v_cache.unbind(0)))
-        self.kv_strides = tuple(self.k_cache.stride()[1:4])
+        self.kv_table = torch.zeros(c.num_layers, 2, dtype=torch.int64, device=self.device)
         self.trace_buf = torch.zeros(num_sms, table.shape[1], 8, dtype=torch.int32, device=self.device)
         self.options = options
-
-        from ..kernel.compile import KernelKey, compile_decode_kernel
-        self._compile(table.shape[1])
         self.steps = 0
+        self.compiled = None
+        self.key = None
+        if own_kv_cache:
+            self.num_blocks = num_blocks or batch * blocks_per_seq
+            shape = (c.num_layers, self.num_blocks, block_size, c.num_kv_heads, c.head_dim)
+            self.k_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=self.device)
+            self.v_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=self.device)
+            self._fill_kv_table(list(self.k_cache.unbind(0)), list(self.v_cache.unbind(0)))
+            self.kv_strides = tuple(self.k_cache.stride()[1:4])
+            self._compile(table.shape[1])
+        else:
+            # no cache, no kernel yet: bind_kv_caches fills the table and compiles for the cache's strides
+            self.num_blocks = None
+            self.k_cache = self.v_cache = None
+            self.kv_strides = None
+
+    @property
+    def has_lm_head(self) -> bool:
+        """False for an engine built with lm_head=False (its step ends at x[L])."""
+        return self.program.has_lm_head
+
+    @property
+    def kv_bound(self) -> bool:
+        """Whether the engine has a KV cache to run on (its own, or one given to bind_kv_caches)."""
+        return self.compiled is not None
+
+    def _require_kv(self, what: str) -> None:
+        if self.compiled is None:
+            raise RuntimeError(f"{what} before bind_kv_caches(): this engine was built with own_kv_cache=False "
+                               f"and has no KV cache (and no compiled kernel) until one is bound")
 
     def _compile(self, max_queue_len: int) -> None:
+        """Compile (or take from the cache) the kernel for the current KV strides; arguments by address."""
         from cutlass import Int64
 
         from ..kernel.compile import KernelKey, compile_decode_kernel
@@ -133,7 +181,8 @@ class MegakernelEngine:
         k_caches[l], v_caches[l]: [num_blocks, block_size, Hkv, D] bf16 views on this device, last
         dim contiguous and 16-byte aligned, the same (block, offset, head) strides for all 2L views.
         Only the device address table changes when the strides stay the same, so a captured CUDA
-        graph stays valid; other strides recompile the kernel. The caller keeps the tensors alive."""
+        graph stays valid; other strides recompile the kernel. The caller keeps the tensors alive.
+        An engine built with own_kv_cache=False compiles its kernel here, at the first bind."""
         c, lay = self.layout.config, self.layout
         if len(k_caches) != c.num_layers or len(v_caches) != c.num_layers:
             raise ValueError(f"need {c.num_layers} K and V caches, got {len(k_caches)} and {len(v_caches)}")
@@ -157,7 +206,7 @@ class MegakernelEngine:
         self._fill_kv_table(k_caches, v_caches)
         self.num_blocks = num_blocks
         self.k_cache = self.v_cache = None      # the engine's own cache is no longer used
-        if strides != self.kv_strides:
+        if strides != self.kv_strides or self.compiled is None:
             self.kv_strides = strides
             self._compile(self.queue_table.shape[1])
 
@@ -177,7 +226,12 @@ class MegakernelEngine:
 
     # ---------------------------------------------------------------- hot path
     def launch(self, stream: torch.cuda.Stream | None = None) -> None:
-        """One decode step of the whole batch from the current device inputs: one kernel launch."""
+        """One decode step of the whole batch from the current device inputs: one kernel launch.
+        With the LM head it advances tokens/positions in place; with lm_head=False it only writes
+        x[L] (bufs.x[-1]) and the caller writes tokens/positions before every launch. RuntimeError
+        (nothing launched) while an engine built with own_kv_cache=False has no bound KV cache."""
+        if self.compiled is None:
+            self._require_kv("launch()")
         import cuda.bindings.driver as cuda
 
         stream = stream or torch.cuda.current_stream(self.device)
@@ -188,6 +242,7 @@ class MegakernelEngine:
     def set_inputs(self, tokens: torch.Tensor, positions: torch.Tensor,
                    block_table: torch.Tensor | None = None) -> None:
         """Validate and copy the step inputs (raises ValueError before anything is launched)."""
+        self._require_kv("set_inputs()")
         lay = self.layout
         tokens = torch.as_tensor(tokens)
         positions = torch.as_tensor(positions)
@@ -214,12 +269,30 @@ class MegakernelEngine:
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor | None = None,
              check: bool = True) -> torch.Tensor:
-        """Validated step -> next tokens int32 [B] (a view of the output buffer; clone to keep)."""
+        """Validated step -> next tokens int32 [B] (a view of the output buffer; clone to keep).
+        RuntimeError for an engine built with lm_head=False (use step_hidden)."""
+        if not self.has_lm_head:
+            raise RuntimeError("step(): this engine was built with lm_head=False, so its step has no LM head and "
+                               "no ARGMAX and yields no next tokens; use step_hidden() (or launch() and read "
+                               "bufs.x[-1], x[L] float32 [B, H])")
+        self._require_kv("step()")
         self.set_inputs(tokens, positions, block_table)
         self.launch()
         if check:
             self.check()
         return self.bufs.out_tokens
+
+    def step_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor | None = None,
+                    check: bool = True) -> torch.Tensor:
+        """Validated step -> x[L] float32 [B, H], the residual stream after the last layer, before the
+        final norm (a view of bufs.x[-1]; clone to keep). With or without the LM head; with it, the
+        step also advances tokens/positions and writes out_tokens, as step() does."""
+        self._require_kv("step_hidden()")
+        self.set_inputs(tokens, positions, block_table)
+        self.launch()
+        if check:
+            self.check()
+        return self.bufs.x[-1]
 
     def run_instructions(self, instructions: list) -> None:
         """Run the given instructions alone through the real kernel, all on SM 0, in order, with
@@ -249,6 +322,10 @@ class MegakernelEngine:
 
     @property
     def logits(self) -> torch.Tensor:
+        """float32 [B, V] of the last step; RuntimeError for an engine built with lm_head=False."""
+        if not self.has_lm_head:
+            raise RuntimeError("logits: this engine was built with lm_head=False and computes none; x[L] is "
+                               "bufs.x[-1]")
         return self.bufs.logits
 
     def trace_records(self) -> list[dict]:
@@ -276,6 +353,11 @@ class MegakernelBackend:
     max_batch = MAX_BATCH
 
     def __init__(self, weights: ModelWeights, device: str | torch.device = "cuda", **engine_kw):
+        # the backend's step returns the kernel's own next tokens, from the engine's own cache
+        for name in ("lm_head", "own_kv_cache"):
+            if not engine_kw.get(name, True):
+                raise ValueError(f"{name}={engine_kw[name]!r}: the decode backend samples with the kernel's LM "
+                                 f"head and decodes in the engine's own KV cache")
         self.weights = weights
         self.device = torch.device(device)
         self.engine_kw = engine_kw

@@ -6,6 +6,10 @@ stage have signalled. Release/acquire chains make that transitive, so an instruc
 store that happened before the stage it waits on (e.g. O_PROJ reads x[l], written by DOWN of layer
 l-1, two stages before the ATTN_REDUCE it waits for). Where the layout stages matvec inputs in shared
 memory, O_PROJ waits on ATTN_PARTIAL directly and merges the splits itself (`StepLayout.fused_reduce`).
+
+`build_program(layout, lm_head=False)` is the same program without its last two stages (LM_HEAD,
+ARGMAX): the step ends when the last layer's DOWN has written x[L], and nothing advances tokens or
+positions (ARGMAX does that), so the caller writes both before every launch.
 """
 
 from __future__ import annotations
@@ -31,7 +35,12 @@ class StepProgram:
     layout: StepLayout
     instructions: tuple[Instruction, ...]
     num_counters: int
-    lm_tiles: int
+    lm_tiles: int           # LM_HEAD tiles; 0 for a program without the LM head (and ARGMAX)
+
+    @property
+    def has_lm_head(self) -> bool:
+        """Whether the step ends with LM_HEAD + ARGMAX (next tokens) or at x[L] (lm_head=False)."""
+        return self.lm_tiles > 0
 
 
 def tile_rows(rows: int, num_sms: int, group: int = ROW_GROUP) -> int:
@@ -44,7 +53,10 @@ def _tiles(rows: int, per_tile: int) -> list[tuple[int, int]]:
     return [(lo, min(per_tile, rows - lo)) for lo in range(0, rows, per_tile)]
 
 
-def build_program(layout: StepLayout, tile_rows_override: dict | None = None) -> StepProgram:
+def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
+                  lm_head: bool = True) -> StepProgram:
+    """The step's DAG. lm_head=False leaves out LM_HEAD and ARGMAX: the same instructions (same
+    indices, waits and signals) up to the last layer's DOWN, which writes x[L]; lm_tiles is then 0."""
     layout.validate()
     c = layout.config
     L, B, S = c.num_layers, layout.batch, layout.kv_splits
@@ -98,6 +110,8 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None) ->
         n = matvec_stage(Opcode.GATE_UP, l, (counter_id(l, Stage.O_PROJ), n), counter_id(l, Stage.GATE_UP))
         n = matvec_stage(Opcode.DOWN, l, (counter_id(l, Stage.GATE_UP), n), counter_id(l, Stage.DOWN))
         prev = (counter_id(l, Stage.DOWN), n)
+    if not lm_head:
+        return StepProgram(layout=layout, instructions=tuple(out), num_counters=num_counters(L), lm_tiles=0)
     lm_tiles = matvec_stage(Opcode.LM_HEAD, 0, prev, lm_head_counter(L))
     add(opcode=Opcode.ARGMAX, a0=lm_tiles, wait_id=lm_head_counter(L), wait_count=lm_tiles,
         signal_id=argmax_counter(L), cost=FIXED_COST_BYTES)

@@ -62,10 +62,14 @@ class InstructionVM:
 
 class VMDecoder:
     """A whole decode step on the CPU through the instruction VM: same program, same serialized
-    queues, same buffers the GPU kernel uses. The CPU twin of runtime.MegakernelEngine."""
+    queues, same buffers the GPU kernel uses. The CPU twin of runtime.MegakernelEngine.
+
+    lm_head=False runs the program without LM_HEAD and ARGMAX (as the engine's lm_head=False):
+    `step_hidden` then returns x[L], and `step` (next tokens) raises RuntimeError."""
 
     def __init__(self, weights, batch: int, max_seq_len: int, block_size: int = 16, num_sms: int = 132,
-                 policy: str = "balanced", kv_splits: int | None = None, num_blocks: int | None = None):
+                 policy: str = "balanced", kv_splits: int | None = None, num_blocks: int | None = None,
+                 lm_head: bool = True):
         from ..instructions.layout import StepLayout, allocate_buffers, default_kv_splits, pack_weights
         from ..instructions.record import serialize
         from .assign import assign
@@ -76,7 +80,7 @@ class VMDecoder:
         self.layout = StepLayout(config=config, batch=batch,
                                  kv_splits=kv_splits or default_kv_splits(config, batch, num_sms, blocks_per_seq * block_size),
                                  block_size=block_size, max_blocks_per_seq=blocks_per_seq, num_sms=num_sms)
-        self.program = build_program(self.layout)
+        self.program = build_program(self.layout, lm_head=lm_head)
         self.queues = assign(self.program, policy)
         table, lengths = serialize(self.queues)
         packed = pack_weights(weights, self.layout.max_seq_len)
@@ -91,19 +95,37 @@ class VMDecoder:
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
              order: str = "round-robin") -> tuple[torch.Tensor, torch.Tensor]:
         """-> (next tokens int32 [B], logits float32 [B, V])."""
+        if not self.program.has_lm_head:
+            raise RuntimeError("this VMDecoder was built with lm_head=False: its step ends at x[L] with no "
+                               "LM head and no ARGMAX, so there are no next tokens or logits; use step_hidden()")
         return run_vm_step(self.vm, self.layout, self.ctx.bufs, tokens, positions, block_table,
                            self.ctx.k_cache.shape[1], order)
 
+    def step_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
+                    order: str = "round-robin") -> torch.Tensor:
+        """One step -> x[L] float32 [B, H] (a copy): the residual stream after the last layer, before
+        the final norm. With the LM head, the step also advances tokens/positions as `step` does."""
+        execute_vm_step(self.vm, self.layout, self.ctx.bufs, tokens, positions, block_table,
+                        self.ctx.k_cache.shape[1], order)
+        return self.ctx.bufs.x[-1].clone()
 
-def run_vm_step(vm: InstructionVM, layout, bufs, tokens, positions, block_table, num_blocks: int,
-                order: str = "round-robin") -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate the step inputs, poison the buffers, load the inputs and run one step through the VM
-    -> (next tokens int32 [B], logits float32 [B, V]). Shared by the dense and DeepSeek decoders."""
+
+def execute_vm_step(vm: InstructionVM, layout, bufs, tokens, positions, block_table, num_blocks: int,
+                    order: str = "round-robin") -> torch.Tensor:
+    """Validate the step inputs, poison the buffers, load the inputs and run one step through the VM;
+    the results are left in `bufs`. -> the VM's out_tokens buffer (not a copy)."""
     from ..instructions.layout import validate_step_inputs
     validate_step_inputs(layout, tokens, positions, block_table, num_blocks)
     bufs.poison()
     bufs.tokens.copy_(tokens.to(torch.int32))
     bufs.positions.copy_(positions.to(torch.int32))
     bufs.block_table.copy_(block_table.to(torch.int32))
-    out = vm.step(order)
+    return vm.step(order)
+
+
+def run_vm_step(vm: InstructionVM, layout, bufs, tokens, positions, block_table, num_blocks: int,
+                order: str = "round-robin") -> tuple[torch.Tensor, torch.Tensor]:
+    """`execute_vm_step` -> (next tokens int32 [B], logits float32 [B, V]). Shared by the dense and
+    DeepSeek decoders."""
+    out = execute_vm_step(vm, layout, bufs, tokens, positions, block_table, num_blocks, order)
     return out.clone(), bufs.logits.clone()

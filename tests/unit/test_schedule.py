@@ -16,6 +16,7 @@ from collections import Counter, defaultdict
 import pytest
 import torch
 
+from megakernel.instructions import STAGE_MODULES
 from megakernel.instructions.layout import ROW_GROUP, StepLayout, default_kv_splits
 from megakernel.instructions.matvec_stages import MATVEC_OPCODES
 from megakernel.instructions.opcodes import Opcode
@@ -23,7 +24,7 @@ from megakernel.instructions.record import NO_COUNTER, WORDS, Instruction, deser
 from megakernel.model.config import ModelConfig
 from megakernel.model.presets import PRESETS, get_preset
 from megakernel.schedule import assign, build_program, find_races, simulate
-from megakernel.schedule.dag import StepProgram
+from megakernel.schedule.dag import StepProgram, producers
 
 TINY_PRESETS = ("tiny-llama", "tiny-qwen3")
 REAL_PRESETS = ("llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b")
@@ -37,21 +38,22 @@ BLOCKS_PER_SEQ = 8
 
 @functools.lru_cache(maxsize=None)
 def _program(name: str, batch: int, num_sms: int = NUM_SMS, num_layers: int | None = None,
-             fuse: bool | None = None) -> StepProgram:
+             fuse: bool | None = None, lm_head: bool = True) -> StepProgram:
     config = get_preset(name)
     if num_layers is not None:
         config = dataclasses.replace(config, num_layers=num_layers)
     layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, num_sms),
                         block_size=BLOCK_SIZE, max_blocks_per_seq=BLOCKS_PER_SEQ, num_sms=num_sms,
                         fuse_attn_reduce=fuse)
-    return build_program(layout)
+    return build_program(layout, lm_head=lm_head)
 
 
 def _what(program: StepProgram, policy: str | None = None) -> str:
     lay = program.layout
     pol = f" policy={policy}" if policy else ""
     return (f"{lay.config.name} L={lay.config.num_layers} batch={lay.batch} splits={lay.kv_splits} "
-            f"sms={lay.num_sms} fused_reduce={lay.fused_reduce}{pol} ({len(program.instructions)} instructions)")
+            f"sms={lay.num_sms} fused_reduce={lay.fused_reduce} lm_head={program.has_lm_head}{pol} "
+            f"({len(program.instructions)} instructions)")
 
 
 # ---- the dataflow, written out independently of the DAG builder -----------------------------------------
@@ -133,7 +135,15 @@ def check_program(program: StepProgram) -> None:
             row += ins.a1
         assert row == _stage_rows(config, op), f"{what}: {op.name} layer {layer} tiles cover {row} rows"
     lm_tiles = len(by_stage[(Opcode.LM_HEAD, 0)])
-    assert program.lm_tiles == lm_tiles and by_stage[(Opcode.ARGMAX, 0)][0].a0 == lm_tiles, what
+    assert program.lm_tiles == lm_tiles, f"{what}: lm_tiles={program.lm_tiles}, {lm_tiles} LM_HEAD instructions"
+    if program.has_lm_head:
+        assert stage_size[(Opcode.ARGMAX, 0)] == 1 and by_stage[(Opcode.ARGMAX, 0)][0].a0 == lm_tiles, what
+    else:
+        # the step ends with the last layer's DOWN (it writes x[L]); nothing after it, no ARGMAX
+        assert stage_size[(Opcode.ARGMAX, 0)] == 0, f"{what}: ARGMAX without an LM head"
+        last = instrs[-1]
+        assert (last.opcode, last.layer) == (Opcode.DOWN, config.num_layers - 1), \
+            f"{what}: the program ends with {last.opcode.name} layer {last.layer}"
     b, s, kvh = layout.batch, layout.kv_splits, config.num_kv_heads
     for layer in range(config.num_layers):
         partial = Counter((i.a0, i.a1, i.a2, i.a3) for i in by_stage[(Opcode.ATTN_PARTIAL, layer)])
@@ -149,7 +159,7 @@ def check_program(program: StepProgram) -> None:
             assert reduce == Counter((q, h, s) for q in range(b) for h in range(kvh)), \
                 f"{what}: layer {layer} attention reductions do not cover (sequence, kv head) once each"
             assert o_proj_a3 == {0}, f"{what}: layer {layer} O_PROJ a3 {o_proj_a3} without the folded merge"
-    assert stage_size[(Opcode.EMBED, 0)] == 1 and stage_size[(Opcode.ARGMAX, 0)] == 1, what
+    assert stage_size[(Opcode.EMBED, 0)] == 1, what
 
 
 def check_queues(program: StepProgram, queues: list[list[Instruction]], policy: str) -> None:
@@ -208,6 +218,84 @@ def test_real_preset_shapes_are_race_free(name, batch):
 
 def test_every_preset_is_covered():
     assert set(TINY_PRESETS) | set(REAL_PRESETS) == set(PRESETS)
+
+
+# ---- the program without the LM head (build_program(lm_head=False)) -------------------------------------
+
+# what only the LM head and ARGMAX may write: a step without them must leave these alone
+LM_OUTPUTS = {"logits", "lm_tile", "out_tokens", "tokens", "positions"}
+
+
+def _written(program: StepProgram) -> dict[str, list[tuple[int, int, int]]]:
+    """buffer name -> (layer, lo, hi) of every region the program's instructions write."""
+    out: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
+    for ins in program.instructions:
+        for name, layer, lo, hi in STAGE_MODULES[ins.opcode].writes(ins, program.layout):
+            out[name].append((layer, lo, hi))
+    return out
+
+
+@pytest.mark.parametrize("fuse", (None, False), ids=("fused-reduce", "reduce-stage"))
+@pytest.mark.parametrize("batch", (1, 3, 8))
+@pytest.mark.parametrize("name", TINY_PRESETS + REAL_PRESETS)
+def test_program_without_lm_head_is_the_step_up_to_x_L(name, batch, fuse):
+    """The same instructions (indices, waits, signals) as the full program up to the last layer's DOWN,
+    closed under dependencies (every producer of every counter it waits on is in it), writing all of
+    x[L] exactly once and none of what LM_HEAD / ARGMAX write; the queues of both policies complete."""
+    full = _program(name, batch, fuse=fuse)
+    bare = _program(name, batch, fuse=fuse, lm_head=False)
+    what = _what(bare)
+    n = len(bare.instructions)
+    assert bare.lm_tiles == 0 and not bare.has_lm_head and full.has_lm_head, what
+    assert bare.num_counters == full.num_counters, what
+    assert bare.instructions == full.instructions[:n], f"{what}: not a prefix of the full program"
+    tail = Counter(i.opcode for i in full.instructions[n:])
+    assert tail == Counter({Opcode.LM_HEAD: full.lm_tiles, Opcode.ARGMAX: 1}), f"{what}: full program adds {tail}"
+    full_prod, bare_prod = producers(full), producers(bare)
+    for ins in bare.instructions:
+        if ins.wait_id != NO_COUNTER:
+            assert bare_prod[ins.wait_id] == full_prod[ins.wait_id], \
+                f"{what}: #{ins.index} {ins.opcode.name} waits on counter {ins.wait_id}, whose producers " \
+                f"{sorted(set(full_prod[ins.wait_id]) - set(bare_prod[ins.wait_id]))[:4]} are left out"
+    check_program(bare)
+    written = _written(bare)
+    assert not LM_OUTPUTS & set(written), f"{what}: writes {sorted(LM_OUTPUTS & set(written))}"
+    c = bare.layout.config
+    x_last = sorted((lo, hi) for layer, lo, hi in written["x"] if layer == c.num_layers)
+    covered = 0
+    for lo, hi in x_last:
+        assert lo == covered, f"{what}: x[L] regions {x_last[:6]} leave a gap or overlap at {covered}"
+        covered = hi
+    assert covered == batch * c.hidden_size, f"{what}: x[L] written up to {covered} of {batch * c.hidden_size}"
+    for policy in POLICIES:
+        check_queues(bare, assign(bare, policy), policy)
+
+
+@pytest.mark.parametrize("fuse", (None, False), ids=("fused-reduce", "reduce-stage"))
+@pytest.mark.parametrize("batch", (1, 3, 8))
+@pytest.mark.parametrize("name", TINY_PRESETS)
+def test_program_without_lm_head_is_race_free(name, batch, fuse):
+    for num_sms in (NUM_SMS, FEW_SMS):
+        program = _program(name, batch, num_sms, fuse=fuse, lm_head=False)
+        races = find_races(program)
+        assert races == [], f"{_what(program)}: {races}"
+
+
+@pytest.mark.parametrize("name", REAL_PRESETS)
+def test_real_preset_shapes_without_lm_head_are_race_free(name):
+    program = _program(name, 1, num_layers=2, lm_head=False)
+    races = find_races(program)
+    assert races == [], f"{_what(program)}: {races}"
+
+
+@pytest.mark.parametrize("op", (Opcode.DOWN, Opcode.GATE_UP), ids=lambda op: op.name)
+def test_find_races_catches_a_missing_wait_in_the_last_layer_without_lm_head(op):
+    """The race check still bites on the shorter program: the last layer's stage loses its wait."""
+    program = _program("tiny-llama", 2, FEW_SMS, lm_head=False)
+    last = program.layout.config.num_layers - 1
+    index = _first(program, op, last)
+    races = find_races(_with(program, index, wait_id=NO_COUNTER, wait_count=0))
+    assert any(f"#{index} {op.name}" in r for r in races), f"{_what(program)}: {races}"
 
 
 # ---- the balanced policy ---------------------------------------------------------------------------------
@@ -428,10 +516,13 @@ def test_step_layout_accepts_every_preset(name):
 
 # ---- serialization -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name,batch,policy", [("tiny-llama", 3, "balanced"), ("tiny-qwen3", 8, "round-robin"),
-                                               ("qwen3-0.6b", 2, "balanced")])
-def test_serialize_round_trip(name, batch, policy):
-    program = _program(name, batch)
+@pytest.mark.parametrize("name,batch,policy,lm_head", [("tiny-llama", 3, "balanced", True),
+                                                       ("tiny-qwen3", 8, "round-robin", True),
+                                                       ("qwen3-0.6b", 2, "balanced", True),
+                                                       ("tiny-qwen3", 8, "balanced", False),
+                                                       ("llama-3.2-1b", 4, "round-robin", False)])
+def test_serialize_round_trip(name, batch, policy, lm_head):
+    program = _program(name, batch, lm_head=lm_head)
     queues = assign(program, policy)
     table, lengths = serialize(queues)
     what = _what(program, policy)

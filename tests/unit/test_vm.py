@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megakernel.instructions.context import matvec, rms_normalize
 from megakernel.model.kv_cache import PagedKVCache, contiguous_block_table
 from megakernel.model.presets import get_preset
 from megakernel.model.reference import ReferenceDecoder
@@ -157,3 +158,58 @@ def test_vm_raises_on_a_deadlocking_queue_instead_of_hanging():
     vm.vm.queues = [list(reversed(q)) for q in vm.vm.queues]
     with pytest.raises(ScheduleError, match="deadlock"):
         vm.step(torch.tensor([4]), torch.tensor([0]), contiguous_block_table(1, 16, 16))
+
+
+# ---- the step without the LM head (VMDecoder(lm_head=False)) ----------------------------------------------
+
+BARE_CASES = [("tiny-llama", "balanced", "reverse", 7, 3, 6),
+              ("tiny-qwen3", "round-robin", "round-robin", 132, None, 16)]
+
+
+@pytest.mark.parametrize("case", BARE_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-sms{c[3]}-bs{c[5]}")
+def test_vm_without_lm_head_ends_at_the_same_x_L(case):
+    """Same weights, inputs and paged cache: the VM without LM head leaves x[L] bit-equal to the one the
+    full step computes (the same instructions up to the last DOWN), the final norm and LM head applied to
+    it give the reference decoder's logits, it writes the same KV cache, and it leaves tokens, positions,
+    out_tokens and logits alone (no ARGMAX advances them)."""
+    preset, policy, order, num_sms, kv_splits, block_size = case
+    seed = 300 + BARE_CASES.index(case)
+    config = get_preset(preset)
+    weights = random_weights(config, seed=seed, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    batch, steps = 3, 9
+    offsets = torch.tensor([0, 2, 5])             # sequences start at different steps, so positions differ
+    max_seq_len = steps
+    num_blocks = batch * -(-max_seq_len // block_size) + 3
+    kw = dict(block_size=block_size, num_sms=num_sms, policy=policy, kv_splits=kv_splits, num_blocks=num_blocks)
+    full = VMDecoder(weights, batch, max_seq_len, **kw)
+    bare = VMDecoder(weights, batch, max_seq_len, lm_head=False, **kw)
+    assert bare.program.lm_tiles == 0 and bare.ctx.bufs.logits.numel() == 0
+    table = _block_table(batch, max_seq_len, block_size, num_blocks, True, gen)
+    ref = ReferenceDecoder(weights)
+    cache = PagedKVCache.allocate(config, num_blocks, block_size, dtype=torch.float32)
+    what = f"{preset} seed={seed} batch={batch} splits={bare.layout.kv_splits} sms={num_sms} bs={block_size} {order}"
+    for t in range(steps):
+        tokens = torch.randint(0, config.vocab_size, (batch,), generator=gen)     # teacher-forced, fresh each step
+        positions = (t - offsets).clamp(min=0)
+        step = f"{what} step {t} positions {positions.tolist()}"
+        x_full = full.step_hidden(tokens, positions, table, order=order)
+        x_bare = bare.step_hidden(tokens, positions, table, order=order)
+        assert x_bare.shape == (batch, config.hidden_size) and not torch.isnan(x_bare).any(), step
+        assert torch.equal(x_bare, x_full), f"{step}: max |diff| {(x_bare - x_full).abs().max():.3g}"
+        ref_logits = ref.step(tokens, positions, cache, table)
+        logits = matvec(weights.lm_head, rms_normalize(x_bare, weights.final_norm, config.rms_norm_eps))
+        assert_close(logits, ref_logits, torch.float32, context=f"{step}: LM head of x[L] vs reference logits")
+        b = bare.ctx.bufs
+        assert torch.equal(b.tokens.long(), tokens) and torch.equal(b.positions.long(), positions), \
+            f"{step}: tokens/positions changed without an LM head: {b.tokens.tolist()} {b.positions.tolist()}"
+        assert torch.equal(b.out_tokens, torch.full((batch,), -1, dtype=torch.int32)), f"{step}: out_tokens written"
+        # the full step's ARGMAX did advance its own copy
+        assert torch.equal(full.ctx.bufs.positions.long(), positions + 1), step
+    for name in ("k_cache", "v_cache"):
+        mine, theirs = getattr(bare.ctx, name), getattr(full.ctx, name)
+        written = ~torch.isnan(theirs)
+        assert written.any() and torch.equal(~torch.isnan(mine), written), f"{what}: {name} written at other slots"
+        assert torch.equal(mine[written], theirs[written]), f"{what}: {name} differs"
+    with pytest.raises(RuntimeError, match="lm_head=False"):
+        bare.step(tokens, positions, table)
