@@ -15,6 +15,9 @@ def parse(spec):
         if k == "fuse":                      # fuse=0: keep the ATTN_REDUCE stage
             eng["fuse_attn_reduce"] = bool(int(v))
             continue
+        if k == "slabs":                     # slabs=1: stage wide inputs in column slabs
+            eng["slab_staging"] = bool(int(v))
+            continue
         (eng if k in ("kv_splits", "policy") else opts)[k] = v if k == "policy" else int(v)
     return name, opts, eng
 

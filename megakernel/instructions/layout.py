@@ -21,6 +21,8 @@ MAX_BATCH = 8
 # Largest matvec input (batch x widest K x float32) the kernel stages in shared memory. Layouts within
 # it also fold the attention split merge into O_PROJ's input staging (no ATTN_REDUCE stage).
 X_STAGE_BYTES = 160 * 1024
+# With slab_staging, a wider input is staged this many bytes (all sequences) at a time.
+SLAB_STAGE_BYTES = 128 * 1024
 # Shared memory of one sm_90 CTA, and what staging leaves for the instruction queue and small buffers.
 SMEM_LIMIT = 227 * 1024
 SMEM_RESERVE = 24 * 1024
@@ -37,6 +39,7 @@ class StepLayout:
     max_blocks_per_seq: int
     num_sms: int
     fuse_attn_reduce: bool | None = None   # None: wherever the matvec input is staged (stages_input)
+    slab_staging: bool = False             # stage inputs wider than X_STAGE_BYTES in column slabs
 
     @property
     def max_seq_len(self) -> int:
@@ -51,6 +54,8 @@ class StepLayout:
         k_max = max(c.hidden_size, c.q_size, c.intermediate_size)
         x_bytes = self.batch * k_max * 4
         scratch = 16 * c.gqa_group * c.head_dim * 4 + min(128 * (k_max // 512) * self.batch, 8192) * 4
+        if self.slab_staging and x_bytes > X_STAGE_BYTES:   # staged (and streamed) a slab at a time
+            x_bytes = SLAB_STAGE_BYTES
         return x_bytes <= X_STAGE_BYTES and x_bytes + scratch + SMEM_RESERVE <= SMEM_LIMIT
 
     @property

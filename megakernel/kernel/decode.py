@@ -25,7 +25,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64
 
-from ..instructions.layout import COL_PASS, ROW_GROUP, SMEM_LIMIT, StepLayout
+from ..instructions.layout import (COL_PASS, ROW_GROUP, SLAB_STAGE_BYTES, SMEM_LIMIT, X_STAGE_BYTES,
+                                   StepLayout)
 from ..instructions.opcodes import Opcode
 from ..instructions.record import (W_A0, W_A1, W_A2, W_A3, W_INDEX, W_LAYER, W_OPCODE, W_SIGNAL_ID,
                                    W_WAIT_COUNT, W_WAIT_ID, WORDS)
@@ -69,6 +70,9 @@ class KernelOptions:
     warps: int = 0                           # warps per CTA, a multiple of 8 (0: 16 when the matvec input
                                              # fits in shared memory, else 8, so each thread gets 255 registers)
     x_in_smem: bool = True                   # stage normalized matvec inputs in shared memory where they fit
+    rows_per_unit: int = 0                   # rows of a work unit sharing its input columns (0: 2 where the
+                                             # input is staged, else 1 per 8 loads)
+    prefetch_ahead: int = 1                  # L2-prefetch the weight tile of the instruction this many ahead
     unroll: int = 0                          # 256-column passes per work unit (0: by batch, within the
                                              # registers: 8 at batch 1 or 8 warps, 4 up to batch 4, else 2)
     preload: int = 1                         # work items per warp whose weight loads are issued before the
@@ -185,10 +189,19 @@ class DecodeKernel:
         self.k_max = max(self.H, self.Q, self.F)
         self.x_smem = options.x_in_smem and layout.stages_input
         # 256-column passes per work unit (loads in flight per row): 8, or fewer where 16 warps (128
-        # registers each) hold the accumulators and inputs of several sequences
+        # registers each) hold the accumulators and inputs of several sequences (and the slab loop)
         passes = [k // COL_PASS for k in (self.H, self.Q, self.F)]
-        cap = options.unroll or (MAX_PASS_UNROLL if self.B == 1 or not self.x_smem else 4 if self.B <= 4 else 2)
+        wide = self.x_smem and self.B * self.k_max * 4 > X_STAGE_BYTES      # staged in slabs (below)
+        cap = options.unroll or (MAX_PASS_UNROLL if self.B == 1 or not self.x_smem
+                                 else 4 if self.B <= 4 and not wide else 2)
         self.unroll = next(u for u in (8, 4, 2, 1) if u <= cap and all(p % u == 0 for p in passes))
+        # Where a batch's widest input row does not fit the staging buffer (slab_staging layouts), each
+        # matvec stages and streams its K columns in slabs of slab_cols; otherwise one slab is all of K.
+        self.slab_cols = self.k_max
+        if self.x_smem and self.B * self.k_max * 4 > X_STAGE_BYTES:
+            seg_cols = COL_PASS * self.unroll
+            self.slab_cols = (SLAB_STAGE_BYTES // (4 * self.B)) // seg_cols * seg_cols
+        self.slabs = self.slab_cols < self.k_max
         seg_max = self.k_max // (COL_PASS * self.unroll)
         self.chunk_rows = max(16, min(CHUNK_ROWS, PART_SLOTS_MAX // (seg_max * self.B) // 16 * 16))
         self.part_slots = self.chunk_rows * seg_max * self.B
@@ -204,9 +217,12 @@ class DecodeKernel:
         self.warps = warps
         self.threads = 32 * warps
         # loads in flight per warp: items side by side x unroll passes, within the register budget
-        self.items_per_step = 2 if self.x_smem else max(1, 8 // self.unroll)
+        self.items_per_step = options.rows_per_unit or (2 if self.x_smem else max(1, 8 // self.unroll))
+        if ROW_GROUP % self.items_per_step:
+            raise ValueError(f"rows_per_unit={self.items_per_step} must divide {ROW_GROUP}")
         self.raw_words = self.items_per_step * self.unroll * 4
-        self.preload_items = min(max(0, int(options.preload)), self.items_per_step)
+        # (the slab path, batch 5-8, has no registers to spare for loads held across the wait)
+        self.preload_items = 0 if self.slabs else min(max(0, int(options.preload)), self.items_per_step)
         if self.smem_bytes(warps, with_x=True) > SMEM_LIMIT:
             raise ValueError(f"the kernel needs {self.smem_bytes(warps, with_x=True)} bytes of shared memory per "
                              f"CTA, more than the {SMEM_LIMIT} an sm_90 CTA can have; use fewer kv_splits or a "
@@ -217,7 +233,7 @@ class DecodeKernel:
         G, D = self.G, self.D
         words = [4, 8, 8, warps * 8, warps * 8, self.part_slots,
                  4 if with_x and self.x_smem else self.part_slots, 8,
-                 (self.B * self.k_max if self.x_smem else 4) if with_x else 0,
+                 (self.B * self.slab_cols if self.x_smem else 4) if with_x else 0,
                  G * D, 2 * D, warps * G, warps * G, warps * G * D, self.max_queue_len * WORDS]
         return sum((4 * w + 15) // 16 * 16 for w in words)
 
@@ -288,7 +304,7 @@ class DecodeKernel:
         s_ssq = smem.allocate_tensor(Float32, cute.make_layout((4 if self.x_smem else self.part_slots,)),
                                      byte_alignment=16)
         s_rstd = smem.allocate_tensor(Float32, cute.make_layout((8,)), byte_alignment=16)
-        s_x = smem.allocate_tensor(Float32, cute.make_layout((self.B * self.k_max if self.x_smem else 4,)),
+        s_x = smem.allocate_tensor(Float32, cute.make_layout((self.B * self.slab_cols if self.x_smem else 4,)),
                                    byte_alignment=16)
         s_q = smem.allocate_tensor(Float32, cute.make_layout((self.G * self.D,)), byte_alignment=16)
         s_kv = smem.allocate_tensor(Float32, cute.make_layout((2 * self.D,)), byte_alignment=16)
@@ -309,10 +325,11 @@ class DecodeKernel:
             s_queue[wi] = ld_i32(qbase + Int64(wi) * 4)
         cute.arch.sync_threads()
 
-        # prefetch the first instruction's tile: later ones are prefetched one instruction ahead
+        # prefetch the first instructions' tiles: later ones are prefetched prefetch_ahead instructions ahead
         if cutlass.const_expr(self.options.prefetch):
-            if tidx == 0 and n > 0:
-                self.prefetch_instruction(s_queue, Int32(0), w_qkv, w_o, w_gate_up, w_down, w_lm_head)
+            for j in cutlass.range_constexpr(self.options.prefetch_ahead):
+                if tidx == 0 and n > j:
+                    self.prefetch_instruction(s_queue, Int32(j * WORDS), w_qkv, w_o, w_gate_up, w_down, w_lm_head)
 
         i = Int32(0)
         aborted = Int32(0)
@@ -331,8 +348,10 @@ class DecodeKernel:
                 t_begin = globaltimer_lo()
 
             if cutlass.const_expr(self.options.prefetch):
-                if tidx == 0 and i + 1 < n:
-                    self.prefetch_instruction(s_queue, ins + WORDS, w_qkv, w_o, w_gate_up, w_down, w_lm_head)
+                ahead = self.options.prefetch_ahead
+                if tidx == 0 and i + ahead < n:
+                    self.prefetch_instruction(s_queue, ins + ahead * WORDS, w_qkv, w_o, w_gate_up, w_down,
+                                              w_lm_head)
 
             # ---- preload: a matvec's first weights do not depend on the producing stage, so every
             # warp issues its first step of loads now and they arrive while thread 0 waits
@@ -341,11 +360,23 @@ class DecodeKernel:
             if cutlass.const_expr(self.preload_items > 0):
                 if is_matvec:
                     w0_addr, k0 = self.weight_tile(op, layer, a0, w_qkv, w_o, w_gate_up, w_down, w_lm_head)
-                    n_units0 = (a1 // self.items_per_step) * (k0 // (COL_PASS * self.unroll))
-                    if a1 > self.chunk_rows:
-                        n_units0 = Int32(self.chunk_rows // self.items_per_step) * (k0 // (COL_PASS * self.unroll))
-                    if warp < n_units0:
-                        self.load_step(lane, w0_addr, k0, Int32(0), warp, raw, count=self.preload_items)
+                    if cutlass.const_expr(self.slabs):
+                        kw0 = k0
+                        if kw0 > self.slab_cols:
+                            kw0 = Int32(self.slab_cols)
+                        n_seg0 = kw0 // (COL_PASS * self.unroll)
+                        n_units0 = (a1 // self.items_per_step) * n_seg0
+                        if a1 > self.chunk_rows:
+                            n_units0 = Int32(self.chunk_rows // self.items_per_step) * n_seg0
+                        if warp < n_units0:
+                            self.load_step(lane, w0_addr, k0, Int32(0), warp, raw, count=self.preload_items,
+                                           n_seg=n_seg0, seg0=Int32(0))
+                    else:
+                        n_units0 = (a1 // self.items_per_step) * (k0 // (COL_PASS * self.unroll))
+                        if a1 > self.chunk_rows:
+                            n_units0 = Int32(self.chunk_rows // self.items_per_step) * (k0 // (COL_PASS * self.unroll))
+                        if warp < n_units0:
+                            self.load_step(lane, w0_addr, k0, Int32(0), warp, raw, count=self.preload_items)
 
             # ---- wait for the producing stage (thread 0 spins, the CTA barrier broadcasts)
             wait_id = s_queue[ins + W_WAIT_ID]
@@ -499,9 +530,9 @@ class DecodeKernel:
         # fixed order (deterministic), then the epilogue runs one thread per output.
         seg_cols = COL_PASS * self.unroll
         n_seg = K // seg_cols
-        if cutlass.const_expr(self.x_smem):
+        ss = cute.make_rmem_tensor((B,), Float32)
+        if cutlass.const_expr(self.x_smem and not self.slabs):
             # stage x * norm weight in shared memory, and sum(x^2) per sequence for the RMSNorm
-            ss = cute.make_rmem_tensor((B,), Float32)
             for b in cutlass.range_constexpr(B):
                 ss[b] = Float32(0.0)
             if cutlass.const_expr(self.fused_reduce):
@@ -533,17 +564,21 @@ class DecodeKernel:
             sx_base = Int32(0)
             if cutlass.const_expr(self.x_smem):
                 sx_base = Int32(s_x.iterator.toint())
-            for unit in range(warp, n_units, self.warps):
-                # the first unit of the first chunk was (partly) loaded before the wait (preload)
-                if cutlass.const_expr(self.preload_items > 0):
-                    if c0 > 0 or unit != warp:
-                        self.load_step(lane, w_addr, K, c0, unit, raw)
+            if cutlass.const_expr(self.slabs):
+                self.slab_units(tidx, warp, lane, layer, c0, rows, K, w_addr, in_addr, norm_addr, merge,
+                                attn_part_o, attn_part_lse, s_x, sx_base, raw, s_part, s_ssq, s_wv, s_rstd, ss)
+            else:
+                for unit in range(warp, n_units, self.warps):
+                    # the first unit of the first chunk was (partly) loaded before the wait (preload)
+                    if cutlass.const_expr(self.preload_items > 0):
+                        if c0 > 0 or unit != warp:
+                            self.load_step(lane, w_addr, K, c0, unit, raw)
+                        else:
+                            if cutlass.const_expr(self.preload_items < self.items_per_step):
+                                self.load_step(lane, w_addr, K, c0, unit, raw, first=self.preload_items)
                     else:
-                        if cutlass.const_expr(self.preload_items < self.items_per_step):
-                            self.load_step(lane, w_addr, K, c0, unit, raw, first=self.preload_items)
-                else:
-                    self.load_step(lane, w_addr, K, c0, unit, raw)
-                self.compute_step(lane, K, unit, raw, in_addr, norm_addr, sx_base, s_part, s_ssq)
+                        self.load_step(lane, w_addr, K, c0, unit, raw)
+                    self.compute_step(lane, K, unit, raw, in_addr, norm_addr, sx_base, s_part, s_ssq)
             cute.arch.sync_threads()
             # ---- epilogue: one thread per (output row, sequence)
             n_out = rows * B
@@ -624,6 +659,92 @@ class DecodeKernel:
             st_i32(lm_idx + (Int64(tidx) * self.T + Int64(tile)) * 4, s_ired[tidx])
 
     @cute.jit
+    def slab_units(self, tidx: Int32, warp: Int32, lane: Int32, layer: Int32, c0: Int32, rows: Int32, K: Int32,
+                   w_addr: Int64, in_addr: Int64, norm_addr: Int64, merge: Boolean, attn_part_o: Int64,
+                   attn_part_lse: Int64, s_x: cute.Tensor, sx_base: Int32, raw: cute.Tensor, s_part: cute.Tensor,
+                   s_ssq: cute.Tensor, s_wv: cute.Tensor, s_rstd: cute.Tensor, ss: cute.Tensor):
+        """One chunk's work units when the input is staged in slabs of slab_cols columns: stage a slab
+        (x * norm weight, or the merged attention), run the units of its segments, repeat; the partials
+        of every segment meet in s_part as in one slab. sum(x^2) is gathered while chunk 0 stages, and
+        the RMSNorm statistic written to s_rstd after its last slab."""
+        B = self.B
+        seg_cols = COL_PASS * self.unroll
+        first_chunk = c0 == 0
+        if first_chunk:
+            for b in cutlass.range_constexpr(B):
+                ss[b] = Float32(0.0)
+        for s0 in range(0, K, self.slab_cols):
+            kw = K - s0
+            if kw > self.slab_cols:
+                kw = Int32(self.slab_cols)
+            if cutlass.const_expr(self.fused_reduce):
+                if merge:
+                    self.stage_merged_attention_slab(tidx, layer, s0, kw, attn_part_o, attn_part_lse, s_x)
+                else:
+                    self.stage_input_slab(tidx, s0, kw, K, in_addr, norm_addr, s_x, ss, first_chunk)
+            else:
+                self.stage_input_slab(tidx, s0, kw, K, in_addr, norm_addr, s_x, ss, first_chunk)
+            cute.arch.sync_threads()
+            n_seg_s = kw // seg_cols
+            seg0 = s0 // seg_cols
+            n_units = (rows // self.items_per_step) * n_seg_s
+            for unit in range(warp, n_units, self.warps):
+                # the first unit of the first slab of the first chunk was (partly) loaded before the wait
+                if cutlass.const_expr(self.preload_items > 0):
+                    if c0 > 0 or s0 > 0 or unit != warp:
+                        self.load_step(lane, w_addr, K, c0, unit, raw, n_seg=n_seg_s, seg0=seg0)
+                    else:
+                        if cutlass.const_expr(self.preload_items < self.items_per_step):
+                            self.load_step(lane, w_addr, K, c0, unit, raw, first=self.preload_items,
+                                           n_seg=n_seg_s, seg0=seg0)
+                else:
+                    self.load_step(lane, w_addr, K, c0, unit, raw, n_seg=n_seg_s, seg0=seg0)
+                self.compute_step(lane, K, unit, raw, in_addr, norm_addr, sx_base, s_part, s_ssq,
+                                  n_seg_slab=n_seg_s, seg0=seg0)
+            cute.arch.sync_threads()          # the slab is read: the next one may overwrite it
+        if first_chunk:
+            for b in cutlass.range_constexpr(B):
+                tot = warp_sum(ss[b])
+                if lane == 0:
+                    s_wv[warp * 8 + b] = tot
+            cute.arch.sync_threads()
+            if tidx < B:
+                tot = Float32(0.0)
+                for w in range(self.warps):
+                    tot = tot + s_wv[w * 8 + tidx]
+                s_rstd[tidx] = rsqrt(tot / Float32(K) + Float32(self.eps))
+
+    @cute.jit
+    def stage_input_slab(self, tidx: Int32, s0: Int32, kw: Int32, K: Int32, in_addr: Int64, norm_addr: Int64,
+                         s_x: cute.Tensor, ss: cute.Tensor, gather: Boolean):
+        """Columns s0 .. s0 + kw of every sequence's input x norm weight into s_x (row stride slab_cols);
+        sum(x^2) into ss when `gather`."""
+        for b in cutlass.range_constexpr(self.B):
+            for q0 in range(tidx, kw // 4, self.threads * X_UNROLL):
+                for v in cutlass.range_constexpr(X_UNROLL):
+                    q = q0 + v * self.threads
+                    if q < kw // 4:
+                        k = s0 + q * 4
+                        xv = load_f32x4(in_addr + (Int64(b) * Int64(K) + Int64(k)) * 4)
+                        nv = load_weights_bf16x4(norm_addr + Int64(k) * 2)
+                        if gather:
+                            for e in cutlass.range_constexpr(4):
+                                ss[b] = ss[b] + xv[e] * xv[e]
+                        for e in cutlass.range_constexpr(4):
+                            s_x[b * self.slab_cols + q * 4 + e] = xv[e] * nv[e]
+
+    @cute.jit
+    def stage_merged_attention_slab(self, tidx: Int32, layer: Int32, s0: Int32, kw: Int32, attn_part_o: Int64,
+                                    attn_part_lse: Int64, s_x: cute.Tensor):
+        """Columns s0 .. s0 + kw of every sequence's merged attention output into s_x (stride slab_cols)."""
+        for b in cutlass.range_constexpr(self.B):
+            for q in range(tidx, kw // 4, self.threads):
+                xv = cute.make_rmem_tensor((4,), Float32)
+                self.merge_quad(layer, b, s0 + q * 4, attn_part_o, attn_part_lse, xv)
+                for e in cutlass.range_constexpr(4):
+                    s_x[b * self.slab_cols + q * 4 + e] = xv[e]
+
+    @cute.jit
     def stage_input(self, tidx: Int32, K: Int32, in_addr: Int64, norm_addr: Int64, s_x: cute.Tensor,
                     ss: cute.Tensor):
         """s_x = input row x norm weight for every sequence, ss[b] = sum(x^2): X_UNROLL quads per thread
@@ -680,15 +801,19 @@ class DecodeKernel:
 
     @cute.jit
     def load_step(self, lane: Int32, w_addr: Int64, K: Int32, c0: Int32, unit: Int32, raw: cute.Tensor,
-                  first: int = 0, count: int = -1):
+                  first: int = 0, count: int = -1, n_seg=None, seg0=None):
         """Issue a warp's 16-byte weight loads for one work unit into `raw` (4 words per load); nothing
         waits for them here. A unit is `items_per_step` consecutive rows of the chunk starting at row c0,
         over one column segment (`unroll` 256-column passes), so its rows share the input columns.
-        Only rows first .. first + count - 1 of the unit when given (the preload issues a prefix)."""
+        Only rows first .. first + count - 1 of the unit when given (the preload issues a prefix). With
+        slabs, units enumerate the n_seg segments of the slab starting at segment seg0."""
         seg_cols = COL_PASS * self.unroll
-        n_seg = K // seg_cols
+        if cutlass.const_expr(n_seg is None):
+            n_seg = K // seg_cols
         p = unit // n_seg
         sg = unit - p * n_seg
+        if cutlass.const_expr(seg0 is not None):
+            sg = sg + seg0
         for h in cutlass.range_constexpr(first, self.items_per_step if count < 0 else first + count):
             r = p * self.items_per_step + h
             wrow = w_addr + (Int64(c0 + r) * Int64(K) + Int64(sg * seg_cols + lane * 8)) * 2
@@ -699,15 +824,20 @@ class DecodeKernel:
 
     @cute.jit
     def compute_step(self, lane: Int32, K: Int32, unit: Int32, raw: cute.Tensor, in_addr: Int64,
-                     norm_addr: Int64, sx_base: Int32, s_part: cute.Tensor, s_ssq: cute.Tensor):
+                     norm_addr: Int64, sx_base: Int32, s_part: cute.Tensor, s_ssq: cute.Tensor,
+                     n_seg_slab=None, seg0=None):
         """Dot products of a unit's rows (weights in `raw`) with the input, which is read once for all of
         them: one partial per (row, segment, sequence) into s_part at ((row * n_seg + segment) * B + b)
         (and sum(x^2) into s_ssq when the input is read from global)."""
         B, R = self.B, self.items_per_step
         seg_cols = COL_PASS * self.unroll
         n_seg = K // seg_cols
-        p = unit // n_seg
-        sg = unit - p * n_seg
+        if cutlass.const_expr(n_seg_slab is None):
+            p = unit // n_seg
+            sg = unit - p * n_seg
+        else:
+            p = unit // n_seg_slab
+            sg = unit - p * n_seg_slab + seg0
         col0 = sg * seg_cols + lane * 8
         acc = cute.make_rmem_tensor((R * B,), Float32)
         ssq = cute.make_rmem_tensor((B,), Float32)
@@ -720,7 +850,11 @@ class DecodeKernel:
                 xa = cute.make_rmem_tensor((8,), Float32)
                 if cutlass.const_expr(self.x_smem):
                     # x * norm weight, staged by matvec; the statistic is already in s_rstd
-                    xs = sx_base + (b * K + col0 + u * COL_PASS) * 4
+                    if cutlass.const_expr(n_seg_slab is None):
+                        xs = sx_base + (b * K + col0 + u * COL_PASS) * 4
+                    else:
+                        # the staged slab of sequence b: slab_cols columns from segment seg0
+                        xs = sx_base + (b * self.slab_cols + col0 - seg0 * seg_cols + u * COL_PASS) * 4
                     xl = ld_shared_f32x4(xs)
                     xh = ld_shared_f32x4(xs + 16)
                     for e in cutlass.range_constexpr(4):

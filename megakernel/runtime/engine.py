@@ -75,7 +75,8 @@ class MegakernelEngine:
     def __init__(self, weights: ModelWeights, batch: int, max_seq_len: int, *, block_size: int = 16,
                  num_blocks: int | None = None, num_sms: int | None = None, policy: str = "balanced",
                  kv_splits: int | None = None, options: KernelOptions = KernelOptions(),
-                 fuse_attn_reduce: bool | None = None, device: str | torch.device = "cuda",
+                 fuse_attn_reduce: bool | None = None, slab_staging: bool = False,
+                 device: str | torch.device = "cuda",
                  own_kv_cache: bool = True, packed_weights: PackedWeights | None = None, lm_head: bool = True):
         config = weights.config
         self.device = torch.device(device)
@@ -101,7 +102,8 @@ class MegakernelEngine:
         self.layout = StepLayout(config=config, batch=batch,
                                  kv_splits=kv_splits or default_kv_splits(config, batch, num_sms, blocks_per_seq * block_size),
                                  block_size=block_size, max_blocks_per_seq=blocks_per_seq, num_sms=num_sms,
-                                 fuse_attn_reduce=fuse_attn_reduce if options.x_in_smem else False)
+                                 fuse_attn_reduce=fuse_attn_reduce if options.x_in_smem else False,
+                                 slab_staging=slab_staging)
         self.layout.validate()
         self.program = build_program(self.layout, lm_head=lm_head)
         self.queues = assign(self.program, policy)

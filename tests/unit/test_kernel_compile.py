@@ -29,7 +29,7 @@ from megakernel.instructions.layout import StepLayout, default_kv_splits  # noqa
 from megakernel.instructions.record import serialize  # noqa: E402
 from megakernel.kernel.compile import (KernelKey, compile_decode_kernel, nvdisasm_path,  # noqa: E402
                                        resource_usage, sass, spill_instructions)
-from megakernel.kernel.decode import KernelOptions  # noqa: E402
+from megakernel.kernel.decode import DecodeKernel, KernelOptions  # noqa: E402
 from megakernel.model.presets import get_preset  # noqa: E402
 from megakernel.schedule import assign, build_program  # noqa: E402
 
@@ -52,11 +52,12 @@ def _artifact_folder():
 
 
 @functools.lru_cache(maxsize=None)
-def compiled(name: str, batch: int) -> dict:
+def compiled(name: str, batch: int, slab_staging: bool = False) -> dict:
     """PTX, SASS and resource usage of the kernel for a preset at a batch size (compiled once per module)."""
     config = get_preset(name)
     layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, NUM_SMS),
-                        block_size=BLOCK_SIZE, max_blocks_per_seq=MAX_SEQ_LEN // BLOCK_SIZE, num_sms=NUM_SMS)
+                        block_size=BLOCK_SIZE, max_blocks_per_seq=MAX_SEQ_LEN // BLOCK_SIZE, num_sms=NUM_SMS,
+                        slab_staging=slab_staging)
     program = build_program(layout)
     table, _ = serialize(assign(program, "balanced"))
     # the engine's own cache geometry: one contiguous block range per sequence, default strides
@@ -65,10 +66,13 @@ def compiled(name: str, batch: int) -> dict:
              "options": KernelOptions()}
     key = KernelKey(**{f.name: known[f.name] for f in dataclasses.fields(KernelKey)})
     kernel = compile_decode_kernel(key, keep_artifacts=True)
+    device_code = DecodeKernel(key.layout, key.lm_tiles, key.num_counters, key.max_queue_len, key.kv_strides,
+                               key.options)
     cubin = kernel.__cubin__
     sass_text = sass(cubin)
     return {"ptx": kernel.__ptx__, "cubin": cubin, "sass": sass_text, "usage": resource_usage(cubin),
-            "spills": spill_instructions(sass_text)}
+            "spills": spill_instructions(sass_text), "slabs": device_code.slabs,
+            "slab_cols": device_code.slab_cols}
 
 
 def _what(name: str, batch: int, art: dict) -> str:
@@ -119,3 +123,22 @@ def test_no_local_memory_spills_on_real_presets(name, batch):
     what = _what(name, batch, art)
     assert art["spills"] == 0, f"{what}: local-memory loads/stores in the SASS"
     assert art["usage"].get("frame_bytes", 0) == 0, f"{what}: a stack frame"
+
+
+# Batches whose widest input row (batch x K float32) exceeds the staging buffer: with slab_staging the
+# matvecs stage and stream K in column slabs (16 warps), instead of reading the input from L1 (8 warps).
+SLAB_CASES = [("llama-3.2-1b", 8), ("llama-3.1-8b", 4), ("llama-3.1-8b", 8)]
+
+
+@pytest.mark.parametrize("name,batch", SLAB_CASES)
+def test_slab_staging_compiles_without_spills(name, batch):
+    art = compiled(name, batch, slab_staging=True)
+    what = _what(name, batch, art) + f" slab_staging slab_cols={art['slab_cols']}"
+    config = get_preset(name)
+    k_max = max(config.hidden_size, config.q_size, config.intermediate_size)
+    assert art["slabs"] and art["slab_cols"] < k_max, f"{what}: the kernel does not stage in slabs"
+    assert art["slab_cols"] % 256 == 0 and batch * art["slab_cols"] * 4 <= 128 * 1024, what
+    ptx_loads = re.findall(r"ld\.global\.nc\.L1::no_allocate\S*", art["ptx"])
+    assert ptx_loads and all(".v4.b32" in op for op in ptx_loads), f"{what}: PTX weight loads {sorted(set(ptx_loads))}"
+    assert art["spills"] == 0 and art["usage"].get("frame_bytes", 0) == 0, \
+        f"{what}: local-memory loads/stores in the SASS"

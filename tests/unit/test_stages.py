@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 
 from megakernel.instructions import STAGE_MODULES
 from megakernel.instructions.context import StageContext
-from megakernel.instructions.layout import StepBuffers, StepLayout, allocate_buffers, pack_weights
+from megakernel.instructions.layout import X_STAGE_BYTES, StepBuffers, StepLayout, allocate_buffers, pack_weights
 from megakernel.instructions.opcodes import Opcode
 from megakernel.instructions.record import Instruction
 from megakernel.model import ops
@@ -559,14 +559,14 @@ def test_batch_zero_is_rejected_with_value_error():
 
 # ---- GPU: the real kernel, one instruction at a time ---------------------------------------------------------
 
-def _gpu_bench(case: StageCase):
+def _gpu_bench(case: StageCase, **engine_kw):
     from megakernel.runtime.engine import MegakernelEngine
 
     s = case.shape
     config = case.to_config()
     weights = random_weights(config, seed=case.seed, dtype=BF16, device=GPU, rng_device=GPU)
     engine = MegakernelEngine(weights, s.batch, s.max_seq_len, block_size=s.block_size,
-                              num_blocks=_num_blocks(case), kv_splits=case.kv_splits, device=GPU)
+                              num_blocks=_num_blocks(case), kv_splits=case.kv_splits, device=GPU, **engine_kw)
     packed = engine.weights.to("cpu")
     ctx = _cpu_context(engine.layout, engine.program, packed, engine.num_blocks)
     bench = Bench(case, config, engine.layout, engine.program, weights, ctx,
@@ -622,12 +622,41 @@ GPU_OPCODES = (Opcode.EMBED, Opcode.QKV, Opcode.ATTN_PARTIAL, Opcode.ATTN_REDUCE
                Opcode.DOWN, Opcode.LM_HEAD, Opcode.ARGMAX)
 
 
+def _wide(case: StageCase) -> StageCase:
+    """The case with an FFN wide enough that batch x intermediate x float32 exceeds the staging buffer."""
+    s = case.shape
+    need = (X_STAGE_BYTES // (4 * s.batch)) // 256 * 256 + 256
+    return dataclasses.replace(case, shape=dataclasses.replace(s, intermediate_size=max(s.intermediate_size, need)))
+
+
+# batch 5-8 with an FFN of at least ~5-8k columns: inputs staged in column slabs under slab_staging
+GPU_WIDE_CASES = GPU_CASES.filter(lambda c: c.shape.batch >= 5).map(_wide)
+
+
 @pytest.mark.gpu
 @settings(max_examples=GPU_EXAMPLES)
 @given(case=GPU_CASES)
 def test_stages_on_gpu_match_reference(case):
     """One engine per drawn shape (one compile); every opcode in turn on fresh random buffers."""
-    bench, engine = _gpu_bench(case)
+    run_gpu_stages(case)
+
+
+@pytest.mark.gpu
+@settings(max_examples=GPU_EXAMPLES)
+@given(case=GPU_WIDE_CASES)
+def test_stages_on_gpu_match_reference_with_slab_staging(case):
+    """The same properties where the kernel stages each matvec's input in column slabs (slab_staging)."""
+    run_gpu_stages(case, slab_staging=True, expect_slabs=True)
+
+
+def run_gpu_stages(case: StageCase, expect_slabs: bool = False, **engine_kw) -> None:
+    bench, engine = _gpu_bench(case, **engine_kw)
+    if expect_slabs:
+        from megakernel.kernel.decode import DecodeKernel
+
+        k = engine.key
+        kernel = DecodeKernel(k.layout, k.lm_tiles, k.num_counters, k.max_queue_len, k.kv_strides, k.options)
+        assert kernel.slabs, f"{bench.what()}: slab_staging did not make the kernel stage in slabs"
     try:
         for op, instructions in [(op, run) for op in GPU_OPCODES for run in runs_for(bench, op)]:
             fill_inputs(bench, with_cache=op == Opcode.ATTN_PARTIAL)
