@@ -19,6 +19,8 @@ def parse(spec):
             eng["slab_staging"] = bool(int(v))
             continue
         (eng if k in ("kv_splits", "policy") else opts)[k] = v if k == "policy" else int(v)
+        if k == "attn_preload":
+            opts[k] = bool(int(v))
     return name, opts, eng
 
 def read_bw(nbytes=2 << 30):
@@ -50,6 +52,14 @@ def time_graph(eng, start=32, steps=40):
     eng.check()
     return sorted(ts)[len(ts) // 2]
 
+def one_step_logits(eng, start=32):
+    """Logits of one step from a fixed cache history and inputs: variants of one model must agree."""
+    torch.manual_seed(0)
+    fill_cache(eng)
+    eng.reset_sync(); eng.bufs.tokens.fill_(1); eng.bufs.positions.fill_(start)
+    eng.launch(); torch.cuda.synchronize(); eng.check()
+    return eng.logits.clone()
+
 def trace(eng, start=32):
     fill_cache(eng)
     eng.reset_sync(); eng.bufs.tokens.fill_(1); eng.bufs.positions.fill_(start)
@@ -73,11 +83,19 @@ bw = read_bw()
 floor = cfg.weight_bytes() / bw * 1e3
 print(f"{model} B={B}: read bw {bw/1e12:.2f} TB/s, floor {floor:.3f} ms")
 first = None
+ref_logits = None
 for spec in specs:
     name, opts, eng_kw = parse(spec)
     eng = MegakernelEngine(w, B, 512, options=KernelOptions(**opts), **eng_kw)
+    logits = one_step_logits(eng)
+    if ref_logits is None:
+        ref_logits, agree = logits, "reference"
+    else:   # same weights, cache and inputs: a variant computes the same step (float32 sums in another order)
+        err = ((logits - ref_logits).norm() / ref_logits.norm()).item()
+        agree = f"rel err {err:.1e} vs {specs[0].partition(':')[0]}" + ("" if err < 1e-3 else "  MISMATCH")
     ms = time_graph(eng)
-    print(f"  {name:20s} {ms:.3f} ms/step  {floor/ms*100:5.1f}% of floor  (kv_splits {eng.layout.kv_splits})", flush=True)
+    print(f"  {name:20s} {ms:.3f} ms/step  {floor/ms*100:5.1f}% of floor  (kv_splits {eng.layout.kv_splits})  "
+          f"{agree}", flush=True)
     if first is None:
         first = (opts, eng_kw)
     del eng

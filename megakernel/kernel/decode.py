@@ -73,6 +73,7 @@ class KernelOptions:
     rows_per_unit: int = 0                   # rows of a work unit sharing its input columns (0: 2 where the
                                              # input is staged, else 1 per 8 loads)
     prefetch_ahead: int = 1                  # L2-prefetch the weight tile of the instruction this many ahead
+    attn_preload: bool = False               # ATTN_PARTIAL loads its first cached token's K/V before its wait
     unroll: int = 0                          # 256-column passes per work unit (0: by batch, within the
                                              # registers: 8 at batch 1 or 8 warps, 4 up to batch 4, else 2)
     preload: int = 1                         # work items per warp whose weight loads are issued before the
@@ -357,6 +358,11 @@ class DecodeKernel:
             # warp issues its first step of loads now and they arrive while thread 0 waits
             is_matvec = op >= OP_QKV and op != OP_ATTN_PARTIAL and op != OP_ATTN_REDUCE and op != OP_ARGMAX
             raw = cute.make_rmem_tensor((self.raw_words,), Int32)
+            kv0 = cute.make_rmem_tensor((2 * self.E,), Float32)     # attention: first cached token's k | v
+            if cutlass.const_expr(self.options.attn_preload):
+                if op == OP_ATTN_PARTIAL:
+                    # the cache holds positions < pos from earlier steps: nothing this step writes
+                    self.attn_preload(warp, lane, layer, a0, a1, a2, a3, positions, block_table, kv_table, kv0)
             if cutlass.const_expr(self.preload_items > 0):
                 if is_matvec:
                     w0_addr, k0 = self.weight_tile(op, layer, a0, w_qkv, w_o, w_gate_up, w_down, w_lm_head)
@@ -414,7 +420,7 @@ class DecodeKernel:
                     if op == OP_ATTN_PARTIAL:
                         self.attn_partial(tidx, warp, lane, layer, a0, a1, a2, a3, s_queue[ins + W_INDEX], qkv,
                                           q_norm, k_norm, rope_cos, rope_sin, positions, block_table, kv_table,
-                                          attn_part_o, attn_part_lse, error, s_q, s_kv, s_m, s_l, s_o)
+                                          attn_part_o, attn_part_lse, error, s_q, s_kv, s_m, s_l, s_o, kv0)
                     if op == OP_ATTN_REDUCE:
                         self.attn_reduce(tidx, layer, a0, a1, a3, attn_part_o, attn_part_lse, attn_out)
                     if op == OP_ARGMAX:
@@ -895,11 +901,47 @@ class DecodeKernel:
                         s_ssq[((p * R + h) * n_seg + sg) * B + b] = sqs
 
     @cute.jit
+    def load_cached_kv(self, b: Int32, kvh: Int32, t: Int32, block_table: Int64, k_base: Int64, v_base: Int64,
+                       lane: Int32, kk: cute.Tensor, vv: cute.Tensor):
+        """This lane's E elements of the cached k and v of sequence b at position t (kv head kvh)."""
+        tb = ld_i32(block_table + (Int64(b) * self.max_blocks + Int64(t // self.bs)) * 4)
+        ts = Int64(tb) * self.kv_sb + Int64(t % self.bs) * self.kv_st + Int64(kvh) * self.kv_sh
+        for e in cutlass.range_constexpr(self.E):
+            kk[e] = ld_bf16(k_base + (ts + Int64(lane * self.E + e)) * 2)
+            vv[e] = ld_bf16(v_base + (ts + Int64(lane * self.E + e)) * 2)
+
+    @cute.jit
+    def attn_preload(self, warp: Int32, lane: Int32, layer: Int32, b: Int32, kvh: Int32, split: Int32,
+                     num_splits: Int32, positions: Int64, block_table: Int64, kv_table: Int64, kv0: cute.Tensor):
+        """Before ATTN_PARTIAL's wait: this warp's first cached token of the split (the one phase B takes
+        first, position lo + warp), k into kv0[:E] and v into kv0[E:], when the warp has one. Positions
+        and the cache's history are step inputs, never written by the stages this instruction waits on."""
+        pos = ld_i32(positions + Int64(b) * 4)
+        if pos < 0 or pos >= self.max_seq_len:
+            pos = Int32(0)                      # attn_partial reports it; no cached token is read
+        chunk = (pos + num_splits - 1) // num_splits
+        lo = split * chunk
+        if lo > pos:
+            lo = pos
+        hi = lo + chunk
+        if hi > pos:
+            hi = pos
+        if lo + warp < hi:
+            kk = cute.make_rmem_tensor((self.E,), Float32)
+            vv = cute.make_rmem_tensor((self.E,), Float32)
+            self.load_cached_kv(b, kvh, lo + warp, block_table, ld_i64(kv_table + Int64(layer) * 16),
+                                ld_i64(kv_table + Int64(layer) * 16 + 8), lane, kk, vv)
+            for e in cutlass.range_constexpr(self.E):
+                kv0[e] = kk[e]
+                kv0[self.E + e] = vv[e]
+
+    @cute.jit
     def attn_partial(self, tidx: Int32, warp: Int32, lane: Int32, layer: Int32, b: Int32, kvh: Int32,
                      split: Int32, num_splits: Int32, index: Int32, qkv: Int64, q_norm: Int64, k_norm: Int64,
                      rope_cos: Int64, rope_sin: Int64, positions: Int64, block_table: Int64, kv_table: Int64,
                      attn_part_o: Int64, attn_part_lse: Int64, error: Int64,
-                     s_q: cute.Tensor, s_kv: cute.Tensor, s_m: cute.Tensor, s_l: cute.Tensor, s_o: cute.Tensor):
+                     s_q: cute.Tensor, s_kv: cute.Tensor, s_m: cute.Tensor, s_l: cute.Tensor, s_o: cute.Tensor,
+                     kv0: cute.Tensor):
         D, E, G, half = self.D, self.E, self.G, self.D // 2
         pos = ld_i32(positions + Int64(b) * 4)
         bad = pos < 0 or pos >= self.max_seq_len
@@ -997,12 +1039,17 @@ class DecodeKernel:
             kk = cute.make_rmem_tensor((E,), Float32)
             vv = cute.make_rmem_tensor((E,), Float32)
             if j < n_mine:
-                t = lo + warp + j * self.warps
-                tb = ld_i32(block_table + (Int64(b) * self.max_blocks + Int64(t // self.bs)) * 4)
-                ts = Int64(tb) * self.kv_sb + Int64(t % self.bs) * self.kv_st + Int64(kvh) * self.kv_sh
-                for e in cutlass.range_constexpr(E):
-                    kk[e] = ld_bf16(k_base + (ts + Int64(lane * E + e)) * 2)
-                    vv[e] = ld_bf16(v_base + (ts + Int64(lane * E + e)) * 2)
+                if cutlass.const_expr(self.options.attn_preload):
+                    if j == 0:          # loaded before the wait (attn_preload)
+                        for e in cutlass.range_constexpr(E):
+                            kk[e] = kv0[e]
+                            vv[e] = kv0[E + e]
+                    else:
+                        self.load_cached_kv(b, kvh, lo + warp + j * self.warps, block_table, k_base, v_base,
+                                            lane, kk, vv)
+                else:
+                    self.load_cached_kv(b, kvh, lo + warp + j * self.warps, block_table, k_base, v_base, lane,
+                                        kk, vv)
             else:
                 for e in cutlass.range_constexpr(E):
                     kk[e] = s_kv[lane * E + e]
