@@ -901,6 +901,18 @@ class DecodeKernel:
                         s_ssq[((p * R + h) * n_seg + sg) * B + b] = sqs
 
     @cute.jit
+    def split_bounds(self, pos: Int32, split: Int32, num_splits: Int32):
+        """Cached positions [lo, hi) of split `split` of `num_splits` at position pos (attention.split_range)."""
+        chunk = (pos + num_splits - 1) // num_splits
+        lo = split * chunk
+        if lo > pos:
+            lo = pos
+        hi = lo + chunk
+        if hi > pos:
+            hi = pos
+        return lo, hi
+
+    @cute.jit
     def load_cached_kv(self, b: Int32, kvh: Int32, t: Int32, block_table: Int64, k_base: Int64, v_base: Int64,
                        lane: Int32, kk: cute.Tensor, vv: cute.Tensor):
         """This lane's E elements of the cached k and v of sequence b at position t (kv head kvh)."""
@@ -919,13 +931,7 @@ class DecodeKernel:
         pos = ld_i32(positions + Int64(b) * 4)
         if pos < 0 or pos >= self.max_seq_len:
             pos = Int32(0)                      # attn_partial reports it; no cached token is read
-        chunk = (pos + num_splits - 1) // num_splits
-        lo = split * chunk
-        if lo > pos:
-            lo = pos
-        hi = lo + chunk
-        if hi > pos:
-            hi = pos
+        lo, hi = self.split_bounds(pos, split, num_splits)
         if lo + warp < hi:
             kk = cute.make_rmem_tensor((self.E,), Float32)
             vv = cute.make_rmem_tensor((self.E,), Float32)
@@ -1009,13 +1015,7 @@ class DecodeKernel:
         cute.arch.sync_threads()
 
         # ---- phase B: online softmax over the split's cached tokens, one token per warp at a time
-        chunk = (pos + num_splits - 1) // num_splits
-        lo = split * chunk
-        if lo > pos:
-            lo = pos
-        hi = lo + chunk
-        if hi > pos:
-            hi = pos
+        lo, hi = self.split_bounds(pos, split, num_splits)
         qv = cute.make_rmem_tensor((G * E,), Float32)
         for g in cutlass.range_constexpr(G):
             for e in cutlass.range_constexpr(E):
