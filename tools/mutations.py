@@ -561,6 +561,9 @@ def parse_args(argv=None):
     ap.add_argument("--only", action="append", metavar="NAME",
                     help="run this mutation (and its kernel row); repeatable")
     ap.add_argument("--gpu", action="store_true", help="also run the kernel rows (GPU tests; needs a CUDA device)")
+    ap.add_argument("--kernel-only", action="store_true",
+                    help="with --gpu: only the kernel rows (the CPU rows' result is in the README; this fits the "
+                         "GPU host's 10-minute calls with --jobs 3)")
     ap.add_argument("--tests", nargs="+", metavar="TEST",
                     help="pytest paths / node ids to run for every selected mutation instead of its own probes")
     ap.add_argument("-k", "--keyword", help="a pytest -k expression applied with --tests")
@@ -589,6 +592,11 @@ def main(argv=None) -> int:
             print(f"{m.name:34s} {m.bug}")
         return 0
     selected = select(args.only)
+    if args.kernel_only:
+        if not args.gpu:
+            print("--kernel-only runs the kernel rows, which need --gpu", file=sys.stderr)
+            return 2
+        selected = [m for m in selected if m.kernel]
     repo = args.repo.resolve()
     for m in selected:
         for p in m.patches:
