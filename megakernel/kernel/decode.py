@@ -541,23 +541,8 @@ class DecodeKernel:
             # stage x * norm weight in shared memory, and sum(x^2) per sequence for the RMSNorm
             for b in cutlass.range_constexpr(B):
                 ss[b] = Float32(0.0)
-            if cutlass.const_expr(self.fused_reduce):
-                if merge:
-                    self.stage_merged_attention(tidx, layer, K, attn_part_o, attn_part_lse, s_x)
-                else:
-                    self.stage_input(tidx, K, in_addr, norm_addr, s_x, ss)
-            else:
-                self.stage_input(tidx, K, in_addr, norm_addr, s_x, ss)
-            for b in cutlass.range_constexpr(B):
-                tot = warp_sum(ss[b])
-                if lane == 0:
-                    s_wv[warp * 8 + b] = tot
-            cute.arch.sync_threads()
-            if tidx < B:
-                tot = Float32(0.0)
-                for w in range(self.warps):
-                    tot = tot + s_wv[w * 8 + tidx]
-                s_rstd[tidx] = rsqrt(tot / Float32(K) + Float32(self.eps))
+            self.stage(tidx, layer, K, merge, in_addr, norm_addr, attn_part_o, attn_part_lse, s_x, ss)
+            self.rms_statistic(tidx, warp, lane, K, ss, s_wv, s_rstd)
             cute.arch.sync_threads()
         if is_lm and tidx < B:
             s_red[tidx] = Float32(-math.inf)
@@ -683,13 +668,8 @@ class DecodeKernel:
             kw = K - s0
             if kw > self.slab_cols:
                 kw = Int32(self.slab_cols)
-            if cutlass.const_expr(self.fused_reduce):
-                if merge:
-                    self.stage_merged_attention_slab(tidx, layer, s0, kw, attn_part_o, attn_part_lse, s_x)
-                else:
-                    self.stage_input_slab(tidx, s0, kw, K, in_addr, norm_addr, s_x, ss, first_chunk)
-            else:
-                self.stage_input_slab(tidx, s0, kw, K, in_addr, norm_addr, s_x, ss, first_chunk)
+            self.stage(tidx, layer, K, merge, in_addr, norm_addr, attn_part_o, attn_part_lse, s_x, ss,
+                       s0, kw, first_chunk)
             cute.arch.sync_threads()
             n_seg_s = kw // seg_cols
             seg0 = s0 // seg_cols
@@ -709,74 +689,88 @@ class DecodeKernel:
                                   n_seg_slab=n_seg_s, seg0=seg0)
             cute.arch.sync_threads()          # the slab is read: the next one may overwrite it
         if first_chunk:
-            for b in cutlass.range_constexpr(B):
-                tot = warp_sum(ss[b])
-                if lane == 0:
-                    s_wv[warp * 8 + b] = tot
-            cute.arch.sync_threads()
-            if tidx < B:
-                tot = Float32(0.0)
-                for w in range(self.warps):
-                    tot = tot + s_wv[w * 8 + tidx]
-                s_rstd[tidx] = rsqrt(tot / Float32(K) + Float32(self.eps))
+            self.rms_statistic(tidx, warp, lane, K, ss, s_wv, s_rstd)
 
     @cute.jit
-    def stage_input_slab(self, tidx: Int32, s0: Int32, kw: Int32, K: Int32, in_addr: Int64, norm_addr: Int64,
-                         s_x: cute.Tensor, ss: cute.Tensor, gather: Boolean):
-        """Columns s0 .. s0 + kw of every sequence's input x norm weight into s_x (row stride slab_cols);
-        sum(x^2) into ss when `gather`."""
+    def rms_statistic(self, tidx: Int32, warp: Int32, lane: Int32, K: Int32, ss: cute.Tensor, s_wv: cute.Tensor,
+                      s_rstd: cute.Tensor):
+        """s_rstd[b] = rsqrt(mean(x^2) + eps) from every thread's partial sum(x^2) in ss (the CTA's
+        reduction through s_wv; a barrier is needed before s_rstd is read)."""
         for b in cutlass.range_constexpr(self.B):
-            for q0 in range(tidx, kw // 4, self.threads * X_UNROLL):
-                for v in cutlass.range_constexpr(X_UNROLL):
-                    q = q0 + v * self.threads
-                    if q < kw // 4:
-                        k = s0 + q * 4
-                        xv = load_f32x4(in_addr + (Int64(b) * Int64(K) + Int64(k)) * 4)
-                        nv = load_weights_bf16x4(norm_addr + Int64(k) * 2)
-                        if gather:
-                            for e in cutlass.range_constexpr(4):
-                                ss[b] = ss[b] + xv[e] * xv[e]
-                        for e in cutlass.range_constexpr(4):
-                            s_x[b * self.slab_cols + q * 4 + e] = xv[e] * nv[e]
+            tot = warp_sum(ss[b])
+            if lane == 0:
+                s_wv[warp * 8 + b] = tot
+        cute.arch.sync_threads()
+        if tidx < self.B:
+            tot = Float32(0.0)
+            for w in range(self.warps):
+                tot = tot + s_wv[w * 8 + tidx]
+            s_rstd[tidx] = rsqrt(tot / Float32(K) + Float32(self.eps))
 
     @cute.jit
-    def stage_merged_attention_slab(self, tidx: Int32, layer: Int32, s0: Int32, kw: Int32, attn_part_o: Int64,
-                                    attn_part_lse: Int64, s_x: cute.Tensor):
-        """Columns s0 .. s0 + kw of every sequence's merged attention output into s_x (stride slab_cols)."""
-        for b in cutlass.range_constexpr(self.B):
-            for q in range(tidx, kw // 4, self.threads):
-                xv = cute.make_rmem_tensor((4,), Float32)
-                self.merge_quad(layer, b, s0 + q * 4, attn_part_o, attn_part_lse, xv)
-                for e in cutlass.range_constexpr(4):
-                    s_x[b * self.slab_cols + q * 4 + e] = xv[e]
+    def stage(self, tidx: Int32, layer: Int32, K: Int32, merge: Boolean, in_addr: Int64, norm_addr: Int64,
+              attn_part_o: Int64, attn_part_lse: Int64, s_x: cute.Tensor, ss: cute.Tensor,
+              s0=None, kw=None, gather=None):
+        """The matvec input into s_x: O_PROJ's merged attention splits where `merge` (layouts with the
+        merge folded in), else the input row x norm weight with sum(x^2) into ss. All of K, or with s0
+        and kw the slab of columns s0 .. s0 + kw (row stride slab_cols; ss only when `gather`)."""
+        if cutlass.const_expr(self.fused_reduce):
+            if merge:
+                self.stage_merged_attention(tidx, layer, K, attn_part_o, attn_part_lse, s_x, s0, kw)
+            else:
+                self.stage_input(tidx, K, in_addr, norm_addr, s_x, ss, s0, kw, gather)
+        else:
+            self.stage_input(tidx, K, in_addr, norm_addr, s_x, ss, s0, kw, gather)
 
     @cute.jit
     def stage_input(self, tidx: Int32, K: Int32, in_addr: Int64, norm_addr: Int64, s_x: cute.Tensor,
-                    ss: cute.Tensor):
+                    ss: cute.Tensor, s0=None, kw=None, gather=None):
         """s_x = input row x norm weight for every sequence, ss[b] = sum(x^2): X_UNROLL quads per thread
-        per round, so a whole input row is one round of loads."""
+        per round, so a whole input row is one round of loads. With s0, kw: that slab of columns, at row
+        stride slab_cols, and ss only when `gather`."""
+        width = K
+        stride = K
+        if cutlass.const_expr(s0 is not None):
+            width = kw
+            stride = self.slab_cols
         for b in cutlass.range_constexpr(self.B):
-            for q0 in range(tidx, K // 4, self.threads * X_UNROLL):
+            for q0 in range(tidx, width // 4, self.threads * X_UNROLL):
                 for v in cutlass.range_constexpr(X_UNROLL):
                     q = q0 + v * self.threads
-                    if q < K // 4:
-                        xv = load_f32x4(in_addr + (Int64(b) * Int64(K) + Int64(q * 4)) * 4)
-                        nv = load_weights_bf16x4(norm_addr + Int64(q * 4) * 2)
+                    if q < width // 4:
+                        k = q * 4
+                        if cutlass.const_expr(s0 is not None):
+                            k = s0 + q * 4
+                        xv = load_f32x4(in_addr + (Int64(b) * Int64(K) + Int64(k)) * 4)
+                        nv = load_weights_bf16x4(norm_addr + Int64(k) * 2)
                         for e in cutlass.range_constexpr(4):
-                            ss[b] = ss[b] + xv[e] * xv[e]
-                            s_x[b * K + q * 4 + e] = xv[e] * nv[e]
+                            if cutlass.const_expr(s0 is None):
+                                ss[b] = ss[b] + xv[e] * xv[e]
+                            else:
+                                if gather:
+                                    ss[b] = ss[b] + xv[e] * xv[e]
+                            s_x[b * stride + q * 4 + e] = xv[e] * nv[e]
 
     @cute.jit
     def stage_merged_attention(self, tidx: Int32, layer: Int32, K: Int32, attn_part_o: Int64,
-                               attn_part_lse: Int64, s_x: cute.Tensor):
+                               attn_part_lse: Int64, s_x: cute.Tensor, s0=None, kw=None):
         """O_PROJ folded with the attention merge: s_x = the merged attention output of every sequence,
-        one quad per thread at a time (each quad is 2 x splits loads)."""
+        one quad per thread at a time (each quad is 2 x splits loads). With s0, kw: that slab of columns,
+        at row stride slab_cols."""
+        width = K
+        stride = K
+        if cutlass.const_expr(s0 is not None):
+            width = kw
+            stride = self.slab_cols
         for b in cutlass.range_constexpr(self.B):
-            for q in range(tidx, K // 4, self.threads):
+            for q in range(tidx, width // 4, self.threads):
                 xv = cute.make_rmem_tensor((4,), Float32)
-                self.merge_quad(layer, b, q * 4, attn_part_o, attn_part_lse, xv)
+                k = q * 4
+                if cutlass.const_expr(s0 is not None):
+                    k = s0 + q * 4
+                self.merge_quad(layer, b, k, attn_part_o, attn_part_lse, xv)
                 for e in cutlass.range_constexpr(4):
-                    s_x[b * K + q * 4 + e] = xv[e]
+                    s_x[b * stride + q * 4 + e] = xv[e]
 
     @cute.jit
     def merge_quad(self, layer: Int32, b: Int32, k: Int32, attn_part_o: Int64, attn_part_lse: Int64,
