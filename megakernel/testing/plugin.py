@@ -118,6 +118,18 @@ def cuda_device():
     return torch.device("cuda", 0)
 
 
+@pytest.fixture
+def one_cpu_thread():
+    """torch on one intra-op CPU thread for the test, then as before: tiny CPU ops (VM steps, stage
+    references, small reference models) lose more to thread hand-offs and OpenMP barriers than they gain."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tolerances():
     """Per-dtype Tolerance(atol, rtol), keyed by torch dtype; each entry says why in tolerances.py."""

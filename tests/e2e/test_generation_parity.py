@@ -202,13 +202,6 @@ class VMBackend:
         return self._logits
 
 
-@pytest.fixture
-def _one_cpu_thread():
-    """The VM runs thousands of tiny torch ops per step; thread hand-offs cost more than they save."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 CPU_MODELS = {
@@ -220,7 +213,7 @@ CPU_MODELS = {
 
 
 @pytest.mark.parametrize("name", sorted(CPU_MODELS))
-def test_vm_matches_transformers_generate(name, tmp_path, _one_cpu_thread):
+def test_vm_matches_transformers_generate(name, tmp_path, one_cpu_thread):
     make, policy = CPU_MODELS[name]
     config = make()
     seed = 11 + sorted(CPU_MODELS).index(name)
@@ -241,7 +234,7 @@ def test_vm_matches_transformers_generate(name, tmp_path, _one_cpu_thread):
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
-def test_vm_over_bf16_weights_matches_transformers_within_bf16_tolerance(name, tmp_path, _one_cpu_thread):
+def test_vm_over_bf16_weights_matches_transformers_within_bf16_tolerance(name, tmp_path, one_cpu_thread):
     """The VM over bf16 weights keeps a bf16 KV cache, as the megakernel does: the bf16 greedy tolerance the
     GPU tests use must hold for it too (divergences at near-ties, teacher-forced agreement everywhere)."""
     config = _shape(name)
@@ -261,7 +254,7 @@ def test_vm_over_bf16_weights_matches_transformers_within_bf16_tolerance(name, t
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
-def test_vm_batch_equals_each_sequence_alone(name, _one_cpu_thread):
+def test_vm_batch_equals_each_sequence_alone(name, one_cpu_thread):
     config = _shape(name)
     seed = 21
     weights = random_weights(config, seed=seed, dtype=torch.float32)

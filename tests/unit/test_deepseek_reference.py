@@ -34,13 +34,8 @@ PROMPTS = [[5, 9, 100, 3, 7], [1, 2], [900, 800, 700, 600, 500, 400, 300, 200, 1
 LOGIT_ATOL = 2e-4  # float32 both sides; summation order differs (absorbed vs expanded MLA, expert order)
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """Tiny matrices: one intra-op thread; two spin in OpenMP barriers (10x slower on a busy 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny torch ops on the CPU: one intra-op thread (the plugin's fixture)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def _hf_config(cfg: DeepseekConfig, tmp_path):

@@ -40,13 +40,8 @@ NUM_STEPS = 4
 NUM_SMS = 16  # a small machine: several tiles per stage, and a VM step stays fast
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """Tiny matrices: one intra-op thread; two spin in OpenMP barriers on a busy 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny torch ops on the CPU: one intra-op thread (the plugin's fixture)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 _WEIGHTS: dict = {}

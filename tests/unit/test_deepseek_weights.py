@@ -30,13 +30,8 @@ from transformers import DeepseekV3ForCausalLM  # noqa: E402
 TINY = ["tiny-deepseek", "tiny-deepseek-qlora"]
 
 
-@pytest.fixture(autouse=True)
-def _single_thread():
-    """Tiny matrices: one intra-op thread; two spin in OpenMP barriers (10x slower on a busy 2-core box)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny torch ops on the CPU: one intra-op thread (the plugin's fixture)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def _hf_model(cfg: DeepseekConfig, seed: int, tmp_path) -> DeepseekV3ForCausalLM:

@@ -61,6 +61,16 @@ def test_bandwidth_floor(bandwidth_floor):
 def test_baseline_timer(baseline_timer, cuda_device):
     x = torch.randn(1024, 1024, device=cuda_device)
     assert baseline_timer(lambda: x @ x) > 0
+
+_THREADS = []
+
+def test_one_cpu_thread(request):
+    _THREADS.append(torch.get_num_threads())
+    request.getfixturevalue("one_cpu_thread")
+    assert torch.get_num_threads() == 1
+
+def test_one_cpu_thread_is_restored():
+    assert torch.get_num_threads() == _THREADS[0]
 '''
 
 
@@ -68,9 +78,9 @@ def test_fixtures_and_gpu_skip(pytester, keep_hypothesis_profile):
     pytester.makepyfile(test_fixtures=FIXTURE_TESTS)
     result = pytester.runpytest(*_plugin_args(), "-rs")
     if torch.cuda.is_available():
-        result.assert_outcomes(passed=7)
+        result.assert_outcomes(passed=9)
     else:
-        result.assert_outcomes(passed=3, skipped=4)
+        result.assert_outcomes(passed=5, skipped=4)
         result.stdout.fnmatch_lines(["*test_fixtures.py:*: no CUDA device*"])
         assert "SKIPPED [1] test_fixtures.py:17: no CUDA device" in result.stdout.str()
 

@@ -61,13 +61,8 @@ NAN = float("nan")
 LOOSE_DTYPE = {Opcode.ATTN_PARTIAL: BF16}   # GPU vs CPU reference: see _compare_with_reference
 
 
-@pytest.fixture(autouse=True)
-def _one_cpu_thread():
-    """Stage references are tiny torch ops; thread hand-offs cost more than they save."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny torch ops on the CPU: one intra-op thread (the plugin's fixture)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 # ---- a test bench: the model, the step layout and CPU buffers of one drawn case ------------------------------

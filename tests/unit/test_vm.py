@@ -33,13 +33,8 @@ VM_CASES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _one_cpu_thread():
-    """The VM runs thousands of tiny torch ops per step; thread hand-offs cost more than they save."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# tiny torch ops on the CPU: one intra-op thread (the plugin's fixture)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def _ids(case) -> str:
