@@ -365,24 +365,13 @@ class DecodeKernel:
                     self.attn_preload(warp, lane, layer, a0, a1, a2, a3, positions, block_table, kv_table, kv0)
             if cutlass.const_expr(self.preload_items > 0):
                 if is_matvec:
+                    # (never with slabs: preload_items is 0 there)
                     w0_addr, k0 = self.weight_tile(op, layer, a0, w_qkv, w_o, w_gate_up, w_down, w_lm_head)
-                    if cutlass.const_expr(self.slabs):
-                        kw0 = k0
-                        if kw0 > self.slab_cols:
-                            kw0 = Int32(self.slab_cols)
-                        n_seg0 = kw0 // (COL_PASS * self.unroll)
-                        n_units0 = (a1 // self.items_per_step) * n_seg0
-                        if a1 > self.chunk_rows:
-                            n_units0 = Int32(self.chunk_rows // self.items_per_step) * n_seg0
-                        if warp < n_units0:
-                            self.load_step(lane, w0_addr, k0, Int32(0), warp, raw, count=self.preload_items,
-                                           n_seg=n_seg0, seg0=Int32(0))
-                    else:
-                        n_units0 = (a1 // self.items_per_step) * (k0 // (COL_PASS * self.unroll))
-                        if a1 > self.chunk_rows:
-                            n_units0 = Int32(self.chunk_rows // self.items_per_step) * (k0 // (COL_PASS * self.unroll))
-                        if warp < n_units0:
-                            self.load_step(lane, w0_addr, k0, Int32(0), warp, raw, count=self.preload_items)
+                    n_units0 = (a1 // self.items_per_step) * (k0 // (COL_PASS * self.unroll))
+                    if a1 > self.chunk_rows:
+                        n_units0 = Int32(self.chunk_rows // self.items_per_step) * (k0 // (COL_PASS * self.unroll))
+                    if warp < n_units0:
+                        self.load_step(lane, w0_addr, k0, Int32(0), warp, raw, count=self.preload_items)
 
             # ---- wait for the producing stage (thread 0 spins, the CTA barrier broadcasts)
             wait_id = s_queue[ins + W_WAIT_ID]
@@ -675,16 +664,8 @@ class DecodeKernel:
             seg0 = s0 // seg_cols
             n_units = (rows // self.items_per_step) * n_seg_s
             for unit in range(warp, n_units, self.warps):
-                # the first unit of the first slab of the first chunk was (partly) loaded before the wait
-                if cutlass.const_expr(self.preload_items > 0):
-                    if c0 > 0 or s0 > 0 or unit != warp:
-                        self.load_step(lane, w_addr, K, c0, unit, raw, n_seg=n_seg_s, seg0=seg0)
-                    else:
-                        if cutlass.const_expr(self.preload_items < self.items_per_step):
-                            self.load_step(lane, w_addr, K, c0, unit, raw, first=self.preload_items,
-                                           n_seg=n_seg_s, seg0=seg0)
-                else:
-                    self.load_step(lane, w_addr, K, c0, unit, raw, n_seg=n_seg_s, seg0=seg0)
+                # (no preload on this path: every unit loads its weights here)
+                self.load_step(lane, w_addr, K, c0, unit, raw, n_seg=n_seg_s, seg0=seg0)
                 self.compute_step(lane, K, unit, raw, in_addr, norm_addr, sx_base, s_part, s_ssq,
                                   n_seg_slab=n_seg_s, seg0=seg0)
             cute.arch.sync_threads()          # the slab is read: the next one may overwrite it
