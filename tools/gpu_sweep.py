@@ -19,8 +19,6 @@ def parse(spec):
             eng["slab_staging"] = bool(int(v))
             continue
         (eng if k in ("kv_splits", "policy") else opts)[k] = v if k == "policy" else int(v)
-        if k == "attn_preload":
-            opts[k] = bool(int(v))
     return name, opts, eng
 
 def read_bw(nbytes=2 << 30):
