@@ -73,30 +73,35 @@ def trace(eng, start=32):
         work = sum(r["end"] - r["ready"] for r in rs) / len(rs)
         print(f"    {op:13s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us")
 
-model, B = sys.argv[1], int(sys.argv[2])
-specs = [a for a in sys.argv[3:] if not a.startswith("--")] or ["default:"]
-cfg = get_preset(model)
-w = random_weights(cfg, seed=3, device="cuda")
-bw = read_bw()
-floor = cfg.weight_bytes() / bw * 1e3
-print(f"{model} B={B}: read bw {bw/1e12:.2f} TB/s, floor {floor:.3f} ms")
-first = None
-ref_logits = None
-for spec in specs:
-    name, opts, eng_kw = parse(spec)
-    eng = MegakernelEngine(w, B, 512, options=KernelOptions(**opts), **eng_kw)
-    logits = one_step_logits(eng)
-    if ref_logits is None:
-        ref_logits, agree = logits, "reference"
-    else:   # same weights, cache and inputs: a variant computes the same step (float32 sums in another order)
-        err = ((logits - ref_logits).norm() / ref_logits.norm()).item()
-        agree = f"rel err {err:.1e} vs {specs[0].partition(':')[0]}" + ("" if err < 1e-3 else "  MISMATCH")
-    ms = time_graph(eng)
-    print(f"  {name:20s} {ms:.3f} ms/step  {floor/ms*100:5.1f}% of floor  (kv_splits {eng.layout.kv_splits})  "
-          f"{agree}", flush=True)
-    if first is None:
-        first = (opts, eng_kw)
-    del eng
-if "--no-trace" not in sys.argv:
-    opts, eng_kw = first
-    trace(MegakernelEngine(w, B, 512, options=KernelOptions(trace=True, **opts), **eng_kw))
+def main():
+    model, B = sys.argv[1], int(sys.argv[2])
+    specs = [a for a in sys.argv[3:] if not a.startswith("--")] or ["default:"]
+    cfg = get_preset(model)
+    w = random_weights(cfg, seed=3, device="cuda")
+    bw = read_bw()
+    floor = cfg.weight_bytes() / bw * 1e3
+    print(f"{model} B={B}: read bw {bw/1e12:.2f} TB/s, floor {floor:.3f} ms")
+    first = None
+    ref_logits = None
+    for spec in specs:
+        name, opts, eng_kw = parse(spec)
+        eng = MegakernelEngine(w, B, 512, options=KernelOptions(**opts), **eng_kw)
+        logits = one_step_logits(eng)
+        if ref_logits is None:
+            ref_logits, agree = logits, "reference"
+        else:   # same weights, cache and inputs: a variant computes the same step (float32 sums in another order)
+            err = ((logits - ref_logits).norm() / ref_logits.norm()).item()
+            agree = f"rel err {err:.1e} vs {specs[0].partition(':')[0]}" + ("" if err < 1e-3 else "  MISMATCH")
+        ms = time_graph(eng)
+        print(f"  {name:20s} {ms:.3f} ms/step  {floor/ms*100:5.1f}% of floor  (kv_splits {eng.layout.kv_splits})  "
+              f"{agree}", flush=True)
+        if first is None:
+            first = (opts, eng_kw)
+        del eng
+    if "--no-trace" not in sys.argv:
+        opts, eng_kw = first
+        trace(MegakernelEngine(w, B, 512, options=KernelOptions(trace=True, **opts), **eng_kw))
+
+
+if __name__ == "__main__":
+    main()

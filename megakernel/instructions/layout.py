@@ -108,7 +108,8 @@ def default_kv_splits(config: ModelConfig, batch: int, num_sms: int, max_seq_len
 
 def validate_step_inputs(layout: StepLayout, tokens, positions, block_table=None, num_blocks: int | None = None) -> None:
     """ValueError, before anything runs, for step inputs the kernel must not see: wrong shapes, token
-    ids outside the vocabulary, positions outside [0, max_seq_len), block ids outside the cache."""
+    ids outside the vocabulary, positions outside [0, max_seq_len), block ids outside the cache, a
+    block table whose new-token slots alias cached ones (check_block_aliasing)."""
     tokens, positions = torch.as_tensor(tokens), torch.as_tensor(positions)
     if tokens.shape != (layout.batch,) or positions.shape != (layout.batch,):
         raise ValueError(f"tokens and positions must have shape ({layout.batch},); got "
@@ -128,6 +129,33 @@ def validate_step_inputs(layout: StepLayout, tokens, positions, block_table=None
         bt_cpu = bt.cpu()
         if num_blocks is not None and (int(bt_cpu.min()) < 0 or int(bt_cpu.max()) >= num_blocks):
             raise ValueError(f"block_table entries must be in [0, {num_blocks})")
+        check_block_aliasing(bt_cpu, p_cpu, layout.block_size)
+
+
+def check_block_aliasing(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> None:
+    """ValueError where a step's KV append (the slot of position pos[b] in sequence b's table) lands on a
+    slot that an attention of the same step reads (a position < pos[o] of any sequence o, through its
+    table) or that another sequence appends to. Blocks shared read-only between sequences (prefix
+    sharing) are fine."""
+    bt, pos = block_table.cpu().long(), positions.cpu().long()
+    B = bt.shape[0]
+
+    def slot(b: int, t: torch.Tensor) -> torch.Tensor:
+        return bt[b, t // block_size] * block_size + t % block_size
+
+    writes = torch.stack([slot(b, pos[b:b + 1])[0] for b in range(B)])
+    for b in range(B):
+        for o in range(B):
+            if o != b and writes[o] == writes[b]:
+                raise ValueError(f"sequences {o} and {b} both append their token to KV slot {int(writes[b]) % block_size}"
+                                 f" of block {int(writes[b]) // block_size}: check the block_table")
+        read = slot(b, torch.arange(int(pos[b])))
+        hit = torch.isin(writes, read)
+        if hit.any():
+            o = int(torch.nonzero(hit)[0])
+            raise ValueError(f"the KV slot sequence {o} appends to at position {int(pos[o])} (block "
+                             f"{int(writes[o]) // block_size}) is one sequence {b} reads in the same step: the "
+                             f"block_table maps two positions to one slot")
 
 
 @dataclass

@@ -1,19 +1,23 @@
 """The persistent decode megakernel: one CTA per SM interprets its queue of fused-stage instructions.
 
-Device layout of a CTA: 8 warps (256 threads). Each instruction:
-  1. thread 0 asks the copy engine to prefetch the *next* instruction's weight tile into L2 (weights
-     never depend on activations, so HBM keeps streaming while this CTA waits or computes);
+Device layout of a CTA: 16 warps where the matvec input is staged in shared memory, else 8. Each
+instruction:
+  1. a matvec's warps issue the 16-byte weight loads of their first work unit (weights never depend
+     on activations), and ATTN_PARTIAL its first cached token's K/V, before the wait below;
   2. thread 0 spins (ld.acquire.gpu, bounded by globaltimer) until the counter it waits on reaches
      epoch-relative target; a timeout writes the error word and aborts the CTA's queue;
   3. the stage body runs (opcode dispatch by `if`; every body is inlined once);
   4. after a CTA barrier, thread 0 signals its stage counter with red.release.gpu.
+(Opt-in, `KernelOptions.prefetch`: thread 0 also asks the copy engine to prefetch the next
+instruction's weight tile into L2. Measured slower on the H200 once tiles were streamed by all 16 warps:
+the prefetches compete with the current tile for HBM and evict each other in L2.)
 The last CTA to finish advances the epoch, so counters are never reset and a CUDA graph can replay
 steps with no host work.
 
 Every buffer is addressed through a raw Int64 address passed as a kernel argument; strides are
-compile-time constants of the StepLayout. Matvec tiles: warp w owns rows w and w+8 of each pair of
-8-row groups; lane l reads 16 bytes of each row per 256-column pass, so every weight load is a
-coalesced 512-byte warp request.
+compile-time constants of the StepLayout. Matvec tiles are cut into work units (rows_per_unit rows
+over `unroll` 256-column passes) spread over all warps; lane l reads 16 bytes of each row per pass, so
+every weight load is a coalesced 512-byte warp request.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ class KernelOptions:
     trace: bool = False                      # record per-instruction globaltimer stamps
     timeout_ns: int = 2_000_000_000          # bounded spin on a counter
     prefetch_bytes: int = 256 * 1024         # cap on the L2 prefetch of the next weight tile
-    prefetch: bool = True
+    prefetch: bool = False                   # L2 bulk prefetch of upcoming tiles (slower on the H200, see above)
     warps: int = 0                           # warps per CTA, a multiple of 8 (0: 16 when the matvec input
                                              # fits in shared memory, else 8, so each thread gets 255 registers)
     x_in_smem: bool = True                   # stage normalized matvec inputs in shared memory where they fit

@@ -2,8 +2,10 @@
 
 `MegakernelEngine.launch()` is the hot path: one kernel launch, no host sync, no allocation, so it
 can be captured in a CUDA graph; the kernel advances tokens/positions itself, so replaying the graph
-decodes the next token. `step()` is the checked user path: it validates inputs before the launch,
-and reads the error word after it.
+decodes the next token. `step()` is the checked user path: it validates inputs before the launch
+(including that no sequence's KV append lands on a cache slot the same step reads), and reads the
+error word after it. An engine with its own cache starts with the contiguous block table (sequence b
+owns blocks b*n .. b*n+n-1), so a bare `launch()` (benchmarks, graph capture) is a valid step.
 
 Three constructor options serve callers that bring their own LM head and KV cache (the vLLM
 integration, docs/vllm.md):
@@ -34,6 +36,7 @@ from ..instructions.layout import (MAX_BATCH, PackedWeights, StepLayout, allocat
 from ..instructions.opcodes import Opcode
 from ..instructions.record import serialize
 from ..kernel.decode import ARG_NAMES, ERR_POSITION, ERR_TIMEOUT, ERR_TOKEN, KernelOptions
+from ..model.kv_cache import contiguous_block_table
 from ..model.weights import ModelWeights
 from ..schedule import assign, build_program, simulate
 
@@ -75,7 +78,7 @@ class MegakernelEngine:
     def __init__(self, weights: ModelWeights, batch: int, max_seq_len: int, *, block_size: int = 16,
                  num_blocks: int | None = None, num_sms: int | None = None, policy: str = "balanced",
                  kv_splits: int | None = None, options: KernelOptions = KernelOptions(),
-                 fuse_attn_reduce: bool | None = None, slab_staging: bool = False,
+                 fuse_attn_reduce: bool | None = None, slab_staging: bool = True,
                  device: str | torch.device = "cuda",
                  own_kv_cache: bool = True, packed_weights: PackedWeights | None = None, lm_head: bool = True):
         config = weights.config
@@ -140,6 +143,11 @@ class MegakernelEngine:
             self.v_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=self.device)
             self._fill_kv_table(list(self.k_cache.unbind(0)), list(self.v_cache.unbind(0)))
             self.kv_strides = tuple(self.k_cache.stride()[1:4])
+            # until step()/set_inputs() is given one: sequence b owns blocks b*n .. b*n + n - 1, so a bare
+            # launch() never appends a token into a slot that another position reads (a zero table would)
+            if self.num_blocks >= batch * blocks_per_seq:
+                self.bufs.block_table.copy_(contiguous_block_table(batch, blocks_per_seq * block_size, block_size,
+                                                                   self.device))
             self._compile(table.shape[1])
         else:
             # no cache, no kernel yet: bind_kv_caches fills the table and compiles for the cache's strides

@@ -422,3 +422,37 @@ def test_engine_without_own_cache_runs_on_the_cache_it_is_bound_to():
                     assert_close(vs[layer][blk, off], own.v_cache[layer, mine_blk, off], BF16, context=f"{where} V")
         untouched = sorted(set(range(num_blocks)) - set(perm.tolist()))
         assert all(torch.isnan(ks[0][n].float()).all() for n in untouched), f"{layout_name}: wrote outside the table"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ("tiny-llama", "llama-3.2-1b"))
+def test_bare_launch_uses_the_engines_own_contiguous_block_table(name):
+    """launch() without set_inputs (benchmarks, CUDA-graph capture) runs on the engine's default block
+    table: contiguous blocks per sequence, so the new token's KV append lands in its own slot and no
+    split of the attention reads it. Fresh random cache history, kv_splits > 1, logits against the
+    float32 reference decoder on the same cache."""
+    from megakernel.model.kv_cache import PagedKVCache
+    from megakernel.model.reference import ReferenceDecoder
+    from megakernel.runtime.engine import MegakernelEngine
+
+    batch, pos = 2, 32
+    config = dataclasses.replace(get_preset(name), num_layers=2)      # the real shape, two layers
+    weights = random_weights(config, seed=41, dtype=BF16, device=GPU, rng_device=GPU)
+    eng = MegakernelEngine(weights, batch, 64, block_size=BLOCK_SIZE, kv_splits=4, device=GPU)
+    table = contiguous_block_table(batch, eng.layout.max_seq_len, BLOCK_SIZE, GPU)
+    assert torch.equal(eng.bufs.block_table, table), f"{name}: default block table {eng.bufs.block_table.tolist()}"
+    for run in range(3):
+        gen = torch.Generator(device=GPU).manual_seed(100 + run)
+        eng.k_cache.normal_(generator=gen)
+        eng.v_cache.normal_(generator=gen)
+        cache = PagedKVCache(k=eng.k_cache.clone(), v=eng.v_cache.clone(), block_size=BLOCK_SIZE)
+        tokens = torch.randint(0, weights.config.vocab_size, (batch,), generator=gen, device=GPU)
+        positions = torch.full((batch,), pos, device=GPU)
+        eng.bufs.poison()
+        eng.reset_sync()
+        eng.bufs.tokens.copy_(tokens)
+        eng.bufs.positions.copy_(positions)
+        eng.launch()
+        eng.check()
+        ref = ReferenceDecoder(weights).step(tokens, positions, cache, table.long())
+        assert_close(eng.logits, ref, torch.bfloat16, context=f"{name} run {run}: bare launch at position {pos}")

@@ -147,6 +147,38 @@ def test_bad_inputs_raise_value_error(tokens, positions):
         vm.step(torch.tensor(tokens), torch.tensor(positions), contiguous_block_table(2, 32, 16))
 
 
+def _aliasing_tables():
+    good = contiguous_block_table(2, 32, 8)                 # [[0..3], [4..7]]
+    zero = torch.zeros_like(good)                            # every position of both sequences in block 0
+    shared_tail = good.clone()
+    shared_tail[1, 1] = good[0, 1]                           # sequence 1 appends into a block sequence 0 reads
+    repeat = good.clone()
+    repeat[0, 2] = good[0, 0]                                # sequence 0's position 16 lands on its position 0
+    return [("zero", zero, [20, 9]), ("shared-current-block", shared_tail, [12, 9]),
+            ("repeated-block", repeat, [16, 3])]
+
+
+@pytest.mark.parametrize("name,table,positions", _aliasing_tables(), ids=lambda v: v if isinstance(v, str) else "")
+def test_block_tables_whose_append_aliases_a_read_slot_raise(name, table, positions):
+    weights = random_weights(get_preset("tiny-llama"), seed=8, dtype=torch.float32)
+    vm = VMDecoder(weights, 2, 32, block_size=8, num_sms=4)
+    vm.ctx.bufs.logits.fill_(7.0)
+    with pytest.raises(ValueError, match="slot"):
+        vm.step(torch.tensor([1, 2]), torch.tensor(positions), table)
+    assert bool((vm.ctx.bufs.logits == 7.0).all()), f"{name}: the step ran before the table was refused"
+
+
+def test_prefix_shared_full_blocks_are_accepted():
+    """Two sequences may share full blocks they only read (prefix sharing); each appends in its own block."""
+    weights = random_weights(get_preset("tiny-llama"), seed=9, dtype=torch.float32)
+    vm = VMDecoder(weights, 2, 32, block_size=8, num_sms=4)
+    table = contiguous_block_table(2, 32, 8)
+    table[1, :2] = table[0, :2]
+    vm.ctx.k_cache.normal_(); vm.ctx.v_cache.normal_()
+    tokens, logits = vm.step(torch.tensor([1, 2]), torch.tensor([17, 20]), table)
+    assert torch.isfinite(logits).all() and tokens.shape == (2,)
+
+
 def test_vm_raises_on_a_deadlocking_queue_instead_of_hanging():
     weights = random_weights(get_preset("tiny-llama"), seed=8, dtype=torch.float32)
     vm = VMDecoder(weights, 1, 16, num_sms=5)
