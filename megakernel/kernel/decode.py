@@ -34,8 +34,10 @@ from ..instructions.layout import (COL_PASS, ROW_GROUP, SLAB_STAGE_BYTES, SMEM_L
 from ..instructions.opcodes import Opcode
 from ..instructions.record import (W_A0, W_A1, W_A2, W_A3, W_INDEX, W_LAYER, W_OPCODE, W_SIGNAL_ID,
                                    W_WAIT_COUNT, W_WAIT_ID, WORDS)
-from .ptx import (atomic_add_acq_rel, atomic_cas, load_acquire, load_f32x4, load_weights_bf16x8,
-                  load_weights_raw, prefetch_l2, red_release_add, store_relaxed, unpack_bf16x8, warp_sum)
+from .ptx import (atomic_add_acq_rel, atomic_cas, bulk_copy_g2s, fence_proxy_async_shared, load_acquire,
+                  load_f32x4, load_shared_raw, load_weights_bf16x8, load_weights_raw, mbarrier_arrive_expect_tx,
+                  mbarrier_init, mbarrier_init_fence, mbarrier_try_wait, prefetch_l2, red_release_add,
+                  store_relaxed, unpack_bf16x8, warp_sum)
 
 THREADS = 256
 WARPS = THREADS // 32
@@ -82,6 +84,9 @@ class KernelOptions:
                                              # registers: 8 at batch 1 or 8 warps, 4 up to batch 4, else 2)
     preload: int = 1                         # work items per warp whose weight loads are issued before the
                                              # matvec's wait (0: none; at most the items of one step)
+    smem_prefix: int = 0                     # bytes per buffer (two buffers) of the next matvec tile's first
+                                             # rows, bulk-copied into shared memory one instruction ahead
+                                             # (0: off; shrunk to the shared memory left; replaces preload)
 
 
 @cute.jit
@@ -228,19 +233,35 @@ class DecodeKernel:
         self.raw_words = self.items_per_step * self.unroll * 4
         # (the slab path, batch 5-8, has no registers to spare for loads held across the wait)
         self.preload_items = 0 if self.slabs else min(max(0, int(options.preload)), self.items_per_step)
+        if self.qk_norm and 3 <= self.B <= 4 and self.unroll == 4:
+            # preloaded registers beside QK-norm attention's at 4 passes per unit: ptxas spills 3-8
+            # instructions (qwen3-0.6b, batch 3-4); tests/unit/test_kernel_compile.py checks every batch
+            self.preload_items = 0
+        # Tile prefixes in shared memory (smem_prefix): while a CTA waits on and runs instruction i, the
+        # copy engine brings the first rows of instruction i+1's weight tile into one of two buffers, so
+        # HBM streams across the dependency hop. Only where the buffers fit beside everything else.
+        self.prefix_bytes = 0
+        if options.smem_prefix > 0 and not self.slabs:
+            free = SMEM_LIMIT - self.smem_bytes(warps, with_x=True) - 2 * 8 - 128
+            per = min(int(options.smem_prefix), free // 2) // 1024 * 1024
+            if per >= 8 * 1024:
+                self.prefix_bytes = per
+                self.preload_items = 0          # the prefix replaces the register preload
         if self.smem_bytes(warps, with_x=True) > SMEM_LIMIT:
             raise ValueError(f"the kernel needs {self.smem_bytes(warps, with_x=True)} bytes of shared memory per "
                              f"CTA, more than the {SMEM_LIMIT} an sm_90 CTA can have; use fewer kv_splits or a "
                              f"smaller batch")
 
     def smem_bytes(self, warps: int, with_x: bool) -> int:
-        """Shared memory the kernel allocates (each buffer 16-byte aligned), as in `kernel`."""
+        """Shared memory the kernel allocates (each buffer 16-byte aligned), as in `kernel`; the tile
+        prefix buffers and their mbarriers (smem_prefix) once their size is known."""
         G, D = self.G, self.D
         words = [4, 8, 8, warps * 8, warps * 8, self.part_slots,
                  4 if with_x and self.x_smem else self.part_slots, 8,
                  (self.B * self.slab_cols if self.x_smem else 4) if with_x else 0,
                  G * D, 2 * D, warps * G, warps * G, warps * G * D, self.max_queue_len * WORDS]
-        return sum((4 * w + 15) // 16 * 16 for w in words)
+        prefix = getattr(self, "prefix_bytes", 0)
+        return sum((4 * w + 15) // 16 * 16 for w in words) + (2 * prefix + 2 * 8 + 128 if prefix else 0)
 
     # ------------------------------------------------------------------ host entry
     @cute.jit
@@ -319,6 +340,18 @@ class DecodeKernel:
         # the CTA's whole instruction queue, copied once: instruction fetch is then a shared-memory read
         s_queue = smem.allocate_tensor(Int32, cute.make_layout((self.max_queue_len * WORDS,)), byte_alignment=16)
 
+        wb = Int32(0)        # shared addresses of the two tile-prefix buffers and their mbarriers
+        mb = Int32(0)
+        if cutlass.const_expr(self.prefix_bytes > 0):
+            s_wbuf = smem.allocate_tensor(Int32, cute.make_layout((2 * self.prefix_bytes // 4,)), byte_alignment=128)
+            s_mbar = smem.allocate_tensor(Int64, cute.make_layout((2,)), byte_alignment=8)
+            wb = Int32(s_wbuf.iterator.toint())
+            mb = Int32(s_mbar.iterator.toint())
+            if tidx == 0:
+                mbarrier_init(mb, Int32(1))
+                mbarrier_init(mb + 8, Int32(1))
+                mbarrier_init_fence()
+
         if tidx == 0:
             s_ctrl[0] = ld_i32(sync)
             s_ctrl[1] = Int32(0)
@@ -335,6 +368,15 @@ class DecodeKernel:
             for j in cutlass.range_constexpr(self.options.prefetch_ahead):
                 if tidx == 0 and n > j:
                     self.prefetch_instruction(s_queue, Int32(j * WORDS), w_qkv, w_o, w_gate_up, w_down, w_lm_head)
+
+        # tile prefixes issued and consumed so far (every thread counts; thread 0 issues): the k-th
+        # prefixed matvec of this CTA uses buffer k % 2 and waits for mbarrier phase parity (k // 2) % 2
+        pf_issued = Int32(0)
+        pf_used = Int32(0)
+        if cutlass.const_expr(self.prefix_bytes > 0):
+            if n > 0:
+                pf_issued = self.issue_prefix(tidx, s_queue, Int32(0), pf_issued, wb, mb, w_qkv, w_o, w_gate_up,
+                                              w_down, w_lm_head)
 
         i = Int32(0)
         aborted = Int32(0)
@@ -357,6 +399,12 @@ class DecodeKernel:
                 if tidx == 0 and i + ahead < n:
                     self.prefetch_instruction(s_queue, ins + ahead * WORDS, w_qkv, w_o, w_gate_up, w_down,
                                               w_lm_head)
+
+            # ---- the next instruction's tile prefix: into the buffer this one does not use
+            if cutlass.const_expr(self.prefix_bytes > 0):
+                if i + 1 < n:
+                    pf_issued = self.issue_prefix(tidx, s_queue, ins + WORDS, pf_issued, wb, mb, w_qkv, w_o,
+                                                  w_gate_up, w_down, w_lm_head)
 
             # ---- preload: a matvec's first weights do not depend on the producing stage, so every
             # warp issues its first step of loads now and they arrive while thread 0 waits
@@ -403,10 +451,22 @@ class DecodeKernel:
             if aborted == 0:
                 # matvec or not as one if/else: the preloaded registers are dead on the other branch
                 if is_matvec:
+                    pf_rows = Int32(0)
+                    pf_addr = Int32(0)
+                    if cutlass.const_expr(self.prefix_bytes > 0):
+                        _, _, pf_rows = self.prefix_plan(s_queue, ins, w_qkv, w_o, w_gate_up, w_down, w_lm_head)
+                        if pf_rows > 0:
+                            slot = pf_used % 2
+                            pf_addr = wb + slot * self.prefix_bytes
+                            # the copy was issued an instruction ago: normally complete by now
+                            landed = mbarrier_try_wait(mb + slot * 8, (pf_used // 2) % 2)
+                            while landed == 0:
+                                landed = mbarrier_try_wait(mb + slot * 8, (pf_used // 2) % 2)
+                            pf_used = pf_used + 1
                     self.matvec(tidx, warp, lane, op, layer, a0, a1, a2, w_qkv, w_o, w_gate_up, w_down,
                                 w_lm_head, attn_norm, mlp_norm, final_norm, ones, x, h, qkv, attn_out, act,
                                 logits, lm_max, lm_idx, s_red, s_ired, s_part, s_ssq, s_wv, s_wi, s_rstd, s_x,
-                                raw, a3, attn_part_o, attn_part_lse)
+                                raw, a3, attn_part_o, attn_part_lse, pf_rows, pf_addr)
                 else:
                     if op == OP_EMBED:
                         self.embed(tidx, w_embed, tokens, x, error, s_queue[ins + W_INDEX])
@@ -435,6 +495,14 @@ class DecodeKernel:
                     st_i32(rec + 20, sm)
             i = i + 1
 
+        # ---- a CTA that stopped early (an error) lets its last tile prefix land before it exits
+        if cutlass.const_expr(self.prefix_bytes > 0):
+            if tidx == 0 and pf_issued > pf_used:
+                slot = pf_used % 2
+                landed = mbarrier_try_wait(mb + slot * 8, (pf_used // 2) % 2)
+                while landed == 0:
+                    landed = mbarrier_try_wait(mb + slot * 8, (pf_used // 2) % 2)
+
         # ---- the last CTA out advances the epoch for the next step
         if tidx == 0:
             done = atomic_add_acq_rel(sync + 4, Int32(1))
@@ -453,6 +521,39 @@ class DecodeKernel:
             if nbytes > self.options.prefetch_bytes:
                 nbytes = Int32(self.options.prefetch_bytes)
             prefetch_l2(addr, nbytes)
+
+    @cute.jit
+    def prefix_plan(self, s_queue: cute.Tensor, ins: Int32, w_qkv: Int64, w_o: Int64, w_gate_up: Int64,
+                    w_down: Int64, w_lm_head: Int64):
+        """(tile address, K, rows) of the prefix of the instruction at word `ins`: its first rows, whole
+        work units, that fit one buffer; rows 0 for instructions without weights."""
+        op = s_queue[ins + W_OPCODE]
+        addr, k = self.weight_tile(op, s_queue[ins + W_LAYER], s_queue[ins + W_A0], w_qkv, w_o, w_gate_up,
+                                   w_down, w_lm_head)
+        rows = Int32(0)
+        if k > 0:
+            rows = Int32(self.prefix_bytes // 2) // k // self.items_per_step * self.items_per_step
+            if rows > s_queue[ins + W_A1]:
+                rows = s_queue[ins + W_A1]
+        return addr, k, rows
+
+    @cute.jit
+    def issue_prefix(self, tidx: Int32, s_queue: cute.Tensor, ins: Int32, pf_issued: Int32, wb: Int32, mb: Int32,
+                     w_qkv: Int64, w_o: Int64, w_gate_up: Int64, w_down: Int64, w_lm_head: Int64) -> Int32:
+        """Thread 0 bulk-copies the prefix of the instruction at word `ins` (if it has one) into buffer
+        pf_issued % 2; every thread returns the updated count. That buffer's previous prefix belonged to
+        a matvec two prefixes back, which every thread finished before the last instruction barrier."""
+        addr, k, rows = self.prefix_plan(s_queue, ins, w_qkv, w_o, w_gate_up, w_down, w_lm_head)
+        out = pf_issued
+        if rows > 0:
+            if tidx == 0:
+                slot = pf_issued % 2
+                nbytes = rows * k * 2
+                fence_proxy_async_shared()
+                mbarrier_arrive_expect_tx(mb + slot * 8, nbytes)
+                bulk_copy_g2s(wb + slot * self.prefix_bytes, addr, nbytes, mb + slot * 8)
+            out = pf_issued + 1
+        return out
 
     # ------------------------------------------------------------------ stage bodies
     @cute.jit
@@ -476,7 +577,7 @@ class DecodeKernel:
                qkv: Int64, attn_out: Int64, act: Int64, logits: Int64, lm_max: Int64, lm_idx: Int64,
                s_red: cute.Tensor, s_ired: cute.Tensor, s_part: cute.Tensor, s_ssq: cute.Tensor,
                s_wv: cute.Tensor, s_wi: cute.Tensor, s_rstd: cute.Tensor, s_x: cute.Tensor, raw: cute.Tensor,
-               a3: Int32, attn_part_o: Int64, attn_part_lse: Int64):
+               a3: Int32, attn_part_o: Int64, attn_part_lse: Int64, pf_rows: Int32, pf_addr: Int32):
         B, H = self.B, self.H
         l64 = Int64(layer)
         w_addr, K = self.weight_tile(op, layer, a0, w_qkv, w_o, w_gate_up, w_down, w_lm_head)
@@ -561,7 +662,10 @@ class DecodeKernel:
                             if cutlass.const_expr(self.preload_items < self.items_per_step):
                                 self.load_step(lane, w_addr, K, c0, unit, raw, first=self.preload_items)
                     else:
-                        self.load_step(lane, w_addr, K, c0, unit, raw)
+                        if cutlass.const_expr(self.prefix_bytes > 0):
+                            self.load_step(lane, w_addr, K, c0, unit, raw, pf_rows=pf_rows, pf_addr=pf_addr)
+                        else:
+                            self.load_step(lane, w_addr, K, c0, unit, raw)
                     self.compute_step(lane, K, unit, raw, in_addr, norm_addr, sx_base, s_part, s_ssq)
             cute.arch.sync_threads()
             # ---- epilogue: one thread per (output row, sequence)
@@ -786,12 +890,14 @@ class DecodeKernel:
 
     @cute.jit
     def load_step(self, lane: Int32, w_addr: Int64, K: Int32, c0: Int32, unit: Int32, raw: cute.Tensor,
-                  first: int = 0, count: int = -1, n_seg=None, seg0=None):
+                  first: int = 0, count: int = -1, n_seg=None, seg0=None, pf_rows=None, pf_addr=None):
         """Issue a warp's 16-byte weight loads for one work unit into `raw` (4 words per load); nothing
         waits for them here. A unit is `items_per_step` consecutive rows of the chunk starting at row c0,
         over one column segment (`unroll` 256-column passes), so its rows share the input columns.
         Only rows first .. first + count - 1 of the unit when given (the preload issues a prefix). With
-        slabs, units enumerate the n_seg segments of the slab starting at segment seg0."""
+        slabs, units enumerate the n_seg segments of the slab starting at segment seg0. With pf_rows, a
+        unit within the tile's first pf_rows rows reads them from the prefix buffer at shared pf_addr
+        (the same rows, row-major with K columns) instead."""
         seg_cols = COL_PASS * self.unroll
         if cutlass.const_expr(n_seg is None):
             n_seg = K // seg_cols
@@ -799,6 +905,25 @@ class DecodeKernel:
         sg = unit - p * n_seg
         if cutlass.const_expr(seg0 is not None):
             sg = sg + seg0
+        if cutlass.const_expr(pf_rows is None):
+            self.load_rows_global(lane, w_addr, K, c0, p, sg, raw, first, count)
+        else:
+            if c0 + p * self.items_per_step < pf_rows:
+                for h in cutlass.range_constexpr(first, self.items_per_step if count < 0 else first + count):
+                    r = p * self.items_per_step + h
+                    srow = pf_addr + ((c0 + r) * K + sg * seg_cols + lane * 8) * 2
+                    for u in cutlass.range_constexpr(self.unroll):
+                        v = load_shared_raw(srow + u * COL_PASS * 2)
+                        for e in cutlass.range_constexpr(4):
+                            raw[(h * self.unroll + u) * 4 + e] = v[e]
+            else:
+                self.load_rows_global(lane, w_addr, K, c0, p, sg, raw, first, count)
+
+    @cute.jit
+    def load_rows_global(self, lane: Int32, w_addr: Int64, K: Int32, c0: Int32, p: Int32, sg: Int32,
+                         raw: cute.Tensor, first: int, count: int):
+        """load_step's 16-byte global loads of unit row-group p, segment sg."""
+        seg_cols = COL_PASS * self.unroll
         for h in cutlass.range_constexpr(first, self.items_per_step if count < 0 else first + count):
             r = p * self.items_per_step + h
             wrow = w_addr + (Int64(c0 + r) * Int64(K) + Int64(sg * seg_cols + lane * 8)) * 2

@@ -61,6 +61,57 @@ def prefetch_l2(addr: Int64, nbytes: Int32):
 
 
 @cute.jit
+def mbarrier_init(mbar: Int32, count: Int32):
+    """Initialise a shared-memory mbarrier (8 bytes at shared address `mbar`) for `count` arrivals."""
+    cute.arch.inline_ptx("mbarrier.init.shared::cta.b64 [{$r0}], {$r1};", read_only_args=[mbar, count])
+
+
+@cute.jit
+def mbarrier_init_fence():
+    """Make initialised mbarriers visible to the async proxy (the bulk copy engine)."""
+    cute.arch.inline_ptx("fence.mbarrier_init.release.cluster;")
+
+
+@cute.jit
+def fence_proxy_async_shared():
+    """Order this CTA's earlier generic-proxy shared-memory accesses (made visible to this thread by a
+    barrier) before the async-proxy writes of a bulk copy issued next into the same bytes."""
+    cute.arch.inline_ptx("fence.proxy.async.shared::cta;")
+
+
+@cute.jit
+def bulk_copy_g2s(dst: Int32, src: Int64, nbytes: Int32, mbar: Int32):
+    """One bulk copy of `nbytes` (a multiple of 16, both addresses 16-byte aligned) from global `src` to
+    shared `dst` by the copy engine; completion is counted in bytes on the mbarrier at `mbar`, which
+    the issuing thread armed with mbarrier_arrive_expect_tx for the same byte count."""
+    cute.arch.inline_ptx(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], {$r2}, [{$r3}];",
+        read_only_args=[dst, src, nbytes, mbar])
+
+
+@cute.jit
+def mbarrier_arrive_expect_tx(mbar: Int32, nbytes: Int32):
+    """Arrive on the mbarrier and expect `nbytes` of transactions before its phase completes."""
+    cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};", read_only_args=[mbar, nbytes])
+
+
+@cute.jit
+def mbarrier_try_wait(mbar: Int32, parity: Int32) -> Int32:
+    """1 once the mbarrier's phase of the given parity has completed (a bounded hardware wait), else 0."""
+    return cute.arch.inline_ptx(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [{$r0}], {$r1}; selp.b32 {$w0}, 1, 0, p; }",
+        write_only_types=[Int32], read_only_args=[mbar, parity])
+
+
+@cute.jit
+def load_shared_raw(addr: Int32):
+    """16 bytes of shared memory at a 16-byte aligned address as 4 raw 32-bit words (weights a bulk
+    copy put there; unpack_bf16x8 converts them as it does the global loads')."""
+    return cute.arch.inline_ptx("ld.shared.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=[Int32] * 4, read_only_args=[addr])
+
+
+@cute.jit
 def load_acquire(addr: Int64) -> Int32:
     return cute.arch.inline_ptx("ld.acquire.gpu.global.b32 {$w0}, [{$r0}];",
                                 write_only_types=[Int32], read_only_args=[addr])

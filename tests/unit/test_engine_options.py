@@ -268,6 +268,47 @@ def test_kernel_without_lm_head_compiles_for_sm90a():
         assert spill_instructions(sass(cubin)) == 0, f"{what}: local-memory loads/stores in the SASS"
 
 
+@pytest.mark.parametrize("name,batch,expect", [("llama-3.2-1b", 1, True), ("qwen3-0.6b", 1, True),
+                                                ("llama-3.1-8b", 1, True), ("qwen3-0.6b", 4, True),
+                                                ("llama-3.2-1b", 8, False)])
+def test_smem_prefix_kernel_compiles_with_bulk_copies_and_no_spills(name, batch, expect):
+    """KernelOptions(smem_prefix=...): two shared-memory buffers that the copy engine fills with the next
+    matvec tile's first rows (cp.async.bulk on an mbarrier), read back with 16-byte shared loads. Sized
+    to the shared memory left beside the kernel's own; absent where nothing is left (the slab path)."""
+    from megakernel.instructions.layout import SMEM_LIMIT, default_kv_splits
+    from megakernel.instructions.record import serialize
+    from megakernel.kernel.compile import (KernelKey, compile_decode_kernel, nvdisasm_path, resource_usage, sass,
+                                           spill_instructions)
+    from megakernel.kernel.decode import DecodeKernel, KernelOptions
+    from megakernel.schedule import assign
+
+    config = get_preset(name)
+    layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, 132),
+                        block_size=16, max_blocks_per_seq=16, num_sms=132, slab_staging=True)
+    program = build_program(layout)
+    table, _ = serialize(assign(program, "balanced"))
+    options = KernelOptions(smem_prefix=64 * 1024)
+    dk = DecodeKernel(layout, program.lm_tiles, program.num_counters, table.shape[1], None, options)
+    what = f"{name} batch={batch} smem_prefix=64KiB -> {dk.prefix_bytes} bytes per buffer"
+    assert (dk.prefix_bytes > 0) == expect, what
+    assert dk.smem_bytes(dk.warps, with_x=True) <= SMEM_LIMIT, what
+    if not expect:
+        assert dk.preload_items == DecodeKernel(layout, program.lm_tiles, program.num_counters, table.shape[1],
+                                                None, KernelOptions()).preload_items, what
+        return
+    assert dk.prefix_bytes % 1024 == 0 and dk.prefix_bytes >= 8 * 1024 and dk.preload_items == 0, what
+    key = KernelKey(layout, program.lm_tiles, program.num_counters, table.shape[1], None, options)
+    ptx = compile_decode_kernel(key, keep_artifacts=True).__ptx__
+    for needle in ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes", "mbarrier.try_wait.parity",
+                   "mbarrier.arrive.expect_tx", "fence.proxy.async.shared::cta", "ld.shared.v4.b32"):
+        assert needle in ptx, f"{what}: no {needle} in the PTX"
+    cubin = compile_decode_kernel(key, keep_artifacts=True).__cubin__
+    usage = resource_usage(cubin)
+    assert 0 < usage.get("regs", 0) <= 128 and usage.get("frame_bytes", 0) == 0, f"{what}: {usage}"
+    if nvdisasm_path() is not None:
+        assert spill_instructions(sass(cubin)) == 0, f"{what}: local-memory loads/stores in the SASS"
+
+
 # ---- GPU: real engines -------------------------------------------------------------------------------------
 
 BATCH, MAX_SEQ_LEN, BLOCK_SIZE, STEPS = 3, 40, 16, 20   # positions up to 19: two blocks of 16
@@ -456,3 +497,34 @@ def test_bare_launch_uses_the_engines_own_contiguous_block_table(name):
         eng.check()
         ref = ReferenceDecoder(weights).step(tokens, positions, cache, table.long())
         assert_close(eng.logits, ref, torch.bfloat16, context=f"{name} run {run}: bare launch at position {pos}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ("tiny-llama", "llama-3.2-1b", "qwen3-0.6b"))
+def test_smem_prefix_engine_gives_the_logits_of_the_default_engine(name):
+    """The tile prefixes change where a unit's weights come from (shared memory instead of HBM), not the
+    arithmetic: the same steps give bit-identical logits and tokens, on fresh random inputs, with the
+    logits poisoned before every launch."""
+    from megakernel.kernel.decode import KernelOptions
+    from megakernel.runtime.engine import MegakernelEngine
+
+    config = dataclasses.replace(get_preset(name), num_layers=min(get_preset(name).num_layers, 4))
+    weights = random_weights(config, seed=43, dtype=BF16, device=GPU, rng_device=GPU)
+    batch = 2
+    ref = MegakernelEngine(weights, batch, MAX_SEQ_LEN, block_size=BLOCK_SIZE, device=GPU)
+    pre = MegakernelEngine(weights, batch, MAX_SEQ_LEN, block_size=BLOCK_SIZE, device=GPU,
+                           options=KernelOptions(smem_prefix=64 * 1024))
+    assert pre.compiled is not None
+    table = contiguous_block_table(batch, MAX_SEQ_LEN, BLOCK_SIZE, GPU)
+    gen = torch.Generator().manual_seed(43)
+    for t in range(6):
+        tokens = torch.randint(0, config.vocab_size, (batch,), generator=gen).int()
+        positions = torch.tensor([t, t + 3], dtype=torch.int32)
+        out = []
+        for eng in (ref, pre):
+            eng.bufs.logits.fill_(float("nan"))
+            out.append((eng.step(tokens, positions, table).clone(), eng.logits.clone()))
+        what = f"{name} (4 layers) step {t} positions {positions.tolist()}"
+        assert not torch.isnan(out[1][1]).any(), f"{what}: logits not written"
+        assert torch.equal(out[0][1], out[1][1]), f"{what}: logits differ with smem_prefix"
+        assert torch.equal(out[0][0], out[1][0]), what

@@ -125,6 +125,21 @@ def test_no_local_memory_spills_on_real_presets(name, batch):
     assert art["usage"].get("frame_bytes", 0) == 0, f"{what}: a stack frame"
 
 
+# The batches between, as the engine lays them out by default (default_slab_staging). Register pressure
+# changes with the batch (accumulators, passes per unit, preload), so every batch is compiled.
+MID_CASES = [(name, batch) for name in REAL_PRESETS for batch in range(2, 8)]
+
+
+@pytest.mark.parametrize("name,batch", MID_CASES)
+def test_no_local_memory_spills_at_every_batch_of_the_engines_layout(name, batch):
+    from megakernel.runtime.engine import default_slab_staging
+
+    art = compiled(name, batch, slab_staging=default_slab_staging(batch))
+    what = _what(name, batch, art) + f" slab_staging={default_slab_staging(batch)}"
+    assert art["spills"] == 0, f"{what}: local-memory loads/stores in the SASS"
+    assert art["usage"].get("frame_bytes", 0) == 0, f"{what}: a stack frame"
+
+
 # Batches whose widest input row (batch x K float32) exceeds the staging buffer: with slab_staging the
 # matvecs stage and stream K in column slabs (16 warps), instead of reading the input from L1 (8 warps).
 SLAB_CASES = [("llama-3.2-1b", 8), ("llama-3.1-8b", 4), ("llama-3.1-8b", 8)]
