@@ -18,6 +18,9 @@ def parse(spec):
         if k == "slabs":                     # slabs=1: stage wide inputs in column slabs
             eng["slab_staging"] = bool(int(v))
             continue
+        if k == "fold_embed":                # fold_embed=1: layer 0's QKV reads the embedding itself
+            eng["fold_embed"] = bool(int(v))
+            continue
         (eng if k in ("kv_splits", "policy") else opts)[k] = v if k == "policy" else int(v)
     return name, opts, eng
 

@@ -40,6 +40,7 @@ class StepLayout:
     num_sms: int
     fuse_attn_reduce: bool | None = None   # None: wherever the matvec input is staged (stages_input)
     slab_staging: bool = False             # stage inputs wider than X_STAGE_BYTES in column slabs
+    fold_embed: bool = False               # layer 0's QKV stages embed[token] itself (embed_folded)
 
     @property
     def max_seq_len(self) -> int:
@@ -57,6 +58,17 @@ class StepLayout:
         if self.slab_staging and x_bytes > X_STAGE_BYTES:   # staged (and streamed) a slab at a time
             x_bytes = SLAB_STAGE_BYTES
         return x_bytes <= X_STAGE_BYTES and x_bytes + scratch + SMEM_RESERVE <= SMEM_LIMIT
+
+    @property
+    def embed_folded(self) -> bool:
+        """Layer 0's QKV tiles stage their input row from the embedding table themselves (operand a3 = 1)
+        and wait on nothing; EMBED still writes x[0] (layer 0's residual) and signals the QKV stage's
+        counter, which ATTN_PARTIAL of layer 0 then waits on for one more. One dependency hop and the
+        EMBED instruction leave the step's critical path. Where fold_embed and the whole input is staged
+        at once (not in slabs)."""
+        c = self.config
+        k_max = max(c.hidden_size, c.q_size, c.intermediate_size)
+        return bool(self.fold_embed) and self.stages_input and self.batch * k_max * 4 <= X_STAGE_BYTES
 
     @property
     def fused_reduce(self) -> bool:

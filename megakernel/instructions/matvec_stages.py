@@ -5,6 +5,8 @@ an epilogue (store, residual add, SiLU-and-multiply, logits + tile argmax).
 Operands of each: a0 = first row, a1 = row count, a2 = tile index (LM_HEAD's slot for its argmax);
 O_PROJ's a3 = number of KV splits when it merges the attention splits itself (its input is then the
 log-sum-exp merge of attn_part[l], what ATTN_REDUCE would have written to attn_out[l]), else 0.
+QKV's a3 = 1 in layer 0 of a layout with the embedding folded in (StepLayout.embed_folded): its input
+is then embed[token] (float32), what EMBED writes to x[0], read from the table directly.
 
 | stage   | weight            | input (rows of)          | prologue            | epilogue                        |
 |---------|-------------------|--------------------------|---------------------|---------------------------------|
@@ -20,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from .attention import merge_splits
-from .context import StageContext, matvec, rms_normalize
+from .context import StageContext, f32, matvec, rms_normalize
 from .layout import ROW_GROUP
 from .opcodes import Opcode
 from .record import Instruction
@@ -57,6 +59,8 @@ def reads(ins: Instruction, layout) -> list:
     _, k = weight_rows(op, layout)
     if op == Opcode.O_PROJ and ins.a3 > 0:
         out = [("attn_part", l, 0, nb * c.num_heads * ins.a3)]
+    elif op == Opcode.QKV and ins.a3 == 1:
+        out = [("tokens", 0, 0, nb)]
     else:
         out = per_batch(_input_name(op), in_layer, 0, k, nb, k)
     lo, hi = ins.a0, ins.a0 + ins.a1
@@ -88,7 +92,8 @@ def reference(ins: Instruction, ctx: StageContext) -> None:
     lo, hi = ins.a0, ins.a0 + ins.a1
     eps = c.rms_norm_eps
     if op == Opcode.QKV:
-        b.qkv[l, :, lo:hi] = matvec(w.qkv[l, lo:hi], rms_normalize(b.x[l], w.attn_norm[l], eps))
+        inp = f32(w.embed[b.tokens.long()]) if ins.a3 == 1 else b.x[l]
+        b.qkv[l, :, lo:hi] = matvec(w.qkv[l, lo:hi], rms_normalize(inp, w.attn_norm[l], eps))
     elif op == Opcode.O_PROJ:
         if ins.a3 > 0:
             inp = merge_splits(b.attn_part_lse[l], b.attn_part_o[l]).reshape(b.h.shape[1], -1)

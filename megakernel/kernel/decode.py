@@ -466,7 +466,7 @@ class DecodeKernel:
                     self.matvec(tidx, warp, lane, op, layer, a0, a1, a2, w_qkv, w_o, w_gate_up, w_down,
                                 w_lm_head, attn_norm, mlp_norm, final_norm, ones, x, h, qkv, attn_out, act,
                                 logits, lm_max, lm_idx, s_red, s_ired, s_part, s_ssq, s_wv, s_wi, s_rstd, s_x,
-                                raw, a3, attn_part_o, attn_part_lse, pf_rows, pf_addr)
+                                raw, a3, attn_part_o, attn_part_lse, pf_rows, pf_addr, w_embed, tokens)
                 else:
                     if op == OP_EMBED:
                         self.embed(tidx, w_embed, tokens, x, error, s_queue[ins + W_INDEX])
@@ -577,7 +577,8 @@ class DecodeKernel:
                qkv: Int64, attn_out: Int64, act: Int64, logits: Int64, lm_max: Int64, lm_idx: Int64,
                s_red: cute.Tensor, s_ired: cute.Tensor, s_part: cute.Tensor, s_ssq: cute.Tensor,
                s_wv: cute.Tensor, s_wi: cute.Tensor, s_rstd: cute.Tensor, s_x: cute.Tensor, raw: cute.Tensor,
-               a3: Int32, attn_part_o: Int64, attn_part_lse: Int64, pf_rows: Int32, pf_addr: Int32):
+               a3: Int32, attn_part_o: Int64, attn_part_lse: Int64, pf_rows: Int32, pf_addr: Int32,
+               w_embed: Int64, tokens: Int64):
         B, H = self.B, self.H
         l64 = Int64(layer)
         w_addr, K = self.weight_tile(op, layer, a0, w_qkv, w_o, w_gate_up, w_down, w_lm_head)
@@ -622,6 +623,7 @@ class DecodeKernel:
         is_gate_up = op == OP_GATE_UP
         is_lm = op == OP_LM_HEAD
         merge = op == OP_O_PROJ and a3 > 0      # O_PROJ's input is the merge of the attention splits
+        from_embed = op == OP_QKV and a3 == 1   # layer 0's QKV reads embed[token] (embed_folded layouts)
 
         # Work items are (row, segment): a segment is `unroll` 256-column passes of one row, so a
         # warp issues all its 16-byte loads for an item at once, and two items side by side. A chunk
@@ -635,7 +637,13 @@ class DecodeKernel:
             # stage x * norm weight in shared memory, and sum(x^2) per sequence for the RMSNorm
             for b in cutlass.range_constexpr(B):
                 ss[b] = Float32(0.0)
-            self.stage(tidx, layer, K, merge, in_addr, norm_addr, attn_part_o, attn_part_lse, s_x, ss)
+            if cutlass.const_expr(self.layout.embed_folded):
+                if from_embed:
+                    self.stage_embed(tidx, K, w_embed, tokens, norm_addr, s_x, ss)
+                else:
+                    self.stage(tidx, layer, K, merge, in_addr, norm_addr, attn_part_o, attn_part_lse, s_x, ss)
+            else:
+                self.stage(tidx, layer, K, merge, in_addr, norm_addr, attn_part_o, attn_part_lse, s_x, ss)
             self.rms_statistic(tidx, warp, lane, K, ss, s_wv, s_rstd)
             cute.arch.sync_threads()
         if is_lm and tidx < B:
@@ -839,6 +847,27 @@ class DecodeKernel:
                                 if gather:
                                     ss[b] = ss[b] + xv[e] * xv[e]
                             s_x[b * stride + q * 4 + e] = xv[e] * nv[e]
+
+    @cute.jit
+    def stage_embed(self, tidx: Int32, K: Int32, w_embed: Int64, tokens: Int64, norm_addr: Int64,
+                    s_x: cute.Tensor, ss: cute.Tensor):
+        """stage_input for layer 0's QKV with the embedding folded in: the input row of sequence b is
+        embed[token[b]] (bf16 -> float32, as EMBED writes x[0]). A token outside the vocabulary reads
+        row 0 here; EMBED reports it in the error word."""
+        for b in cutlass.range_constexpr(self.B):
+            tok = ld_i32(tokens + Int64(b) * 4)
+            if tok < 0 or tok >= self.V:
+                tok = Int32(0)
+            row = w_embed + Int64(tok) * (self.H * 2)
+            for q0 in range(tidx, K // 4, self.threads * X_UNROLL):
+                for v in cutlass.range_constexpr(X_UNROLL):
+                    q = q0 + v * self.threads
+                    if q < K // 4:
+                        xv = load_weights_bf16x4(row + Int64(q * 4) * 2)
+                        nv = load_weights_bf16x4(norm_addr + Int64(q * 4) * 2)
+                        for e in cutlass.range_constexpr(4):
+                            ss[b] = ss[b] + xv[e] * xv[e]
+                            s_x[b * K + q * 4 + e] = xv[e] * nv[e]
 
     @cute.jit
     def stage_merged_attention(self, tidx: Int32, layer: Int32, K: Int32, attn_part_o: Int64,

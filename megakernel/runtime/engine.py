@@ -7,6 +7,9 @@ decodes the next token. `step()` is the checked user path: it validates inputs b
 error word after it. An engine with its own cache starts with the contiguous block table (sequence b
 owns blocks b*n .. b*n+n-1), so a bare `launch()` (benchmarks, graph capture) is a valid step.
 
+`fold_embed=True` (opt-in until measured) lays the step out with the embedding folded into layer 0's
+QKV (`StepLayout.embed_folded`): those tiles read embed[token] themselves and wait on nothing.
+
 Three constructor options serve callers that bring their own LM head and KV cache (the vLLM
 integration, docs/vllm.md):
 
@@ -87,7 +90,7 @@ class MegakernelEngine:
     def __init__(self, weights: ModelWeights, batch: int, max_seq_len: int, *, block_size: int = 16,
                  num_blocks: int | None = None, num_sms: int | None = None, policy: str = "balanced",
                  kv_splits: int | None = None, options: KernelOptions = KernelOptions(),
-                 fuse_attn_reduce: bool | None = None, slab_staging: bool | None = None,
+                 fuse_attn_reduce: bool | None = None, slab_staging: bool | None = None, fold_embed: bool = False,
                  device: str | torch.device = "cuda",
                  own_kv_cache: bool = True, packed_weights: PackedWeights | None = None, lm_head: bool = True):
         config = weights.config
@@ -117,7 +120,7 @@ class MegakernelEngine:
                                  kv_splits=kv_splits or default_kv_splits(config, batch, num_sms, blocks_per_seq * block_size),
                                  block_size=block_size, max_blocks_per_seq=blocks_per_seq, num_sms=num_sms,
                                  fuse_attn_reduce=fuse_attn_reduce if options.x_in_smem else False,
-                                 slab_staging=slab_staging)
+                                 slab_staging=slab_staging, fold_embed=fold_embed)
         self.layout.validate()
         self.program = build_program(self.layout, lm_head=lm_head)
         self.queues = assign(self.program, policy)

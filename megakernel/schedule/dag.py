@@ -81,11 +81,18 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
                 signal_id=signal, cost=n * k * elem + FIXED_COST_BYTES)
         return len(tiles)
 
-    add(opcode=Opcode.EMBED, signal_id=embed_counter(L), cost=B * c.hidden_size * elem + FIXED_COST_BYTES)
+    folded = layout.embed_folded
+    # folded: EMBED is one more producer of layer 0's QKV counter (x[0] is layer 0's residual)
+    add(opcode=Opcode.EMBED, signal_id=counter_id(0, Stage.QKV) if folded else embed_counter(L),
+        cost=B * c.hidden_size * elem + FIXED_COST_BYTES)
     prev = (embed_counter(L), 1)
     kv_bytes_per_split = 2 * c.head_dim * elem * max(1, layout.max_seq_len // S)
     for l in range(L):
-        n = matvec_stage(Opcode.QKV, l, prev, counter_id(l, Stage.QKV))
+        if folded and l == 0:
+            # layer 0's QKV stages embed[token] itself: no wait; a3 = 1 marks the embedding input
+            n = matvec_stage(Opcode.QKV, l, (NO_COUNTER, 0), counter_id(l, Stage.QKV), a3=1) + 1
+        else:
+            n = matvec_stage(Opcode.QKV, l, prev, counter_id(l, Stage.QKV))
         for b in range(B):
             for kvh in range(c.num_kv_heads):
                 for s in range(S):

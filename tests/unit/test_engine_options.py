@@ -309,6 +309,34 @@ def test_smem_prefix_kernel_compiles_with_bulk_copies_and_no_spills(name, batch,
         assert spill_instructions(sass(cubin)) == 0, f"{what}: local-memory loads/stores in the SASS"
 
 
+@pytest.mark.parametrize("name,batch", [("llama-3.2-1b", 1), ("qwen3-0.6b", 4), ("llama-3.1-8b", 1)])
+def test_folded_embed_kernel_compiles_without_spills(name, batch):
+    """StepLayout(fold_embed=True): layer 0's QKV tiles stage embed[token] (16-bit loads of the table) and
+    wait on nothing."""
+    from megakernel.instructions.layout import default_kv_splits
+    from megakernel.instructions.record import serialize
+    from megakernel.kernel.compile import (KernelKey, compile_decode_kernel, nvdisasm_path, resource_usage, sass,
+                                           spill_instructions)
+    from megakernel.kernel.decode import KernelOptions
+    from megakernel.schedule import assign
+
+    config = get_preset(name)
+    layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, 132),
+                        block_size=16, max_blocks_per_seq=16, num_sms=132, fold_embed=True)
+    assert layout.embed_folded, name
+    program = build_program(layout)
+    qkv0 = [i for i in program.instructions if i.opcode.name == "QKV" and i.layer == 0]
+    assert qkv0 and all(i.a3 == 1 and i.wait_id < 0 for i in qkv0), name
+    table, _ = serialize(assign(program, "balanced"))
+    key = KernelKey(layout, program.lm_tiles, program.num_counters, table.shape[1], None, KernelOptions())
+    cubin = compile_decode_kernel(key, keep_artifacts=True).__cubin__
+    usage = resource_usage(cubin)
+    what = f"{name} batch={batch} fold_embed: {usage}"
+    assert 0 < usage.get("regs", 0) <= 128 and usage.get("frame_bytes", 0) == 0, what
+    if nvdisasm_path() is not None:
+        assert spill_instructions(sass(cubin)) == 0, f"{what}: local-memory loads/stores in the SASS"
+
+
 # ---- GPU: real engines -------------------------------------------------------------------------------------
 
 BATCH, MAX_SEQ_LEN, BLOCK_SIZE, STEPS = 3, 40, 16, 20   # positions up to 19: two blocks of 16
@@ -500,9 +528,11 @@ def test_bare_launch_uses_the_engines_own_contiguous_block_table(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ("smem_prefix", "fold_embed", "both"))
 @pytest.mark.parametrize("name", ("tiny-llama", "llama-3.2-1b", "qwen3-0.6b"))
-def test_smem_prefix_engine_gives_the_logits_of_the_default_engine(name):
-    """The tile prefixes change where a unit's weights come from (shared memory instead of HBM), not the
+def test_opt_in_kernel_variants_give_the_logits_of_the_default_engine(name, variant):
+    """smem_prefix changes where a unit's weights come from (shared memory instead of HBM), fold_embed
+    where layer 0's QKV reads its input (the embedding table instead of x[0]); neither changes the
     arithmetic: the same steps give bit-identical logits and tokens, on fresh random inputs, with the
     logits poisoned before every launch."""
     from megakernel.kernel.decode import KernelOptions
@@ -512,9 +542,13 @@ def test_smem_prefix_engine_gives_the_logits_of_the_default_engine(name):
     weights = random_weights(config, seed=43, dtype=BF16, device=GPU, rng_device=GPU)
     batch = 2
     ref = MegakernelEngine(weights, batch, MAX_SEQ_LEN, block_size=BLOCK_SIZE, device=GPU)
-    pre = MegakernelEngine(weights, batch, MAX_SEQ_LEN, block_size=BLOCK_SIZE, device=GPU,
-                           options=KernelOptions(smem_prefix=64 * 1024))
-    assert pre.compiled is not None
+    kw = {}
+    if variant in ("smem_prefix", "both"):
+        kw["options"] = KernelOptions(smem_prefix=64 * 1024)
+    if variant in ("fold_embed", "both"):
+        kw["fold_embed"] = True
+    pre = MegakernelEngine(weights, batch, MAX_SEQ_LEN, block_size=BLOCK_SIZE, device=GPU, **kw)
+    assert pre.compiled is not None and pre.layout.embed_folded == (variant != "smem_prefix")
     table = contiguous_block_table(batch, MAX_SEQ_LEN, BLOCK_SIZE, GPU)
     gen = torch.Generator().manual_seed(43)
     for t in range(6):
@@ -524,7 +558,7 @@ def test_smem_prefix_engine_gives_the_logits_of_the_default_engine(name):
         for eng in (ref, pre):
             eng.bufs.logits.fill_(float("nan"))
             out.append((eng.step(tokens, positions, table).clone(), eng.logits.clone()))
-        what = f"{name} (4 layers) step {t} positions {positions.tolist()}"
+        what = f"{name} (4 layers) {variant} step {t} positions {positions.tolist()}"
         assert not torch.isnan(out[1][1]).any(), f"{what}: logits not written"
-        assert torch.equal(out[0][1], out[1][1]), f"{what}: logits differ with smem_prefix"
+        assert torch.equal(out[0][1], out[1][1]), f"{what}: logits differ from the default engine's"
         assert torch.equal(out[0][0], out[1][0]), what

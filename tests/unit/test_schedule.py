@@ -38,13 +38,13 @@ BLOCKS_PER_SEQ = 8
 
 @functools.lru_cache(maxsize=None)
 def _program(name: str, batch: int, num_sms: int = NUM_SMS, num_layers: int | None = None,
-             fuse: bool | None = None, lm_head: bool = True) -> StepProgram:
+             fuse: bool | None = None, lm_head: bool = True, fold: bool = False) -> StepProgram:
     config = get_preset(name)
     if num_layers is not None:
         config = dataclasses.replace(config, num_layers=num_layers)
     layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, num_sms),
                         block_size=BLOCK_SIZE, max_blocks_per_seq=BLOCKS_PER_SEQ, num_sms=num_sms,
-                        fuse_attn_reduce=fuse)
+                        fuse_attn_reduce=fuse, fold_embed=fold)
     return build_program(layout, lm_head=lm_head)
 
 
@@ -52,7 +52,8 @@ def _what(program: StepProgram, policy: str | None = None) -> str:
     lay = program.layout
     pol = f" policy={policy}" if policy else ""
     return (f"{lay.config.name} L={lay.config.num_layers} batch={lay.batch} splits={lay.kv_splits} "
-            f"sms={lay.num_sms} fused_reduce={lay.fused_reduce} lm_head={program.has_lm_head}{pol} "
+            f"sms={lay.num_sms} fused_reduce={lay.fused_reduce} embed_folded={lay.embed_folded} "
+            f"lm_head={program.has_lm_head}{pol} "
             f"({len(program.instructions)} instructions)")
 
 
@@ -67,6 +68,19 @@ def _stage_rows(config: ModelConfig, op: Opcode) -> int:
         Opcode.DOWN: config.hidden_size,
         Opcode.LM_HEAD: config.vocab_size,
     }[op]
+
+
+def _producer_stages(ins: Instruction, num_layers: int, fused: bool, folded: bool = False) -> set | None:
+    """{(opcode, layer)} of the stages whose outputs `ins` consumes first: what it must wait for. With the
+    attention merge folded into O_PROJ (fused), O_PROJ consumes the partials. With the embedding folded
+    into layer 0's QKV (folded), those tiles read the embedding table and wait on nothing, and layer 0's
+    attention waits on them and on EMBED (x[0], layer 0's residual, read by O_PROJ after it)."""
+    if folded and ins.layer == 0 and ins.opcode == Opcode.QKV:
+        return None
+    if folded and ins.layer == 0 and ins.opcode == Opcode.ATTN_PARTIAL:
+        return {(Opcode.QKV, 0), (Opcode.EMBED, 0)}
+    one = _producer_stage(ins, num_layers, fused)
+    return None if one is None else {one}
 
 
 def _producer_stage(ins: Instruction, num_layers: int, fused: bool) -> tuple[Opcode, int] | None:
@@ -101,22 +115,25 @@ def check_program(program: StepProgram) -> None:
         assert 0 <= ins.signal_id < program.num_counters, f"{what}: #{ins.index} {ins.opcode.name} signals nothing"
         signallers[ins.signal_id].append(ins)
         stage_size[(ins.opcode, ins.layer)] += 1
+    folded = layout.embed_folded
     for counter, group in signallers.items():
         stages = {(i.opcode, i.layer) for i in group}
-        assert len(stages) == 1, f"{what}: counter {counter} is signalled by several stages {stages}"
+        allowed = {frozenset({(Opcode.QKV, 0), (Opcode.EMBED, 0)})} if folded else set()
+        assert len(stages) == 1 or frozenset(stages) in allowed, \
+            f"{what}: counter {counter} is signalled by several stages {stages}"
 
     for ins in instrs:
-        producer = _producer_stage(ins, config.num_layers, layout.fused_reduce)
+        producers = _producer_stages(ins, config.num_layers, layout.fused_reduce, folded)
         name = f"{what}: #{ins.index} {ins.opcode.name} layer {ins.layer}"
-        if producer is None:
+        if producers is None:
             assert ins.wait_id == NO_COUNTER, f"{name} waits on counter {ins.wait_id}"
             continue
         assert 0 <= ins.wait_id < program.num_counters, f"{name} waits on no counter"
         group = signallers[ins.wait_id]
-        assert {(i.opcode, i.layer) for i in group} == {producer}, \
-            f"{name} waits on {[(i.opcode.name, i.layer) for i in group[:1]]}, its producer is {producer}"
-        assert ins.wait_count == len(group) == stage_size[producer], \
-            f"{name} waits for {ins.wait_count}, the stage {producer} has {len(group)} instructions"
+        assert {(i.opcode, i.layer) for i in group} == producers, \
+            f"{name} waits on {sorted({(i.opcode.name, i.layer) for i in group})}, its producers are {producers}"
+        assert ins.wait_count == len(group) == sum(stage_size[p] for p in producers), \
+            f"{name} waits for {ins.wait_count}, the stages {producers} have {len(group)} instructions"
         late = [i.index for i in group if i.index >= ins.index]
         assert not late, f"{name} precedes its producers {late[:4]} in the global order"
 
@@ -160,6 +177,9 @@ def check_program(program: StepProgram) -> None:
                 f"{what}: layer {layer} attention reductions do not cover (sequence, kv head) once each"
             assert o_proj_a3 == {0}, f"{what}: layer {layer} O_PROJ a3 {o_proj_a3} without the folded merge"
     assert stage_size[(Opcode.EMBED, 0)] == 1, what
+    qkv0_a3 = {i.a3 for i in by_stage[(Opcode.QKV, 0)]}
+    assert qkv0_a3 == ({1} if folded else {0}), f"{what}: layer 0 QKV a3 {qkv0_a3}"
+    assert all(i.a3 == 0 for i in instrs if i.opcode == Opcode.QKV and i.layer > 0), what
 
 
 def check_queues(program: StepProgram, queues: list[list[Instruction]], policy: str) -> None:
@@ -185,13 +205,15 @@ def check_queues(program: StepProgram, queues: list[list[Instruction]], policy: 
 
 # ---- every preset, every batch, both policies ------------------------------------------------------------
 
-@pytest.mark.parametrize("fuse", (None, False), ids=("fused-reduce", "reduce-stage"))
+@pytest.mark.parametrize("fuse,fold", [(None, False), (False, False), (None, True)],
+                         ids=("fused-reduce", "reduce-stage", "fused-reduce-folded-embed"))
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("name", TINY_PRESETS)
-def test_tiny_presets_fully(name, batch, fuse):
+def test_tiny_presets_fully(name, batch, fuse, fold):
     for num_sms in (NUM_SMS, FEW_SMS):
-        program = _program(name, batch, num_sms, fuse=fuse)
+        program = _program(name, batch, num_sms, fuse=fuse, fold=fold)
         assert program.layout.fused_reduce == (fuse is None), _what(program)
+        assert program.layout.embed_folded == fold, _what(program)
         check_program(program)
         races = find_races(program)
         assert races == [], f"{_what(program)}: {races}"
@@ -209,11 +231,29 @@ def test_real_presets_program_and_queues(name, batch):
         check_queues(program, assign(program, policy), policy)
 
 
+@pytest.mark.parametrize("fold", (False, True), ids=("embed-stage", "folded-embed"))
 @pytest.mark.parametrize("name,batch", [(name, 1) for name in REAL_PRESETS] + [("qwen3-0.6b", 8)])
-def test_real_preset_shapes_are_race_free(name, batch):
-    program = _program(name, batch, num_layers=2)
+def test_real_preset_shapes_are_race_free(name, batch, fold):
+    program = _program(name, batch, num_layers=2, fold=fold)
+    check_program(program)
     races = find_races(program)
     assert races == [], f"{_what(program)}: {races}"
+
+
+@pytest.mark.parametrize("change", ("attention-one-short", "qkv0-waits-on-x"))
+def test_find_races_catches_a_folded_embed_with_a_missing_edge(change):
+    """With the embedding folded into layer 0's QKV, EMBED is ordered before O_PROJ (which reads x[0]) only
+    through layer 0's attention waiting for EMBED's signal too; a count one short leaves x[0] unordered.
+    And a layer-0 QKV tile that reads x[0] (a3 = 0) while waiting on nothing races EMBED."""
+    program = _program("tiny-llama", 2, FEW_SMS, fold=True)
+    out = list(program.instructions)
+    for i, ins in enumerate(out):
+        if change == "attention-one-short" and ins.opcode == Opcode.ATTN_PARTIAL and ins.layer == 0:
+            out[i] = dataclasses.replace(ins, wait_count=ins.wait_count - 1)
+        if change == "qkv0-waits-on-x" and ins.opcode == Opcode.QKV and ins.layer == 0 and ins.a2 == 0:
+            out[i] = dataclasses.replace(ins, a3=0)
+    races = find_races(dataclasses.replace(program, instructions=tuple(out)))
+    assert races, f"{change}: no race found"
 
 
 def test_every_preset_is_covered():

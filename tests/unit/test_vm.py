@@ -240,3 +240,25 @@ def test_vm_without_lm_head_ends_at_the_same_x_L(case):
         assert torch.equal(mine[written], theirs[written]), f"{what}: {name} differs"
     with pytest.raises(RuntimeError, match="lm_head=False"):
         bare.step(tokens, positions, table)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("order", ["round-robin", "reverse"])
+def test_vm_with_the_embedding_folded_into_layer_0_gives_the_same_steps(name, order):
+    """fold_embed: layer 0's QKV tiles read embed[token] themselves and wait on nothing. Same arithmetic
+    on the same float32 values as reading x[0], so the logits equal the unfolded program's bit for bit,
+    step after step, with the VM checking every counter before each instruction."""
+    weights = random_weights(get_preset(name), seed=12, dtype=torch.float32)
+    plain = VMDecoder(weights, 3, 32, num_sms=7, kv_splits=2)
+    folded = VMDecoder(weights, 3, 32, num_sms=7, kv_splits=2, fold_embed=True)
+    assert folded.layout.embed_folded and not plain.layout.embed_folded
+    table = contiguous_block_table(3, 32, 16)
+    gen = torch.Generator().manual_seed(12)
+    tokens = torch.randint(0, weights.config.vocab_size, (3,), generator=gen)
+    positions = torch.zeros(3, dtype=torch.long)
+    for t in range(5):
+        got = folded.step(tokens, positions, table, order=order)
+        want = plain.step(tokens, positions, table, order=order)
+        assert not torch.isnan(got[1]).any(), f"{name} step {t}: logits not written"
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), f"{name} {order} step {t}"
+        tokens, positions = want[0].long(), positions + 1
