@@ -54,6 +54,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START = time.perf_counter()
 MK_ARCH = {"LlamaForCausalLM": "MegakernelLlamaForCausalLM", "Qwen3ForCausalLM": "MegakernelQwen3ForCausalLM"}
 PATHS = ("stock", "plugin")
+# below this, a path with --parity or --profile gets a warning: 159 s per path (--budget 330) stopped both
+# paths right after CUDA-graph capture on the H200 (llama-3.2-1b shape, 2026-11-30)
+MIN_PATH_SECONDS = 240.0
 TOP_K = 5
 # Stock vLLM keeps bf16 activations and a bf16 residual stream, the megakernel float32 activations:
 # on random-weight models that is ~1% relative logit error per side, at a logit spread of ~0.5-1.
@@ -625,6 +628,10 @@ def run_workers(script: str, args: argparse.Namespace, model_dir: str, extra_arg
         # the host reaches no network: nothing may wait on a hub or a usage-stats server
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
         env.pop("MEGAKERNEL_VLLM", None)   # the stock path must stay stock: the plugin path uses hf_overrides
+        if timeout < MIN_PATH_SECONDS and ("--parity" in extra_args or args.profile):
+            print(f"[{args.preset}] {path}: warning: {timeout:.0f} s for this path; with --parity or --profile "
+                  f"give each path at least {MIN_PATH_SECONDS:.0f} s: run the paths in separate calls "
+                  f"(--paths stock, then --paths plugin; results are kept under {cache})", flush=True)
         print(f"[{args.preset}] {path}: starting (at most {timeout:.0f} s; log {log})", flush=True)
         t0 = time.perf_counter()
         with open(log, "w") as lf:
