@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU host: stage the CuTe DSL bundle, run the GPU test suite and the benchmarks,
-# and write every log under $OUT. Usage: bash tools/gpu_run.sh [tests|bench|smoke|all] [extra args]
+# and write every log under $OUT. Usage: bash tools/gpu_run.sh [tests|tests-par|bench|sweep|smoke|all] [extra args]
 set -uo pipefail
 source tools/gpu_env.sh
 what=${1:-all}; shift || true
@@ -19,6 +19,16 @@ case "$what" in
     for f in "$OUT"/tests_stages.log "$OUT"/tests_e2e.log "$OUT"/tests_rest.log; do
       echo "== $f"; tail -n 15 "$f"; done ;;
   bench) python3 -m pytest -m perf -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/perf.log" ;;
+  sweep)
+    # the variants profiles/RESULTS.md plans to compare; each sweep checks its variants' logits first
+    S="python3 tools/gpu_sweep.py"
+    B1="default: p64:smem_prefix=65536 p32:smem_prefix=32768 fold:fold_embed=1 both:fold_embed=1,smem_prefix=65536"
+    { $S llama-3.2-1b 1 $B1 ks2:kv_splits=2
+      $S qwen3-0.6b 1 $B1 --no-trace
+      $S llama-3.1-8b 1 $B1 --no-trace
+      $S qwen3-0.6b 4 default: p64:smem_prefix=65536 u2:unroll=2 --no-trace
+      $S llama-3.2-1b 6 default: slabs:slabs=1 --no-trace
+    } 2>&1 | grep -v Warn | tee "$OUT/sweep.log" ;;
   all)
     python3 -m pytest -m "gpu and not perf" -q -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
     python3 -m pytest -m perf -q -p no:cacheprovider 2>&1 | tee "$OUT/perf.log" ;;
