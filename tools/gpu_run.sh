@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU host: stage the CuTe DSL bundle, run the GPU test suite and the benchmarks,
-# and write every log under $OUT. Usage: bash tools/gpu_run.sh [tests|tests-par|bench|sweep|smoke|all] [extra args]
+# and write every log under $OUT. Usage: bash tools/gpu_run.sh [tests|tests-par|bench|sweep|vllm|smoke|all] [extra args]
 set -uo pipefail
 source tools/gpu_env.sh
 what=${1:-all}; shift || true
@@ -10,7 +10,8 @@ case "$what" in
   smoke) python3 tools/gpu_smoke.py "$@" 2>&1 | tee "$OUT/smoke.log" ;;
   tests) python3 -m pytest -m "gpu and not perf" -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/tests.log" ;;
   tests-par)
-    sel=(-m "gpu and not perf" -q -p no:cacheprovider -o junit_family=xunit1)
+    # (vLLM parity, ~4 min a model, has its own stage below: vllm)
+    sel=(-m "gpu and not perf and not vllm" -q -p no:cacheprovider -o junit_family=xunit1)
     python3 -m pytest "${sel[@]}" tests/unit/test_stages.py --junitxml="$OUT/junit_stages.xml" "$@" > "$OUT/tests_stages.log" 2>&1 &
     python3 -m pytest "${sel[@]}" tests/e2e --junitxml="$OUT/junit_e2e.xml" "$@" > "$OUT/tests_e2e.log" 2>&1 &
     python3 -m pytest "${sel[@]}" tests/unit --ignore=tests/unit/test_stages.py --junitxml="$OUT/junit_rest.xml" "$@" \
@@ -19,6 +20,13 @@ case "$what" in
     for f in "$OUT"/tests_stages.log "$OUT"/tests_e2e.log "$OUT"/tests_rest.log; do
       echo "== $f"; tail -n 15 "$f"; done ;;
   bench) python3 -m pytest -m perf -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/perf.log" ;;
+  vllm)
+    # after `source tools/vllm_bundle.sh stage` (docs/vllm.md); one preset's parity per call (~4 min):
+    # bash tools/gpu_run.sh vllm llama-3.2-1b, then bash tools/gpu_run.sh vllm qwen3-0.6b
+    preset=${1:-llama-3.2-1b}; shift || true
+    { python3 -m pytest -m vllm -q -p no:cacheprovider -rs tests/unit/test_vllm_plugin.py "$@"
+      python3 -m pytest -m vllm -q -p no:cacheprovider -rs tests/e2e/test_vllm_parity.py -k "$preset" "$@"
+    } 2>&1 | tee "$OUT/vllm_tests_$preset.log" ;;
   sweep)
     # the variants profiles/RESULTS.md plans to compare; each sweep checks its variants' logits first
     S="python3 tools/gpu_sweep.py"

@@ -1,0 +1,73 @@
+"""vLLM with the megakernel plugin against stock vLLM, on the GPU host (markers `gpu`, `vllm`, `slow`).
+
+tools/vllm_parity.py runs both paths on one model directory (a preset-shaped checkpoint of seeded random
+weights, as save_pretrained writes it), each vLLM engine in its own process: stock (default compilation)
+and the plugin switched on by `hf_overrides` (FULL_DECODE_ONLY CUDA graphs). Two workloads, greedy with
+the top-5 logprobs of every step: one 32-token prompt for 128 tokens (batch 1), and 12 prompts of
+different lengths through max_num_seqs=8 (prefill chunks and decodes of 1-8 requests interleaved, one
+shared paged cache). The judgement (tools/vllm_parity.compare, unit-tested in tests/unit/test_vllm_tools.py)
+is check_logprobs_close's: same tokens until the first step where stock's top-2 gap is below 0.1, there
+each token in the other's top 5, and sampled logprobs within 0.1 while they agree.
+
+One model per call of the GPU host (about four minutes each): `bash tools/gpu_run.sh vllm llama-3.2-1b`,
+then `bash tools/gpu_run.sh vllm qwen3-0.6b` (after staging the vLLM bundle, docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOOL = os.path.join(REPO, "tools", "vllm_parity.py")
+BUDGET_S = 540          # the tool splits it between the two paths; the host allows 600 s per call
+
+# (workload, requests, fewest steps that must be compared: the comparison may stop at a near-tie, but a
+# run that compares almost nothing proves nothing)
+WORKLOADS = {"batch1": (1, 8), "mixed": (12, 96)}
+
+
+def _skip_reason() -> str | None:
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return "the megakernel needs an sm_90 (Hopper) GPU"
+    return None
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["llama-3.2-1b", "qwen3-0.6b"])
+def test_plugin_path_matches_stock_vllm(preset, tmp_path):
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "out"
+    cmd = [sys.executable, TOOL, "--preset", preset, "--out", str(out), "--models", str(tmp_path / "models"),
+           "--budget", str(BUDGET_S)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=BUDGET_S + 45)
+    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
+    report_path = out / f"vllm_parity_{preset}.json"
+    assert report_path.exists(), f"{preset}: no parity report (exit {proc.returncode}):\n{tail}"
+    report = json.loads(report_path.read_text())
+    assert report.get("megakernel_used") is True, \
+        f"{preset}: the plugin path did not run decode steps through the megakernel: {report.get('megakernel')}"
+    workloads = report.get("parity", {}).get("workloads", {})
+    for name, (requests, min_steps) in WORKLOADS.items():
+        w = workloads.get(name)
+        assert w is not None, f"{preset}: workload {name} missing from the report:\n{tail}"
+        bad = [r for r in w.get("per_request", []) if not r["ok"]]
+        assert w["ok"] and not bad, f"{preset} {name}: requests out of parity: {bad[:3]}"
+        assert w["requests"] == requests, f"{preset} {name}: {w['requests']} requests compared, {requests} sent"
+        assert w["steps_compared"] >= min_steps, \
+            f"{preset} {name}: only {w['steps_compared']} steps compared before the first near-tie"
+    assert report["parity"]["ok"] and proc.returncode == 0, f"{preset}: exit {proc.returncode}:\n{tail}"
