@@ -30,7 +30,8 @@ case "$what" in
   sweep)
     # the variants profiles/RESULTS.md plans to compare; each sweep checks its variants' logits first
     S="python3 tools/gpu_sweep.py"
-    B1="default: p64:smem_prefix=65536 p32:smem_prefix=32768 fold:fold_embed=1 both:fold_embed=1,smem_prefix=65536"
+    B1="default: p64:smem_prefix=65536 p32:smem_prefix=32768 fold:fold_embed=1 par:parallel_argmax=1
+        all:fold_embed=1,smem_prefix=65536,parallel_argmax=1"
     { $S llama-3.2-1b 1 $B1 ks2:kv_splits=2
       $S qwen3-0.6b 1 $B1 --no-trace
       $S llama-3.1-8b 1 $B1 --no-trace

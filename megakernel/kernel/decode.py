@@ -84,6 +84,7 @@ class KernelOptions:
                                              # registers: 8 at batch 1 or 8 warps, 4 up to batch 4, else 2)
     preload: int = 1                         # work items per warp whose weight loads are issued before the
                                              # matvec's wait (0: none; at most the items of one step)
+    parallel_argmax: bool = False            # ARGMAX reduces the LM head tiles with every thread, not one per sequence
     smem_prefix: int = 0                     # bytes per buffer (two buffers) of the next matvec tile's first
                                              # rows, bulk-copied into shared memory one instruction ahead
                                              # (0: off; shrunk to the shared memory left; replaces preload)
@@ -477,7 +478,7 @@ class DecodeKernel:
                     if op == OP_ATTN_REDUCE:
                         self.attn_reduce(tidx, layer, a0, a1, a3, attn_part_o, attn_part_lse, attn_out)
                     if op == OP_ARGMAX:
-                        self.argmax(tidx, a0, lm_max, lm_idx, out_tokens, tokens, positions)
+                        self.argmax(tidx, warp, lane, a0, lm_max, lm_idx, out_tokens, tokens, positions, s_wv, s_wi)
 
             # ---- signal: every thread's stores precede the barrier; the release orders them
             cute.arch.sync_threads()
@@ -1261,8 +1262,55 @@ class DecodeKernel:
             st_f32(attn_out + ((Int64(layer) * self.B + Int64(b)) * self.Q + Int64(head * D + d)) * 4, acc_o / tot)
 
     @cute.jit
-    def argmax(self, tidx: Int32, num_tiles: Int32, lm_max: Int64, lm_idx: Int64, out_tokens: Int64,
-               tokens: Int64, positions: Int64):
+    def argmax(self, tidx: Int32, warp: Int32, lane: Int32, num_tiles: Int32, lm_max: Int64, lm_idx: Int64,
+               out_tokens: Int64, tokens: Int64, positions: Int64, s_wv: cute.Tensor, s_wi: cute.Tensor):
+        """Per sequence, the (max, lowest index among equal maxima) over the LM head tiles' results, then
+        the next token is written and the inputs advanced. One thread per sequence scans the tiles, or
+        (parallel_argmax) every thread takes some tiles and warps and then the CTA reduce them with the
+        same comparison, which is associative: the same token either way."""
+        if cutlass.const_expr(self.options.parallel_argmax):
+            self.argmax_parallel(tidx, warp, lane, num_tiles, lm_max, lm_idx, out_tokens, tokens, positions, s_wv,
+                                 s_wi)
+        else:
+            self.argmax_serial(tidx, num_tiles, lm_max, lm_idx, out_tokens, tokens, positions)
+
+    @cute.jit
+    def argmax_parallel(self, tidx: Int32, warp: Int32, lane: Int32, num_tiles: Int32, lm_max: Int64,
+                        lm_idx: Int64, out_tokens: Int64, tokens: Int64, positions: Int64, s_wv: cute.Tensor,
+                        s_wi: cute.Tensor):
+        for b in cutlass.range_constexpr(self.B):
+            bv = Float32(-math.inf)
+            bi = Int32(0x7FFFFFFF)
+            for t in range(tidx, num_tiles, self.threads):
+                v = ld_f32(lm_max + (Int64(b) * self.T + Int64(t)) * 4)
+                vi = ld_i32(lm_idx + (Int64(b) * self.T + Int64(t)) * 4)
+                if v > bv or (v == bv and vi < bi):
+                    bv = v
+                    bi = vi
+            for off in [16, 8, 4, 2, 1]:
+                ov = cute.arch.shuffle_sync_bfly(bv, offset=off)
+                oi = cute.arch.shuffle_sync_bfly(bi, offset=off)
+                if ov > bv or (ov == bv and oi < bi):
+                    bv = ov
+                    bi = oi
+            if lane == 0:
+                s_wv[warp * self.B + b] = bv
+                s_wi[warp * self.B + b] = bi
+        cute.arch.sync_threads()
+        if tidx < self.B:
+            cv = Float32(-math.inf)
+            ci = Int32(0x7FFFFFFF)
+            for w in range(self.warps):
+                wv = s_wv[w * self.B + tidx]
+                wi = s_wi[w * self.B + tidx]
+                if wv > cv or (wv == cv and wi < ci):
+                    cv = wv
+                    ci = wi
+            self.emit_token(tidx, ci, out_tokens, tokens, positions)
+
+    @cute.jit
+    def argmax_serial(self, tidx: Int32, num_tiles: Int32, lm_max: Int64, lm_idx: Int64, out_tokens: Int64,
+                      tokens: Int64, positions: Int64):
         if tidx < self.B:
             bv = Float32(-math.inf)
             bi = Int32(0x7FFFFFFF)
@@ -1272,7 +1320,11 @@ class DecodeKernel:
                 if v > bv or (v == bv and vi < bi):
                     bv = v
                     bi = vi
-            st_i32(out_tokens + Int64(tidx) * 4, bi)
-            # advance the inputs: the next launch decodes the token just chosen, one position on
-            st_i32(tokens + Int64(tidx) * 4, bi)
-            st_i32(positions + Int64(tidx) * 4, ld_i32(positions + Int64(tidx) * 4) + 1)
+            self.emit_token(tidx, bi, out_tokens, tokens, positions)
+
+    @cute.jit
+    def emit_token(self, b: Int32, token: Int32, out_tokens: Int64, tokens: Int64, positions: Int64):
+        st_i32(out_tokens + Int64(b) * 4, token)
+        # advance the inputs: the next launch decodes the token just chosen, one position on
+        st_i32(tokens + Int64(b) * 4, token)
+        st_i32(positions + Int64(b) * 4, ld_i32(positions + Int64(b) * 4) + 1)

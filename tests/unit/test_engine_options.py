@@ -528,13 +528,14 @@ def test_bare_launch_uses_the_engines_own_contiguous_block_table(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ("smem_prefix", "fold_embed", "both"))
+@pytest.mark.parametrize("variant", ("smem_prefix", "fold_embed", "parallel_argmax", "both"))
 @pytest.mark.parametrize("name", ("tiny-llama", "llama-3.2-1b", "qwen3-0.6b"))
 def test_opt_in_kernel_variants_give_the_logits_of_the_default_engine(name, variant):
     """smem_prefix changes where a unit's weights come from (shared memory instead of HBM), fold_embed
-    where layer 0's QKV reads its input (the embedding table instead of x[0]); neither changes the
-    arithmetic: the same steps give bit-identical logits and tokens, on fresh random inputs, with the
-    logits poisoned before every launch."""
+    where layer 0's QKV reads its input (the embedding table instead of x[0]), parallel_argmax how the
+    tiles' (max, index) pairs are reduced (an associative comparison); none changes the arithmetic: the
+    same steps give bit-identical logits and tokens, on fresh random inputs, with the logits poisoned
+    before every launch."""
     from megakernel.kernel.decode import KernelOptions
     from megakernel.runtime.engine import MegakernelEngine
 
@@ -544,11 +545,13 @@ def test_opt_in_kernel_variants_give_the_logits_of_the_default_engine(name, vari
     ref = MegakernelEngine(weights, batch, MAX_SEQ_LEN, block_size=BLOCK_SIZE, device=GPU)
     kw = {}
     if variant in ("smem_prefix", "both"):
-        kw["options"] = KernelOptions(smem_prefix=64 * 1024)
+        kw["options"] = KernelOptions(smem_prefix=64 * 1024, parallel_argmax=variant == "both")
+    if variant == "parallel_argmax":
+        kw["options"] = KernelOptions(parallel_argmax=True)
     if variant in ("fold_embed", "both"):
         kw["fold_embed"] = True
     pre = MegakernelEngine(weights, batch, MAX_SEQ_LEN, block_size=BLOCK_SIZE, device=GPU, **kw)
-    assert pre.compiled is not None and pre.layout.embed_folded == (variant != "smem_prefix")
+    assert pre.compiled is not None and pre.layout.embed_folded == (variant in ("fold_embed", "both"))
     table = contiguous_block_table(batch, MAX_SEQ_LEN, BLOCK_SIZE, GPU)
     gen = torch.Generator().manual_seed(43)
     for t in range(6):

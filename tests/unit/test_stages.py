@@ -644,6 +644,18 @@ def test_stages_on_gpu_match_reference_with_slab_staging(case):
     run_gpu_stages(case, slab_staging=True, expect_slabs=True)
 
 
+@pytest.mark.gpu
+@settings(max_examples=GPU_EXAMPLES)
+@given(case=GPU_CASES)
+def test_stages_on_gpu_match_reference_with_opt_in_kernel_options(case):
+    """The same properties with the opt-in kernel paths: tile prefixes bulk-copied into shared memory
+    (each instruction's prefix is issued while the one before it runs, as in a step) and the ARGMAX
+    reduction spread over every thread (its planted ties must still go to the lowest index)."""
+    from megakernel.kernel.decode import KernelOptions
+
+    run_gpu_stages(case, options=KernelOptions(smem_prefix=64 * 1024, parallel_argmax=True))
+
+
 def run_gpu_stages(case: StageCase, expect_slabs: bool = False, **engine_kw) -> None:
     bench, engine = _gpu_bench(case, **engine_kw)
     if expect_slabs:
