@@ -195,9 +195,9 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
                    "best = (ins.a0 - 1) - b.lm_max[:, :ins.a0].flip(1).argmax(dim=1)"),),
             (stage_probe("test_argmax_stage"), VM_PROBE, E2E_CPU_PROBE),
             (Patch(KERNEL, "if v > bv or (v == bv and vi < bi):\n                    bv = v\n                    bi = vi\n"
-                           "            st_i32(out_tokens",
+                           "            self.emit_token(",
                    "if v > bv or (v == bv and vi > bi):\n                    bv = v\n                    bi = vi\n"
-                   "            st_i32(out_tokens"),))
+                   "            self.emit_token("),))
 )
 
 BY_NAME = {m.name: m for m in MUTATIONS}
