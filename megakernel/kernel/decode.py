@@ -234,9 +234,9 @@ class DecodeKernel:
         self.raw_words = self.items_per_step * self.unroll * 4
         # (the slab path, batch 5-8, has no registers to spare for loads held across the wait)
         self.preload_items = 0 if self.slabs else min(max(0, int(options.preload)), self.items_per_step)
-        if self.qk_norm and 3 <= self.B <= 4 and self.unroll == 4:
-            # preloaded registers beside QK-norm attention's at 4 passes per unit: ptxas spills 3-8
-            # instructions (qwen3-0.6b, batch 3-4); tests/unit/test_kernel_compile.py checks every batch
+        if self.qk_norm and self.B == 4 and self.unroll == 4:
+            # preloaded registers beside QK-norm attention's at 4 passes per unit: ptxas spills 8
+            # instructions (qwen3-0.6b, batch 4); tests/unit/test_kernel_compile.py checks every batch
             self.preload_items = 0
         # Tile prefixes in shared memory (smem_prefix): while a CTA waits on and runs instruction i, the
         # copy engine brings the first rows of instruction i+1's weight tile into one of two buffers, so
@@ -321,7 +321,7 @@ class DecodeKernel:
         lane = tidx % 32
 
         smem = cutlass.utils.SmemAllocator()
-        s_ctrl = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=16)       # epoch, abort
+        s_ctrl = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=16)       # epoch, abort, queue length, stop
         s_red = smem.allocate_tensor(Float32, cute.make_layout((8,)), byte_alignment=16)
         s_ired = smem.allocate_tensor(Int32, cute.make_layout((8,)), byte_alignment=16)
         s_wv = smem.allocate_tensor(Float32, cute.make_layout((self.warps * 8,)), byte_alignment=16)
@@ -356,9 +356,12 @@ class DecodeKernel:
         if tidx == 0:
             s_ctrl[0] = ld_i32(sync)
             s_ctrl[1] = Int32(0)
+            s_ctrl[3] = Int32(0)
         cute.arch.sync_threads()
-        epoch = s_ctrl[0]
+        # (the epoch stays in s_ctrl[0] and is read where used: one register less across the loop)
         n = ld_i32(lengths + Int64(sm) * 4)
+        if tidx == 0:
+            s_ctrl[2] = n        # the loop reads the queue length from here (a register less across it)
         qbase = queue + Int64(sm) * (self.max_queue_len * WORDS * 4)
         for wi in range(tidx, n * WORDS, self.threads):
             s_queue[wi] = ld_i32(qbase + Int64(wi) * 4)
@@ -380,8 +383,11 @@ class DecodeKernel:
                                               w_down, w_lm_head)
 
         i = Int32(0)
-        aborted = Int32(0)
-        while i < n and aborted == 0:
+        # Loop state in shared memory, not registers: s_ctrl[2] the queue length, s_ctrl[3] the stop flag.
+        # Thread 0 sets s_ctrl[1] on a failed wait, before the barrier after the wait, and copies it to
+        # s_ctrl[3] between that barrier and the one ending the instruction, so every thread reads the
+        # same stop flag at the top of the next iteration.
+        while i < s_ctrl[2] and s_ctrl[3] == 0:
             ins = i * WORDS
             op = s_queue[ins + W_OPCODE]
             layer = s_queue[ins + W_LAYER]
@@ -397,13 +403,13 @@ class DecodeKernel:
 
             if cutlass.const_expr(self.options.prefetch):
                 ahead = self.options.prefetch_ahead
-                if tidx == 0 and i + ahead < n:
+                if tidx == 0 and i + ahead < s_ctrl[2]:
                     self.prefetch_instruction(s_queue, ins + ahead * WORDS, w_qkv, w_o, w_gate_up, w_down,
                                               w_lm_head)
 
             # ---- the next instruction's tile prefix: into the buffer this one does not use
             if cutlass.const_expr(self.prefix_bytes > 0):
-                if i + 1 < n:
+                if i + 1 < s_ctrl[2]:
                     pf_issued = self.issue_prefix(tidx, s_queue, ins + WORDS, pf_issued, wb, mb, w_qkv, w_o,
                                                   w_gate_up, w_down, w_lm_head)
 
@@ -429,7 +435,7 @@ class DecodeKernel:
             # ---- wait for the producing stage (thread 0 spins, the CTA barrier broadcasts)
             wait_id = s_queue[ins + W_WAIT_ID]
             if tidx == 0 and wait_id >= 0:
-                target = (epoch + 1) * s_queue[ins + W_WAIT_COUNT]
+                target = (s_ctrl[0] + 1) * s_queue[ins + W_WAIT_COUNT]
                 caddr = counters + Int64(wait_id) * 4
                 seen = load_acquire(caddr)
                 t0 = cute.arch.globaltimer()
@@ -446,6 +452,8 @@ class DecodeKernel:
                     s_ctrl[1] = Int32(1)
             cute.arch.sync_threads()
             aborted = s_ctrl[1]
+            if tidx == 0:
+                s_ctrl[3] = aborted
             if cutlass.const_expr(self.options.trace):
                 t_ready = globaltimer_lo()
 
@@ -483,7 +491,7 @@ class DecodeKernel:
             # ---- signal: every thread's stores precede the barrier; the release orders them
             cute.arch.sync_threads()
             signal_id = s_queue[ins + W_SIGNAL_ID]
-            if tidx == 0 and aborted == 0 and signal_id >= 0:
+            if tidx == 0 and s_ctrl[1] == 0 and signal_id >= 0:
                 red_release_add(counters + Int64(signal_id) * 4, Int32(1))
             if cutlass.const_expr(self.options.trace):
                 if tidx == 0:
@@ -509,7 +517,7 @@ class DecodeKernel:
             done = atomic_add_acq_rel(sync + 4, Int32(1))
             if done == self.num_sms - 1:
                 store_relaxed(sync + 4, Int32(0))
-                store_relaxed(sync, epoch + 1)
+                store_relaxed(sync, s_ctrl[0] + 1)
 
     @cute.jit
     def prefetch_instruction(self, s_queue: cute.Tensor, ins: Int32, w_qkv: Int64, w_o: Int64,

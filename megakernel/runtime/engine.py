@@ -69,15 +69,6 @@ class ErrorWord:
         return f"unknown error code {self.code} at {what}"
 
 
-def default_slab_staging(batch: int) -> bool:
-    """Whether an engine stages matvec inputs wider than the staging buffer in column slabs (the
-    16-warp path) unless told: at batch 1-4 and 8, measured at batch 8 on the H200 (llama-3.2-1b 2.57
-    against 3.59 ms per step). At batch 5-7 the slab kernels of the llama shapes spill registers (3-12
-    local-memory instructions at 128 registers), so those batches keep the 8-warp path by default
-    (tests/unit/test_kernel_compile.py compiles every batch of the engine's layouts)."""
-    return not 5 <= batch <= 7
-
-
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -90,7 +81,7 @@ class MegakernelEngine:
     def __init__(self, weights: ModelWeights, batch: int, max_seq_len: int, *, block_size: int = 16,
                  num_blocks: int | None = None, num_sms: int | None = None, policy: str = "balanced",
                  kv_splits: int | None = None, options: KernelOptions = KernelOptions(),
-                 fuse_attn_reduce: bool | None = None, slab_staging: bool | None = None, fold_embed: bool = False,
+                 fuse_attn_reduce: bool | None = None, slab_staging: bool = True, fold_embed: bool = False,
                  device: str | torch.device = "cuda",
                  own_kv_cache: bool = True, packed_weights: PackedWeights | None = None, lm_head: bool = True):
         config = weights.config
@@ -114,8 +105,6 @@ class MegakernelEngine:
             raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings="
                              f"{config.max_position_embeddings}")
         blocks_per_seq = -(-max_seq_len // block_size)
-        if slab_staging is None:
-            slab_staging = default_slab_staging(batch)
         self.layout = StepLayout(config=config, batch=batch,
                                  kv_splits=kv_splits or default_kv_splits(config, batch, num_sms, blocks_per_seq * block_size),
                                  block_size=block_size, max_blocks_per_seq=blocks_per_seq, num_sms=num_sms,

@@ -7,17 +7,19 @@ imported, so both are set here before anything imports it.
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import sys
 import tempfile
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-_DUMP_DIR = None
 if "cutlass" not in sys.modules and "CUTE_DSL_DUMP_DIR" not in os.environ:
-    # keep_artifacts writes the .ptx/.cubin files there (default: the working directory)
+    # keep_artifacts writes the .ptx/.cubin files there (default: the working directory); removed when
+    # the process exits, not with this module: later modules of the session compile into it as well
     _DUMP_DIR = tempfile.mkdtemp(prefix="megakernel-sass-")
     os.environ["CUTE_DSL_DUMP_DIR"] = _DUMP_DIR
+    atexit.register(shutil.rmtree, _DUMP_DIR, True)
 
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
@@ -42,13 +44,6 @@ MAX_SEQ_LEN = 256
 
 CASES = [(name, batch) for name in TINY_PRESETS + REAL_PRESETS for batch in BATCHES]
 REAL_CASES = [(name, batch) for name in REAL_PRESETS for batch in BATCHES]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _artifact_folder():
-    yield
-    if _DUMP_DIR is not None:
-        shutil.rmtree(_DUMP_DIR, ignore_errors=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,17 +120,15 @@ def test_no_local_memory_spills_on_real_presets(name, batch):
     assert art["usage"].get("frame_bytes", 0) == 0, f"{what}: a stack frame"
 
 
-# The batches between, as the engine lays them out by default (default_slab_staging). Register pressure
-# changes with the batch (accumulators, passes per unit, preload), so every batch is compiled.
+# The batches between, as the engine lays them out (slab_staging, its default). Register pressure
+# changes with the batch (accumulators, passes per unit, preload, slabs), so every batch is compiled.
 MID_CASES = [(name, batch) for name in REAL_PRESETS for batch in range(2, 8)]
 
 
 @pytest.mark.parametrize("name,batch", MID_CASES)
 def test_no_local_memory_spills_at_every_batch_of_the_engines_layout(name, batch):
-    from megakernel.runtime.engine import default_slab_staging
-
-    art = compiled(name, batch, slab_staging=default_slab_staging(batch))
-    what = _what(name, batch, art) + f" slab_staging={default_slab_staging(batch)}"
+    art = compiled(name, batch, slab_staging=True)
+    what = _what(name, batch, art) + " slab_staging"
     assert art["spills"] == 0, f"{what}: local-memory loads/stores in the SASS"
     assert art["usage"].get("frame_bytes", 0) == 0, f"{what}: a stack frame"
 
