@@ -2,8 +2,8 @@
 
 Device layout of a CTA: 16 warps where the matvec input is staged in shared memory, else 8. Each
 instruction:
-  1. a matvec's warps issue the 16-byte weight loads of their first work unit (weights never depend
-     on activations), and ATTN_PARTIAL its first cached token's K/V, before the wait below;
+  1. a matvec's warps issue the 16-byte weight loads of their first work unit before the wait below
+     (weights never depend on activations; opt-in: ATTN_PARTIAL its first cached token's K/V too);
   2. thread 0 spins (ld.acquire.gpu, bounded by globaltimer) until the counter it waits on reaches
      epoch-relative target; a timeout writes the error word and aborts the CTA's queue;
   3. the stage body runs (opcode dispatch by `if`; every body is inlined once);
@@ -504,13 +504,16 @@ class DecodeKernel:
                     st_i32(rec + 20, sm)
             i = i + 1
 
-        # ---- a CTA that stopped early (an error) lets its last tile prefix land before it exits
+        # ---- a CTA that stopped early (an error) lets its tile prefixes still in flight land before it
+        # exits: the aborted instruction's own and the next one's, at most two
         if cutlass.const_expr(self.prefix_bytes > 0):
-            if tidx == 0 and pf_issued > pf_used:
-                slot = pf_used % 2
-                landed = mbarrier_try_wait(mb + slot * 8, (pf_used // 2) % 2)
-                while landed == 0:
+            if tidx == 0:
+                while pf_used < pf_issued:
+                    slot = pf_used % 2
                     landed = mbarrier_try_wait(mb + slot * 8, (pf_used // 2) % 2)
+                    while landed == 0:
+                        landed = mbarrier_try_wait(mb + slot * 8, (pf_used // 2) % 2)
+                    pf_used = pf_used + 1
 
         # ---- the last CTA out advances the epoch for the next step
         if tidx == 0:
