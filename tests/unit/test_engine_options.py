@@ -7,40 +7,28 @@ a GPU), the signature the vLLM integration detects, and one sm_90a compile of th
 LM head (lm_tiles = 0). The program and the VM without LM head are tested in test_schedule.py and test_vm.py.
 GPU (marker `gpu`): the same options on real engines against engines without them, on the same inputs.
 
-CuTe DSL reads CUTE_DSL_ARCH and the artifact folder (CUTE_DSL_DUMP_DIR) once, when cutlass is first
-imported, so both are set here before anything imports it (and cutlass is only imported inside tests).
+The root conftest.py sets the target (CUTE_DSL_ARCH=sm_90a) and a private artifact folder before cutlass
+is first imported (cutlass is only imported inside tests).
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import inspect
-import os
 import re
-import shutil
-import sys
-import tempfile
 from types import SimpleNamespace
 
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-if "cutlass" not in sys.modules and "CUTE_DSL_DUMP_DIR" not in os.environ:
-    # keep_artifacts writes the .ptx/.cubin files there (default: the working directory)
-    _DUMP_DIR = tempfile.mkdtemp(prefix="megakernel-options-")
-    os.environ["CUTE_DSL_DUMP_DIR"] = _DUMP_DIR
-    atexit.register(shutil.rmtree, _DUMP_DIR, True)
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from megakernel.instructions.layout import (PackedWeights, StepLayout, allocate_buffers,  # noqa: E402
-                                            default_kv_splits, pack_weights, validate_packed_weights)
-from megakernel.integrations import vllm_model  # noqa: E402
-from megakernel.model.kv_cache import contiguous_block_table  # noqa: E402
-from megakernel.model.presets import get_preset  # noqa: E402
-from megakernel.model.weights import random_weights  # noqa: E402
-from megakernel.schedule import build_program  # noqa: E402
-from megakernel.testing.tolerances import assert_close  # noqa: E402
+from megakernel.instructions.layout import (PackedWeights, StepLayout, allocate_buffers, default_kv_splits,
+                                            pack_weights, validate_packed_weights)
+from megakernel.integrations import vllm_model
+from megakernel.model.kv_cache import contiguous_block_table
+from megakernel.model.presets import get_preset
+from megakernel.model.weights import random_weights
+from megakernel.schedule import build_program
+from megakernel.testing.tolerances import assert_close
 
 GPU = "cuda"
 BF16 = torch.bfloat16

@@ -1,39 +1,25 @@
 """The decode kernel compiles for sm_90a without a GPU, and the SASS is what a bandwidth-bound kernel needs:
 weight tiles streamed with 128-bit read-only loads that skip L1, and no local-memory spills on the real presets.
 
-CuTe DSL reads CUTE_DSL_ARCH (and the artifact folder, CUTE_DSL_DUMP_DIR) once, when cutlass is first
-imported, so both are set here before anything imports it.
+The root conftest.py sets the target (CUTE_DSL_ARCH=sm_90a) and a private artifact folder before cutlass
+is first imported.
 """
 
 from __future__ import annotations
 
-import atexit
-import os
-import shutil
-import sys
-import tempfile
+import dataclasses
+import functools
+import re
 
-os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-if "cutlass" not in sys.modules and "CUTE_DSL_DUMP_DIR" not in os.environ:
-    # keep_artifacts writes the .ptx/.cubin files there (default: the working directory); removed when
-    # the process exits, not with this module: later modules of the session compile into it as well
-    _DUMP_DIR = tempfile.mkdtemp(prefix="megakernel-sass-")
-    os.environ["CUTE_DSL_DUMP_DIR"] = _DUMP_DIR
-    atexit.register(shutil.rmtree, _DUMP_DIR, True)
+import pytest
 
-import dataclasses  # noqa: E402
-import functools  # noqa: E402
-import re  # noqa: E402
-
-import pytest  # noqa: E402
-
-from megakernel.instructions.layout import StepLayout, default_kv_splits  # noqa: E402
-from megakernel.instructions.record import serialize  # noqa: E402
-from megakernel.kernel.compile import (KernelKey, compile_decode_kernel, nvdisasm_path,  # noqa: E402
-                                       resource_usage, sass, spill_instructions)
-from megakernel.kernel.decode import DecodeKernel, KernelOptions  # noqa: E402
-from megakernel.model.presets import get_preset  # noqa: E402
-from megakernel.schedule import assign, build_program  # noqa: E402
+from megakernel.instructions.layout import StepLayout, default_kv_splits
+from megakernel.instructions.record import serialize
+from megakernel.kernel.compile import (KernelKey, compile_decode_kernel, nvdisasm_path, resource_usage, sass,
+                                       spill_instructions)
+from megakernel.kernel.decode import DecodeKernel, KernelOptions
+from megakernel.model.presets import get_preset
+from megakernel.schedule import assign, build_program
 
 TINY_PRESETS = ("tiny-llama", "tiny-qwen3")
 REAL_PRESETS = ("llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b")
