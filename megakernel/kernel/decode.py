@@ -37,7 +37,7 @@ from ..instructions.record import (W_A0, W_A1, W_A2, W_A3, W_INDEX, W_LAYER, W_O
 from .ptx import (atomic_add_acq_rel, atomic_cas, bulk_copy_g2s, fence_proxy_async_shared, load_acquire,
                   load_f32x4, load_shared_raw, load_weights_bf16x8, load_weights_raw, mbarrier_arrive_expect_tx,
                   mbarrier_init, mbarrier_init_fence, mbarrier_try_wait, prefetch_l2, red_release_add,
-                  store_relaxed, unpack_bf16x8, warp_sum)
+                  store_relaxed, unpack_bf16x8, warp_max_index, warp_sum)
 
 THREADS = 256
 WARPS = THREADS // 32
@@ -740,25 +740,13 @@ class DecodeKernel:
                         if v > bv:
                             bv = v
                             bi = a0 + c0 + r
-                    for off in [16, 8, 4, 2, 1]:
-                        ov = cute.arch.shuffle_sync_bfly(bv, offset=off)
-                        oi = cute.arch.shuffle_sync_bfly(bi, offset=off)
-                        if ov > bv or (ov == bv and oi < bi):
-                            bv = ov
-                            bi = oi
+                    bv, bi = warp_max_index(bv, bi)
                     if lane == 0:
                         s_wv[warp * B + b] = bv
                         s_wi[warp * B + b] = bi
                 cute.arch.sync_threads()
                 if tidx < B:
-                    bv = s_red[tidx]
-                    bi = s_ired[tidx]
-                    for w in range(self.warps):
-                        v = s_wv[w * B + tidx]
-                        vi = s_wi[w * B + tidx]
-                        if v > bv or (v == bv and vi < bi):
-                            bv = v
-                            bi = vi
+                    bv, bi = self.merge_warp_maxima(tidx, s_red[tidx], s_ired[tidx], s_wv, s_wi)
                     s_red[tidx] = bv
                     s_ired[tidx] = bi
                 cute.arch.sync_threads()
@@ -1298,25 +1286,13 @@ class DecodeKernel:
                 if v > bv or (v == bv and vi < bi):
                     bv = v
                     bi = vi
-            for off in [16, 8, 4, 2, 1]:
-                ov = cute.arch.shuffle_sync_bfly(bv, offset=off)
-                oi = cute.arch.shuffle_sync_bfly(bi, offset=off)
-                if ov > bv or (ov == bv and oi < bi):
-                    bv = ov
-                    bi = oi
+            bv, bi = warp_max_index(bv, bi)
             if lane == 0:
                 s_wv[warp * self.B + b] = bv
                 s_wi[warp * self.B + b] = bi
         cute.arch.sync_threads()
         if tidx < self.B:
-            cv = Float32(-math.inf)
-            ci = Int32(0x7FFFFFFF)
-            for w in range(self.warps):
-                wv = s_wv[w * self.B + tidx]
-                wi = s_wi[w * self.B + tidx]
-                if wv > cv or (wv == cv and wi < ci):
-                    cv = wv
-                    ci = wi
+            _, ci = self.merge_warp_maxima(tidx, Float32(-math.inf), Int32(0x7FFFFFFF), s_wv, s_wi)
             self.emit_token(tidx, ci, out_tokens, tokens, positions)
 
     @cute.jit
@@ -1332,6 +1308,18 @@ class DecodeKernel:
                     bv = v
                     bi = vi
             self.emit_token(tidx, bi, out_tokens, tokens, positions)
+
+    @cute.jit
+    def merge_warp_maxima(self, b: Int32, bv: Float32, bi: Int32, s_wv: cute.Tensor, s_wi: cute.Tensor):
+        """(bv, bi) merged with every warp's (max, index) of sequence b in s_wv/s_wi (slot warp * B + b):
+        the larger value, the lower index among equal ones."""
+        for w in range(self.warps):
+            v = s_wv[w * self.B + b]
+            vi = s_wi[w * self.B + b]
+            if v > bv or (v == bv and vi < bi):
+                bv = v
+                bi = vi
+        return bv, bi
 
     @cute.jit
     def emit_token(self, b: Int32, token: Int32, out_tokens: Int64, tokens: Int64, positions: Int64):

@@ -146,4 +146,16 @@ def warp_sum(v: Float32) -> Float32:
     return v
 
 
+@cute.jit
+def warp_max_index(v: Float32, i: Int32):
+    """(max, lowest index among equal maxima) of a warp's (value, index) pairs, on every lane."""
+    for off in [16, 8, 4, 2, 1]:
+        ov = cute.arch.shuffle_sync_bfly(v, offset=off)
+        oi = cute.arch.shuffle_sync_bfly(i, offset=off)
+        if ov > v or (ov == v and oi < i):
+            v = ov
+            i = oi
+    return v, i
+
+
 __all__ = [name for name in dir() if not name.startswith("_") and name not in ("cutlass", "cute", "annotations")]
