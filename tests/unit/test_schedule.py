@@ -245,14 +245,14 @@ def test_find_races_catches_a_folded_embed_with_a_missing_edge(change):
     """With the embedding folded into layer 0's QKV, EMBED is ordered before O_PROJ (which reads x[0]) only
     through layer 0's attention waiting for EMBED's signal too; a count one short leaves x[0] unordered.
     And a layer-0 QKV tile that reads x[0] (a3 = 0) while waiting on nothing races EMBED."""
-    program = _program("tiny-llama", 2, FEW_SMS, fold=True)
-    out = list(program.instructions)
-    for i, ins in enumerate(out):
+    program = broken = _program("tiny-llama", 2, FEW_SMS, fold=True)
+    for ins in program.instructions:
         if change == "attention-one-short" and ins.opcode == Opcode.ATTN_PARTIAL and ins.layer == 0:
-            out[i] = dataclasses.replace(ins, wait_count=ins.wait_count - 1)
+            broken = _with(broken, ins.index, wait_count=ins.wait_count - 1)
         if change == "qkv0-waits-on-x" and ins.opcode == Opcode.QKV and ins.layer == 0 and ins.a2 == 0:
-            out[i] = dataclasses.replace(ins, a3=0)
-    races = find_races(dataclasses.replace(program, instructions=tuple(out)))
+            broken = _with(broken, ins.index, a3=0)
+    assert broken != program, change
+    races = find_races(broken)
     assert races, f"{change}: no race found"
 
 
@@ -412,6 +412,13 @@ def _with(program: StepProgram, index: int, **changes) -> StepProgram:
     return dataclasses.replace(program, instructions=tuple(instrs))
 
 
+def _waiting_on(program: StepProgram, index: int, op: Opcode, layer: int) -> StepProgram:
+    """The program with instruction `index` waiting for all of stage (op, layer) instead of its own producer."""
+    counter = program.instructions[_first(program, op, layer)].signal_id
+    count = sum(1 for i in program.instructions if i.opcode == op and i.layer == layer)
+    return _with(program, index, wait_id=counter, wait_count=count)
+
+
 STAGES_THAT_WAIT = [(Opcode.QKV, 0), (Opcode.QKV, 1), (Opcode.ATTN_PARTIAL, 1), (Opcode.ATTN_REDUCE, 0),
                     (Opcode.O_PROJ, 1), (Opcode.GATE_UP, 0), (Opcode.DOWN, 1), (Opcode.LM_HEAD, 0),
                     (Opcode.ARGMAX, 0)]
@@ -439,10 +446,7 @@ def test_find_races_catches_a_wait_on_the_wrong_stage():
     """O_PROJ waiting on the attention partials instead of their reduction reads attn_out unordered."""
     program = _program("tiny-llama", 2, FEW_SMS, fuse=False)
     index = _first(program, Opcode.O_PROJ, 1)
-    partial = program.instructions[_first(program, Opcode.ATTN_PARTIAL, 1)]
-    n_partial = sum(1 for i in program.instructions if i.opcode == Opcode.ATTN_PARTIAL and i.layer == 1)
-    broken = _with(program, index, wait_id=partial.signal_id, wait_count=n_partial)
-    races = find_races(broken)
+    races = find_races(_waiting_on(program, index, Opcode.ATTN_PARTIAL, 1))
     assert any(f"#{index} O_PROJ" in r and "attn_out" in r for r in races), f"{_what(program)}: {races}"
 
 
@@ -451,10 +455,7 @@ def test_find_races_catches_a_fused_o_proj_waiting_on_qkv():
     program = _program("tiny-llama", 2, FEW_SMS)
     assert program.layout.fused_reduce, _what(program)
     index = _first(program, Opcode.O_PROJ, 1)
-    qkv = program.instructions[_first(program, Opcode.QKV, 1)]
-    n_qkv = sum(1 for i in program.instructions if i.opcode == Opcode.QKV and i.layer == 1)
-    broken = _with(program, index, wait_id=qkv.signal_id, wait_count=n_qkv)
-    races = find_races(broken)
+    races = find_races(_waiting_on(program, index, Opcode.QKV, 1))
     assert any(f"#{index} O_PROJ" in r and "attn_part" in r for r in races), f"{_what(program)}: {races}"
 
 
