@@ -35,13 +35,34 @@ BF16 = torch.bfloat16
 
 
 def _layout(name: str = "tiny-qwen3", batch: int = 2, max_seq_len: int = 40, block_size: int = 16,
-            num_sms: int = 132) -> StepLayout:
-    """The layout MegakernelEngine builds for these arguments."""
+            num_sms: int = 132, **layout_options) -> StepLayout:
+    """The layout MegakernelEngine builds for these arguments (and StepLayout options such as fold_embed)."""
     config = get_preset(name)
     blocks = -(-max_seq_len // block_size)
     splits = default_kv_splits(config, batch, num_sms, blocks * block_size)
     return StepLayout(config=config, batch=batch, kv_splits=splits, block_size=block_size, max_blocks_per_seq=blocks,
-                      num_sms=num_sms)
+                      num_sms=num_sms, **layout_options)
+
+
+def _compile_without_spills(layout: StepLayout, program, options, what: str, kv_strides=None, max_regs: int = 255):
+    """Compile the kernel of `program` for sm_90a (no GPU) -> the compiled kernel, after checking its cubin:
+    an ELF, at most max_regs registers, no stack frame, and (where nvdisasm exists) no local-memory
+    loads or stores in the SASS."""
+    from megakernel.instructions.record import serialize
+    from megakernel.kernel.compile import (KernelKey, compile_decode_kernel, nvdisasm_path, resource_usage, sass,
+                                           spill_instructions)
+    from megakernel.schedule import assign
+
+    table, _ = serialize(assign(program, "balanced"))
+    key = KernelKey(layout, program.lm_tiles, program.num_counters, table.shape[1], kv_strides, options)
+    kernel = compile_decode_kernel(key, keep_artifacts=True)
+    cubin = kernel.__cubin__
+    assert cubin[:4] == b"\x7fELF", what
+    usage = resource_usage(cubin)
+    assert 0 < usage.get("regs", 0) <= max_regs and usage.get("frame_bytes", 0) == 0, f"{what}: {usage}"
+    if nvdisasm_path() is not None:
+        assert spill_instructions(sass(cubin)) == 0, f"{what}: local-memory loads/stores in the SASS"
+    return kernel
 
 
 # ---- packed_weights: what the engine accepts --------------------------------------------------------------
@@ -231,29 +252,17 @@ def test_vllm_adapter_shares_packed_weights_only_where_they_cover_the_engine(cac
 
 def test_kernel_without_lm_head_compiles_for_sm90a():
     """The vLLM engine's kernel: llama-3.2-1b at batch 8, lm_tiles = 0, vLLM's interleaved K|V strides."""
-    from megakernel.instructions.record import serialize
-    from megakernel.kernel.compile import (KernelKey, compile_decode_kernel, nvdisasm_path, resource_usage, sass,
-                                           spill_instructions)
     from megakernel.kernel.decode import KernelOptions
-    from megakernel.schedule import assign
 
     layout = _layout("llama-3.2-1b", batch=8, max_seq_len=256, block_size=16)
     program = build_program(layout, lm_head=False)
     assert program.lm_tiles == 0
-    table, _ = serialize(assign(program, "balanced"))
     c = layout.config
     strides = (16 * c.num_kv_heads * 2 * c.head_dim, c.num_kv_heads * 2 * c.head_dim, 2 * c.head_dim)
-    key = KernelKey(layout, program.lm_tiles, program.num_counters, table.shape[1], strides, KernelOptions())
-    kernel = compile_decode_kernel(key, keep_artifacts=True)
     what = f"llama-3.2-1b batch=8 lm_tiles=0 strides={strides}"
+    kernel = _compile_without_spills(layout, program, KernelOptions(), what, kv_strides=strides)
     assert re.search(r"\.entry\s+kernel_", kernel.__ptx__), f"{what}: no kernel entry in the PTX"
     assert re.search(r"^\s*\.target\s+sm_90a\b", kernel.__ptx__, re.MULTILINE), f"{what}: PTX not for sm_90a"
-    cubin = kernel.__cubin__
-    assert cubin[:4] == b"\x7fELF", what
-    usage = resource_usage(cubin)
-    assert 0 < usage.get("regs", 0) <= 255 and usage.get("frame_bytes", 0) == 0, f"{what}: {usage}"
-    if nvdisasm_path() is not None:
-        assert spill_instructions(sass(cubin)) == 0, f"{what}: local-memory loads/stores in the SASS"
 
 
 @pytest.mark.parametrize("name,batch,expect", [("llama-3.2-1b", 1, True), ("qwen3-0.6b", 1, True),
@@ -263,16 +272,12 @@ def test_smem_prefix_kernel_compiles_with_bulk_copies_and_no_spills(name, batch,
     """KernelOptions(smem_prefix=...): two shared-memory buffers that the copy engine fills with the next
     matvec tile's first rows (cp.async.bulk on an mbarrier), read back with 16-byte shared loads. Sized
     to the shared memory left beside the kernel's own; absent where nothing is left (the slab path)."""
-    from megakernel.instructions.layout import SMEM_LIMIT, default_kv_splits
+    from megakernel.instructions.layout import SMEM_LIMIT
     from megakernel.instructions.record import serialize
-    from megakernel.kernel.compile import (KernelKey, compile_decode_kernel, nvdisasm_path, resource_usage, sass,
-                                           spill_instructions)
     from megakernel.kernel.decode import DecodeKernel, KernelOptions
     from megakernel.schedule import assign
 
-    config = get_preset(name)
-    layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, 132),
-                        block_size=16, max_blocks_per_seq=16, num_sms=132, slab_staging=True)
+    layout = _layout(name, batch, max_seq_len=256, block_size=16, slab_staging=True)
     program = build_program(layout)
     table, _ = serialize(assign(program, "balanced"))
     options = KernelOptions(smem_prefix=64 * 1024)
@@ -285,44 +290,24 @@ def test_smem_prefix_kernel_compiles_with_bulk_copies_and_no_spills(name, batch,
                                                 None, KernelOptions()).preload_items, what
         return
     assert dk.prefix_bytes % 1024 == 0 and dk.prefix_bytes >= 8 * 1024 and dk.preload_items == 0, what
-    key = KernelKey(layout, program.lm_tiles, program.num_counters, table.shape[1], None, options)
-    ptx = compile_decode_kernel(key, keep_artifacts=True).__ptx__
+    ptx = _compile_without_spills(layout, program, options, what, max_regs=128).__ptx__
     for needle in ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes", "mbarrier.try_wait.parity",
                    "mbarrier.arrive.expect_tx", "fence.proxy.async.shared::cta", "ld.shared.v4.b32"):
         assert needle in ptx, f"{what}: no {needle} in the PTX"
-    cubin = compile_decode_kernel(key, keep_artifacts=True).__cubin__
-    usage = resource_usage(cubin)
-    assert 0 < usage.get("regs", 0) <= 128 and usage.get("frame_bytes", 0) == 0, f"{what}: {usage}"
-    if nvdisasm_path() is not None:
-        assert spill_instructions(sass(cubin)) == 0, f"{what}: local-memory loads/stores in the SASS"
 
 
 @pytest.mark.parametrize("name,batch", [("llama-3.2-1b", 1), ("qwen3-0.6b", 4), ("llama-3.1-8b", 1)])
 def test_folded_embed_kernel_compiles_without_spills(name, batch):
     """StepLayout(fold_embed=True): layer 0's QKV tiles stage embed[token] (16-bit loads of the table) and
     wait on nothing."""
-    from megakernel.instructions.layout import default_kv_splits
-    from megakernel.instructions.record import serialize
-    from megakernel.kernel.compile import (KernelKey, compile_decode_kernel, nvdisasm_path, resource_usage, sass,
-                                           spill_instructions)
     from megakernel.kernel.decode import KernelOptions
-    from megakernel.schedule import assign
 
-    config = get_preset(name)
-    layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, 132),
-                        block_size=16, max_blocks_per_seq=16, num_sms=132, fold_embed=True)
+    layout = _layout(name, batch, max_seq_len=256, block_size=16, fold_embed=True)
     assert layout.embed_folded, name
     program = build_program(layout)
     qkv0 = [i for i in program.instructions if i.opcode.name == "QKV" and i.layer == 0]
     assert qkv0 and all(i.a3 == 1 and i.wait_id < 0 for i in qkv0), name
-    table, _ = serialize(assign(program, "balanced"))
-    key = KernelKey(layout, program.lm_tiles, program.num_counters, table.shape[1], None, KernelOptions())
-    cubin = compile_decode_kernel(key, keep_artifacts=True).__cubin__
-    usage = resource_usage(cubin)
-    what = f"{name} batch={batch} fold_embed: {usage}"
-    assert 0 < usage.get("regs", 0) <= 128 and usage.get("frame_bytes", 0) == 0, what
-    if nvdisasm_path() is not None:
-        assert spill_instructions(sass(cubin)) == 0, f"{what}: local-memory loads/stores in the SASS"
+    _compile_without_spills(layout, program, KernelOptions(), f"{name} batch={batch} fold_embed", max_regs=128)
 
 
 # ---- GPU: real engines -------------------------------------------------------------------------------------
