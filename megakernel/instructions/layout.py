@@ -47,13 +47,20 @@ class StepLayout:
         return self.block_size * self.max_blocks_per_seq
 
     @property
+    def input_bytes(self) -> int:
+        """The widest matvec input of the batch in float32: batch x max(hidden, q, intermediate) x 4. Above
+        X_STAGE_BYTES a staged input is staged in slabs (slab_staging)."""
+        c = self.config
+        return self.batch * max(c.hidden_size, c.q_size, c.intermediate_size) * 4
+
+    @property
     def stages_input(self) -> bool:
         """Whether every matvec's input row (all sequences, float32) fits the kernel's staging buffer, beside
         what a 16-warp CTA keeps in shared memory with it: the attention scratch (a G x D output per warp)
         and the matvec partials (at most 128 rows x K / 512 segments x batch, 32 KiB), with SMEM_RESERVE to spare."""
         c = self.config
         k_max = max(c.hidden_size, c.q_size, c.intermediate_size)
-        x_bytes = self.batch * k_max * 4
+        x_bytes = self.input_bytes
         scratch = 16 * c.gqa_group * c.head_dim * 4 + min(128 * (k_max // 512) * self.batch, 8192) * 4
         if self.slab_staging and x_bytes > X_STAGE_BYTES:   # staged (and streamed) a slab at a time
             x_bytes = SLAB_STAGE_BYTES
@@ -66,9 +73,7 @@ class StepLayout:
         counter, which ATTN_PARTIAL of layer 0 then waits on for one more. One dependency hop and the
         EMBED instruction leave the step's critical path. Where fold_embed and the whole input is staged
         at once (not in slabs)."""
-        c = self.config
-        k_max = max(c.hidden_size, c.q_size, c.intermediate_size)
-        return bool(self.fold_embed) and self.stages_input and self.batch * k_max * 4 <= X_STAGE_BYTES
+        return bool(self.fold_embed) and self.stages_input and self.input_bytes <= X_STAGE_BYTES
 
     @property
     def fused_reduce(self) -> bool:

@@ -202,14 +202,14 @@ class DecodeKernel:
         # 256-column passes per work unit (loads in flight per row): 8, or fewer where 16 warps (128
         # registers each) hold the accumulators and inputs of several sequences (and the slab loop)
         passes = [k // COL_PASS for k in (self.H, self.Q, self.F)]
-        wide = self.x_smem and self.B * self.k_max * 4 > X_STAGE_BYTES      # staged in slabs (below)
+        wide = self.x_smem and layout.input_bytes > X_STAGE_BYTES      # staged in slabs (below)
         cap = options.unroll or (MAX_PASS_UNROLL if self.B == 1 or not self.x_smem
                                  else 4 if self.B <= 4 and not wide else 2)
         self.unroll = next(u for u in (8, 4, 2, 1) if u <= cap and all(p % u == 0 for p in passes))
         # Where a batch's widest input row does not fit the staging buffer (slab_staging layouts), each
         # matvec stages and streams its K columns in slabs of slab_cols; otherwise one slab is all of K.
         self.slab_cols = self.k_max
-        if self.x_smem and self.B * self.k_max * 4 > X_STAGE_BYTES:
+        if wide:
             seg_cols = COL_PASS * self.unroll
             self.slab_cols = (SLAB_STAGE_BYTES // (4 * self.B)) // seg_cols * seg_cols
         self.slabs = self.slab_cols < self.k_max
