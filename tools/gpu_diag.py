@@ -17,7 +17,7 @@ from megakernel.model.reference import ReferenceDecoder
 from megakernel.model.weights import random_weights
 from megakernel.runtime.engine import MegakernelEngine
 sys.path.insert(0, "tools")
-from gpu_sweep import parse  # noqa: E402
+from gpu_sweep import parse, prepare  # noqa: E402
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 flags = dict(a[2:].split("=") for a in sys.argv[1:] if a.startswith("--"))
@@ -82,11 +82,9 @@ for spec in specs:
     name, opts, eng_kw = parse(spec)
     eng = MegakernelEngine(w, B, 512, options=KernelOptions(**opts), **eng_kw)
     for r in range(runs):
-        g = torch.Generator(device="cuda").manual_seed(0)
-        eng.k_cache.normal_(0, 1, generator=g); eng.v_cache.normal_(0, 1, generator=g)
+        prepare(eng, pos, seed=0)
         k_pre, v_pre = eng.k_cache.clone(), eng.v_cache.clone()
         eng.bufs.poison()
-        eng.reset_sync(); eng.bufs.tokens.fill_(1); eng.bufs.positions.fill_(pos)
         eng.launch(); torch.cuda.synchronize(); eng.check()
         res = snapshot(eng.bufs)
         if ref_logits is None:

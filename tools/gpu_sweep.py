@@ -32,14 +32,16 @@ def read_bw(nbytes=2 << 30):
         e0.record(); buf.sum(); e1.record(); torch.cuda.synchronize(); ts.append(e0.elapsed_time(e1))
     return nbytes / (sorted(ts)[6] * 1e-3)
 
-def fill_cache(eng):
-    # a history of `start` tokens: random keys/values where the cache would hold the prompt's
+def prepare(eng, start=32, seed=None):
+    """A step at position `start` over a history of random keys/values (where the cache would hold the
+    prompt's), token 1, counters reset; `seed` fixes the history (variants of one model must agree)."""
+    if seed is not None:
+        torch.manual_seed(seed)
     eng.k_cache.normal_(0, 1); eng.v_cache.normal_(0, 1)
+    eng.reset_sync(); eng.bufs.tokens.fill_(1); eng.bufs.positions.fill_(start)
 
 def time_graph(eng, start=32, steps=40):
-    B = eng.layout.batch
-    fill_cache(eng)
-    eng.reset_sync(); eng.bufs.tokens.fill_(1); eng.bufs.positions.fill_(start)
+    prepare(eng, start)
     for _ in range(2): eng.launch()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -55,15 +57,12 @@ def time_graph(eng, start=32, steps=40):
 
 def one_step_logits(eng, start=32):
     """Logits of one step from a fixed cache history and inputs: variants of one model must agree."""
-    torch.manual_seed(0)
-    fill_cache(eng)
-    eng.reset_sync(); eng.bufs.tokens.fill_(1); eng.bufs.positions.fill_(start)
+    prepare(eng, start, seed=0)
     eng.launch(); torch.cuda.synchronize(); eng.check()
     return eng.logits.clone()
 
 def trace(eng, start=32):
-    fill_cache(eng)
-    eng.reset_sync(); eng.bufs.tokens.fill_(1); eng.bufs.positions.fill_(start)
+    prepare(eng, start)
     for _ in range(3): eng.launch()
     torch.cuda.synchronize(); eng.check()
     recs = eng.trace_records()
