@@ -36,7 +36,7 @@ case "$what" in
       $S qwen3-0.6b 1 $B1 --no-trace
       $S llama-3.1-8b 1 $B1 --no-trace
       $S qwen3-0.6b 4 default: p64:smem_prefix=65536 u2:unroll=2 --no-trace
-      $S llama-3.2-1b 6 default: slabs:slabs=1 --no-trace
+      $S llama-3.2-1b 6 default: noslabs:slabs=0 --no-trace
     } 2>&1 | grep -v Warn | tee "$OUT/sweep.log" ;;
   all)
     python3 -m pytest -m "gpu and not perf" -q -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
