@@ -1,6 +1,13 @@
-"""Decode speed of stock vLLM and of the megakernel plugin path, batch 1 and 8 (GPU host).
+"""Decode speed of stock vLLM and of the megakernel plugin path, batch 1, 2, 4 and 8 (GPU host).
 
     python3 tools/vllm_bench.py --preset llama-3.2-1b [--parity] [--profile] [--out DIR]
+        [--engine-process separate|inproc] [--plugin-max-batch N]
+
+The engine runs as vLLM runs it by default, in its own process (--engine-process separate), so
+vLLM's asynchronous scheduling overlaps the host work of one step with the GPU work of the previous
+one; --engine-process inproc (VLLM_ENABLE_V1_MULTIPROCESSING=0) runs it in the worker, where every
+step's host work is serial with its GPU work (--profile needs it). --plugin-max-batch sets
+MEGAKERNEL_VLLM_MAX_BATCH for the plugin path (the largest decode batch sent to the megakernel).
 
 Same model directory, processes and vLLM settings as tools/vllm_parity.py (stock: default
 compilation, FULL_AND_PIECEWISE CUDA graphs; plugin: hf_overrides to the megakernel architecture,
@@ -30,7 +37,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import vllm_parity as common  # noqa: E402
 
-BATCHES = (1, 8)
+BATCHES = (1, 2, 4, 8)
 PROMPT_LEN = 32
 NEW_TOKENS = 257
 REPEATS = 3
@@ -108,7 +115,10 @@ def main() -> int:
     p.add_argument("--parity", action="store_true", help="also run the parity workloads (tools/vllm_parity.py)")
     p.add_argument("--near-tie-gap", type=float, default=common.NEAR_TIE_GAP)
     p.add_argument("--logprob-atol", type=float, default=common.LOGPROB_ATOL)
+    p.set_defaults(engine_process="separate")
     args = p.parse_args()
+    if args.profile and args.engine_process != "inproc" and not args.worker:
+        print(f"warning: {common.PROFILE_NEEDS_INPROC}; the profile stage is skipped", flush=True)
     if args.worker:
         common.exit_now(common.worker_main(args, extra=worker_extra(args)))
     os.makedirs(args.out, exist_ok=True)
@@ -117,6 +127,7 @@ def main() -> int:
 
     report: dict[str, Any] = {"preset": args.preset, "seed": args.seed, "method": {
         "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS, "repeats": REPEATS,
+        "engine_process": args.engine_process, "plugin_max_batch": args.plugin_max_batch,
         "ms_per_step": "(t257 - t1) / 256, best of repeats"}, "paths": {}}
     for path, r in results.items():
         report["paths"][path] = {k: v for k, v in r.items() if k != "parity"}

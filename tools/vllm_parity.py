@@ -166,20 +166,22 @@ def run_parity(llm, vocab: int, seed: int) -> dict[str, list[dict]]:
     return out
 
 
-def megakernel_report() -> dict[str, Any]:
-    """What the megakernel path did in this process, and its error words (raises nothing)."""
+def megakernel_report(llm=None, engine_process: str = "inproc") -> dict[str, Any]:
+    """What the megakernel path did, and its error words (raises nothing): read in this process
+    (inproc), or through llm.collective_rpc in vLLM's engine process (separate)."""
     try:
         from megakernel.integrations import vllm_model
     except Exception as exc:   # noqa: BLE001
         return {"import_error": repr(exc)}
-    stats = dict(vllm_model.STATS)
-    stats["fallbacks"] = dict(stats["fallbacks"])
+    if engine_process == "inproc":
+        return vllm_model.report()
+    if llm is None:
+        return {"report_error": "the engine did not start"}
     try:
-        stats["adapters"] = vllm_model.check_all()
-        stats["kernel_error"] = None
-    except Exception as exc:   # noqa: BLE001 (MegakernelError, or a CUDA error)
-        stats["kernel_error"] = f"{type(exc).__name__}: {exc}"
-    return stats
+        reports = llm.collective_rpc(vllm_model.report)
+    except Exception as exc:   # noqa: BLE001
+        return {"report_error": f"collective_rpc: {type(exc).__name__}: {exc}"}
+    return dict(reports[0], engine_process="separate", caller_pid=os.getpid())
 
 
 def megakernel_used(plugin: dict) -> tuple[bool, str]:
@@ -190,6 +192,8 @@ def megakernel_used(plugin: dict) -> tuple[bool, str]:
         return False, "no megakernel report from the plugin worker"
     if mk.get("import_error"):
         return False, f"megakernel.integrations.vllm_model did not import: {mk['import_error']}"
+    if mk.get("report_error"):
+        return False, f"no report from vLLM's engine process: {mk['report_error']}"
     if mk.get("disabled"):
         return False, f"disabled: {mk['disabled']}"
     if mk.get("kernel_error"):
@@ -251,17 +255,23 @@ def worker_main(args: argparse.Namespace, extra=None) -> int:
         except Exception:   # noqa: BLE001
             pass
 
+    # environment() initialises CUDA, which would make vLLM start its engine process with spawn instead
+    # of fork: it runs after the engine started
+    started = stage("startup", start)
     stage("environment", lambda: result.update(env=environment()))
-    if stage("startup", start):
+    result["engine_process"] = args.engine_process
+    if started:
         llm = state["llm"]
         if args.parity:
             stage("parity", lambda: result.update(parity=run_parity(llm, vocab, args.seed)))
         if extra is not None:
             stage("extra", lambda: extra(llm, result))
-        if getattr(args, "profile", False):
+        if getattr(args, "profile", False) and args.engine_process != "inproc":
+            result["profile"] = {"skipped": PROFILE_NEEDS_INPROC}
+        elif getattr(args, "profile", False):
             stage("profile", lambda: profile_stage(llm, vocab, args, result.setdefault("profile", {})))
     if args.worker == "plugin":
-        result["megakernel"] = megakernel_report()
+        result["megakernel"] = megakernel_report(state.get("llm"), args.engine_process)
     with open(args.json, "w") as f:
         json.dump(result, f)
     return 1 if result["errors"] else 0
@@ -290,6 +300,8 @@ PROFILE_NAME_CHARS = 100
 PROFILE_TRACE_STEPS = 8                 # steps of each batch kept in the trace under --out
 PROFILE_TRACE_MAX_BYTES = 2 << 20       # gzipped; fewer steps are kept until the trace fits
 PROFILE_MIN_LEFT_S = 30.0               # a batch is skipped when the worker has less time left than this
+PROFILE_NEEDS_INPROC = ("torch.profiler sees only this process: --profile needs --engine-process inproc, "
+                        "where vLLM's engine runs in the worker")
 STEP_MARK = "megakernel: engine step"   # profiler range around every LLMEngine.step call
 HOST_MARK = "megakernel: "              # prefix of the ranges around the host parts of a step
 GPU_KINDS = ("kernel", "memcpy", "memset")
@@ -597,12 +609,55 @@ def profile_stage(llm, vocab: int, args: argparse.Namespace, into: dict) -> None
 # Driver side
 # ------------------------------------------------------------------------------------------------
 
+def entry_point_dir(root: str) -> str | None:
+    """A folder that makes this checkout's vLLM plugin entry point visible to vLLM's engine process
+    when the package is not installed (the GPU host runs the checkout from PYTHONPATH): a
+    megakernel dist-info with the entry point pyproject.toml declares. None when it is installed."""
+    from importlib import metadata
+
+    if any(ep.name == "megakernel" for ep in metadata.entry_points(group="vllm.general_plugins")):
+        return None
+    folder = os.path.join(root, "entry_points")
+    info = os.path.join(folder, "megakernel-0+checkout.dist-info")
+    os.makedirs(info, exist_ok=True)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: megakernel\nVersion: 0+checkout\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        f.write("[vllm.general_plugins]\nmegakernel = megakernel.integrations.vllm_plugin:register\n")
+    return folder
+
+
+def worker_env(args: argparse.Namespace, path: str) -> dict[str, str]:
+    """The environment of one path's worker process."""
+    paths = [REPO]
+    env = dict(os.environ)
+    if args.engine_process == "inproc":
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    else:
+        # vLLM's default: the engine in its own process, which loads the plugin through its entry point;
+        # the report of what the megakernel did comes back through collective_rpc (a callable)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        shim = entry_point_dir(args.models)
+        if shim:
+            paths.append(shim)
+    env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    # the host reaches no network: nothing may wait on a hub or a usage-stats server
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    env.pop("MEGAKERNEL_VLLM", None)   # the stock path must stay stock: the plugin path uses hf_overrides
+    env.pop("MEGAKERNEL_VLLM_MAX_BATCH", None)
+    if path == "plugin" and args.plugin_max_batch is not None:
+        env["MEGAKERNEL_VLLM_MAX_BATCH"] = str(args.plugin_max_batch)
+    return env
+
+
 def run_workers(script: str, args: argparse.Namespace, model_dir: str, extra_args: list[str]) -> dict[str, dict]:
     """Run `script --worker PATH` for each of --paths in its own process; PATH -> its JSON (or an
     error). Each worker's JSON is also kept under --models/results on the host, and a path not run
     now is loaded from there: one call can run the stock path and a later call the plugin path (the
     host keeps /tmp while it stays warm) when both do not fit in one call's time."""
-    tool = os.path.splitext(os.path.basename(script))[0] + ("-parity" if "--parity" in extra_args else "")
+    tool = (os.path.splitext(os.path.basename(script))[0] + ("-parity" if "--parity" in extra_args else "")
+            + ("" if args.engine_process == "inproc" else f"-{args.engine_process}"))
     cache = os.path.join(args.models, "results")
     os.makedirs(cache, exist_ok=True)
     results: dict[str, dict] = {}
@@ -614,7 +669,8 @@ def run_workers(script: str, args: argparse.Namespace, model_dir: str, extra_arg
             os.remove(js)
         remaining = args.budget - (time.perf_counter() - START)
         timeout = max(30.0, remaining / (len(todo) - i))
-        cmd = [sys.executable, script, "--worker", path, "--preset", args.preset, "--model-dir", model_dir,
+        cmd = [sys.executable, script, "--worker", path, "--engine-process", args.engine_process,
+               "--preset", args.preset, "--model-dir", model_dir,
                "--json", js, "--seed", str(args.seed), "--max-model-len", str(args.max_model_len),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization),
                "--plugin-cudagraph-mode", args.plugin_cudagraph_mode, "--out", args.out,
@@ -623,11 +679,7 @@ def run_workers(script: str, args: argparse.Namespace, model_dir: str, extra_arg
             cmd.append("--plugin-eager")
         if args.profile:
             cmd.append("--profile")
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                   PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        # the host reaches no network: nothing may wait on a hub or a usage-stats server
-        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
-        env.pop("MEGAKERNEL_VLLM", None)   # the stock path must stay stock: the plugin path uses hf_overrides
+        env = worker_env(args, path)
         if timeout < MIN_PATH_SECONDS and ("--parity" in extra_args or args.profile):
             print(f"[{args.preset}] {path}: warning: {timeout:.0f} s for this path; with --parity or --profile "
                   f"give each path at least {MIN_PATH_SECONDS:.0f} s: run the paths in separate calls "
@@ -716,6 +768,8 @@ def profile_line(path: str, result: dict) -> str:
     bench's, where it ran), GPU busy time in and outside CUDA graphs, GPU idle time, the top GPU ops."""
     prof = result.get("profile")
     errors = [e for e in result.get("errors", []) if e.startswith("profile")]
+    if prof and "skipped" in prof:
+        return f"{path}: profile skipped ({prof['skipped']})"
     if not prof or not prof.get("batches"):
         return f"{path}: no profile{' (' + '; '.join(errors) + ')' if errors else ''}"
     parts = []
@@ -755,6 +809,12 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--plugin-cudagraph-mode", default="FULL_DECODE_ONLY")
     p.add_argument("--plugin-eager", action="store_true", help="plugin path with enforce_eager=True")
+    p.add_argument("--plugin-max-batch", type=int, choices=range(1, 9), metavar="{1..8}",
+                   help="MEGAKERNEL_VLLM_MAX_BATCH for the plugin path: the largest decode batch sent to the "
+                        "megakernel (default: the plugin's own default)")
+    p.add_argument("--engine-process", choices=("inproc", "separate"), default="inproc",
+                   help="inproc: vLLM's engine runs in the worker (VLLM_ENABLE_V1_MULTIPROCESSING=0; needed by "
+                        "--profile); separate: vLLM's default, the engine in its own process")
     p.add_argument("--budget", type=float, default=570.0,
                    help="seconds this command may take in all (the host allows 600 per call); each worker "
                         "gets an equal share of what is left")

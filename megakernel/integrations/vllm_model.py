@@ -25,9 +25,13 @@ FULL graphs (``cudagraph_mode="FULL_DECODE_ONLY"``; FULL_AND_PIECEWISE works the
 decode graphs). Engines are built per batch bucket (1, 2, 4, 8 and any capture size <= 8) at the
 first decode forward of that size, which vLLM runs eagerly as warm-up before it captures.
 
-Fallback: whenever the megakernel cannot serve a batch (unsupported model or vLLM config, batch > 8,
-no Hopper GPU, KV cache layout not understood, engine without the per-layer KV cache API) the stock
-path runs, and the reason is logged once.
+Batch limit: ``MEGAKERNEL_VLLM_MAX_BATCH`` (1..8, default ``DEFAULT_MAX_BATCH``) is the largest decode
+batch sent to the megakernel; larger decode batches run stock (vLLM's batched GEMMs overtake the
+megakernel's per-row streaming there, profiles/RESULTS.md).
+
+Fallback: whenever the megakernel cannot serve a batch (unsupported model or vLLM config, batch above
+the limit, no Hopper GPU, KV cache layout not understood, engine without the per-layer KV cache API)
+the stock path runs, and the reason is logged once.
 
 The functions above the classes are plain torch (testable without vLLM or a GPU); the classes exist
 only where vLLM imports.
@@ -40,6 +44,7 @@ import logging
 import os
 import weakref
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -54,6 +59,10 @@ from megakernel.model.weights import LayerWeights, ModelWeights
 logger = logging.getLogger("vllm.megakernel")
 
 ENV_CHECK = "MEGAKERNEL_VLLM_CHECK"   # "1": read the kernel's error word after every eager launch
+ENV_MAX_BATCH = "MEGAKERNEL_VLLM_MAX_BATCH"   # largest decode batch sent to the megakernel (1..MAX_BATCH)
+# Default of ENV_MAX_BATCH: the largest batch at which vLLM's decode step is faster with the megakernel
+# than stock on the H200 (profiles/RESULTS.md, tools/vllm_bench.py); larger batches run stock.
+DEFAULT_MAX_BATCH = MAX_BATCH
 POW2_BUCKETS = (1, 2, 4, 8)
 HOPPER = (9, 0)
 
@@ -131,6 +140,24 @@ def layout_reason(config: ModelConfig) -> str | None:
     return None
 
 
+def max_batch_setting(environ: Mapping[str, str] = os.environ) -> int:
+    """The largest decode batch the megakernel serves: MEGAKERNEL_VLLM_MAX_BATCH, or DEFAULT_MAX_BATCH.
+    A value that is not an integer in 1..MAX_BATCH is refused with a warning (the default applies):
+    a plugin that raised would stop vLLM from starting."""
+    raw = environ.get(ENV_MAX_BATCH, "").strip()
+    if not raw:
+        return DEFAULT_MAX_BATCH
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_BATCH:
+        logger.warning("%s=%r is not an integer in 1..%d; the megakernel serves decode batches up to %d",
+                       ENV_MAX_BATCH, raw, MAX_BATCH, DEFAULT_MAX_BATCH)
+        return DEFAULT_MAX_BATCH
+    return value
+
+
 def decode_buckets(capture_sizes: list[int] | None, max_batch: int = MAX_BATCH) -> tuple[int, ...]:
     """Batch sizes an engine is built for: powers of two up to max_batch, plus every CUDA-graph
     capture size <= max_batch (a graph of n rows then runs an engine of exactly n)."""
@@ -158,7 +185,8 @@ def batch_reason(num_tokens: int, num_reqs: int, max_query_len: int, *, has_embe
     if max_query_len != 1 or num_reqs != num_tokens:
         return QUERY_LEN
     if num_tokens > max_batch:
-        return f"decode batch of {num_tokens} exceeds the megakernel's maximum batch {max_batch}"
+        return (f"decode batch of {num_tokens} exceeds the megakernel's maximum batch {max_batch}"
+                + ("" if max_batch == MAX_BATCH else f" ({ENV_MAX_BATCH})"))
     return None
 
 
@@ -343,7 +371,8 @@ class MegakernelDecode:
         self.dtype = mc.dtype
         self.block_size = int(getattr(vllm_config.cache_config, "block_size", None) or 16)
         capture = getattr(vllm_config.compilation_config, "cudagraph_capture_sizes", None)
-        self.buckets = decode_buckets(capture)
+        self.max_batch = max_batch_setting()
+        self.buckets = decode_buckets(capture, self.max_batch)
         self.check = os.environ.get(ENV_CHECK, "") == "1"
         why = vllm_config_reason(vllm_config)
         if why is None:
@@ -520,7 +549,7 @@ class MegakernelDecode:
                                   f"slot_mapping / max_query_len")
         n = input_ids.shape[0] if input_ids is not None else inputs_embeds.shape[0]
         why = batch_reason(n, block_table.shape[0], int(max_query_len), has_embeds=inputs_embeds is not None,
-                           has_intermediate=intermediate_tensors is not None)
+                           has_intermediate=intermediate_tensors is not None, max_batch=self.max_batch)
         if why is not None:
             return None if why == QUERY_LEN else self._fallback(why)
         if not self._bind():
@@ -547,7 +576,7 @@ class MegakernelDecode:
 
     def describe(self) -> dict[str, Any]:
         kv = asdict(self.kv[2]) if self.kv else None
-        return {"disabled": self.disabled, "buckets": list(self.buckets), "engines": sorted(self.engines),
+        return {"disabled": self.disabled, "buckets": list(self.buckets), "max_batch": self.max_batch, "engines": sorted(self.engines),
                 "packed_once": self.packed is not None, "kv": kv, "max_seq_len": self.max_seq_len}
 
     def check_engines(self) -> None:
@@ -563,6 +592,24 @@ def check_all() -> list[dict[str, Any]]:
         adapter.check_engines()
         out.append(adapter.describe())
     return out
+
+
+def report(worker: Any = None) -> dict[str, Any]:
+    """What the megakernel path did in this process, as plain data, with every engine's error word
+    checked (kernel_error: None, or what the check raised). `worker` is ignored: vLLM's
+    ``LLM.collective_rpc(report)`` runs this in the process that holds the model, which with vLLM's
+    default engine process is not the caller's (callables need VLLM_ALLOW_INSECURE_SERIALIZATION=1)."""
+    stats = dict(STATS)
+    stats["fallbacks"] = dict(STATS["fallbacks"])
+    stats["captured"] = list(STATS["captured"])
+    stats["engines"] = list(STATS["engines"])
+    stats["pid"] = os.getpid()
+    try:
+        stats["adapters"] = check_all()
+        stats["kernel_error"] = None
+    except Exception as exc:   # noqa: BLE001 (MegakernelError, or a CUDA error)
+        stats["kernel_error"] = f"{type(exc).__name__}: {exc}"
+    return stats
 
 
 # ------------------------------------------------------------------------------------------------

@@ -6,9 +6,12 @@ and the config path against vLLM's own code."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import subprocess
 import sys
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -204,6 +207,24 @@ def test_decode_buckets_and_pick():
     assert vm.decode_buckets([1, 2, 3, 4, 8, 16, 24]) == (1, 2, 3, 4, 8)
     buckets = vm.decode_buckets([1, 2, 4, 8])
     assert [vm.pick_bucket(n, buckets) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, None]
+
+
+@pytest.mark.parametrize("value,expected,warned", [
+    (None, vm.DEFAULT_MAX_BATCH, False), ("", vm.DEFAULT_MAX_BATCH, False), ("1", 1, False), (" 4 ", 4, False),
+    ("8", 8, False), ("0", vm.DEFAULT_MAX_BATCH, True), ("9", vm.DEFAULT_MAX_BATCH, True),
+    ("two", vm.DEFAULT_MAX_BATCH, True),
+])
+def test_max_batch_setting(value, expected, warned, mk_log):
+    env = {} if value is None else {vm.ENV_MAX_BATCH: value}
+    assert vm.max_batch_setting(env) == expected
+    assert (vm.ENV_MAX_BATCH in mk_log.text) is warned
+
+
+def test_batch_reason_names_the_switch_when_it_lowered_the_limit():
+    assert vm.batch_reason(4, 4, 1, max_batch=4) is None
+    why = vm.batch_reason(5, 5, 1, max_batch=4)
+    assert "decode batch of 5 exceeds the megakernel's maximum batch 4" in why and vm.ENV_MAX_BATCH in why
+    assert vm.ENV_MAX_BATCH not in vm.batch_reason(9, 9, 1)
 
 
 @pytest.mark.parametrize("args,kw,expected", [
@@ -587,6 +608,36 @@ def test_adapter_leaves_prefill_and_big_batches_to_vllm(mk_log):
     assert a.maybe_decode(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)) is None
 
 
+def test_adapter_limit_from_the_environment_sends_bigger_batches_stock(monkeypatch, mk_log):
+    monkeypatch.setenv(vm.ENV_MAX_BATCH, "2")
+    FakeEngine.built.clear()
+    a, cfg, ctx, _ = _ready_adapter()
+    assert a.max_batch == 2 and a.buckets == (1, 2) and a.describe()["max_batch"] == 2
+    name = "model.layers.0.self_attn.attn"
+    ctx.attn_metadata = {name: _metadata(3, 1, 0)}
+    before = vm.STATS["fallbacks"].copy()
+    assert a.maybe_decode(torch.zeros(3, dtype=torch.long), torch.arange(3)) is None
+    why = f"decode batch of 3 exceeds the megakernel's maximum batch 2 ({vm.ENV_MAX_BATCH})"
+    assert vm.STATS["fallbacks"][why] - before[why] == 1 and not FakeEngine.built
+    ctx.attn_metadata = {name: _metadata(2, 1, 0)}
+    assert a.maybe_decode(torch.zeros(2, dtype=torch.long), torch.arange(2)) is not None
+    assert [e.batch for e in FakeEngine.built] == [2]
+
+
+def test_report_is_plain_data_with_the_engines_checked(monkeypatch):
+    FakeEngine.built.clear()
+    a, cfg, ctx, _ = _ready_adapter()
+    monkeypatch.setattr(vm, "_ADAPTERS", weakref.WeakSet([a]))   # adapters of other tests may still live
+    ctx.attn_metadata = {"model.layers.0.self_attn.attn": _metadata(1, 1, 0)}
+    assert a.maybe_decode(torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)) is not None
+    rep = vm.report(object())
+    assert rep["kernel_error"] is None and rep["pid"] == os.getpid()
+    assert type(rep["fallbacks"]) is dict and [d["engines"] for d in rep["adapters"]] == [[1]]
+    json.dumps(rep)   # what vLLM's collective_rpc sends back must serialize as plain data
+    FakeEngine.built[0].check = lambda: (_ for _ in ()).throw(RuntimeError("error word 3"))
+    assert vm.report()["kernel_error"] == "RuntimeError: error word 3"
+
+
 def test_adapter_waits_for_vllms_kv_cache():
     FakeEngine.built.clear()
     a, cfg, ctx, model = _ready_adapter()
@@ -646,6 +697,7 @@ def _tools_vllm_parity():
 @pytest.mark.parametrize("report,used,needle", [
     (None, False, "no megakernel report"),
     ({"import_error": "ImportError('x')"}, False, "did not import"),
+    ({"report_error": "collective_rpc: TimeoutError: x"}, False, "engine process: collective_rpc"),
     ({"disabled": "the GPU is sm_80", "captured": [8]}, False, "sm_80"),
     ({"disabled": None, "kernel_error": "MegakernelError: timed out", "captured": [8]}, False, "timed out"),
     ({"disabled": None, "kernel_error": None, "captured": [], "eager_steps": 0}, False, "no decode step"),

@@ -9,6 +9,7 @@ import contextlib
 import gzip
 import importlib.util
 import json
+import os
 import pathlib
 import sys
 import types
@@ -289,7 +290,8 @@ def fake_vllm(monkeypatch):
 
 def _args(tmp_path, **over) -> Namespace:
     return Namespace(**dict(dict(preset="tiny-llama", worker="stock", seed=0, out=str(tmp_path), time_limit=None,
-                                 profile=True), **over))
+                                 profile=True, engine_process="inproc", plugin_max_batch=None,
+                                 models=str(tmp_path)), **over))
 
 
 def test_profile_stage_end_to_end(tmp_path, fake_vllm):
@@ -356,3 +358,72 @@ def test_worker_without_profile_flag_does_not_profile(tmp_path, fake_vllm, monke
     assert tool.worker_main(args) == 0
     res = json.loads(js.read_text())
     assert "profile" not in res and res["errors"] == [] and llm.generated == []
+
+
+def test_worker_with_a_separate_engine_process_skips_the_profile(tmp_path, fake_vllm, monkeypatch):
+    llm = _LLM()
+    monkeypatch.setattr(tool, "build_llm", lambda *a: (llm, 0.1, {}))
+    js = tmp_path / "w.json"
+    args = _args(tmp_path, json=str(js), parity=False, model_dir=str(tmp_path), engine_process="separate")
+    assert tool.worker_main(args) == 0
+    res = json.loads(js.read_text())
+    assert res["engine_process"] == "separate" and llm.generated == []
+    assert res["profile"] == {"skipped": tool.PROFILE_NEEDS_INPROC}
+    assert tool.profile_line("stock", res) == f"stock: profile skipped ({tool.PROFILE_NEEDS_INPROC})"
+
+
+@pytest.mark.parametrize("engine_process", ["inproc", "separate"])
+@pytest.mark.parametrize("path,max_batch", [("stock", None), ("stock", 2), ("plugin", None), ("plugin", 2)])
+def test_worker_env(tmp_path, monkeypatch, engine_process, path, max_batch):
+    monkeypatch.setenv("MEGAKERNEL_VLLM", "1")
+    monkeypatch.setenv("MEGAKERNEL_VLLM_MAX_BATCH", "7")
+    monkeypatch.setenv("PYTHONPATH", "/some/site")
+    monkeypatch.setattr(tool, "entry_point_dir", lambda root: f"{root}/eps")
+    env = tool.worker_env(_args(tmp_path, engine_process=engine_process, plugin_max_batch=max_batch), path)
+    sep = engine_process == "separate"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == ("1" if sep else "0")
+    assert ("VLLM_ALLOW_INSECURE_SERIALIZATION" in env) is sep
+    assert env["PYTHONPATH"].split(os.pathsep) == [tool.REPO] + ([f"{tmp_path}/eps"] if sep else []) + ["/some/site"]
+    assert "MEGAKERNEL_VLLM" not in env and env["HF_HUB_OFFLINE"] == "1"
+    want = str(max_batch) if path == "plugin" and max_batch else None
+    assert env.get("MEGAKERNEL_VLLM_MAX_BATCH") == want
+
+
+def test_entry_point_dir_exposes_the_plugin_when_not_installed(tmp_path, monkeypatch):
+    from importlib import metadata
+
+    monkeypatch.setattr(metadata, "entry_points", lambda **kw: [])
+    folder = tool.entry_point_dir(str(tmp_path))
+    monkeypatch.undo()
+    [dist] = list(metadata.distributions(path=[folder]))
+    [ep] = [e for e in dist.entry_points if e.group == "vllm.general_plugins"]
+    assert (dist.metadata["Name"], ep.name, ep.value) == (
+        "megakernel", "megakernel", "megakernel.integrations.vllm_plugin:register")
+    assert ep.load().__module__ == "megakernel.integrations.vllm_plugin"
+
+
+def test_entry_point_dir_is_not_needed_when_installed(tmp_path, monkeypatch):
+    from importlib import metadata
+
+    ep = metadata.EntryPoint("megakernel", "megakernel.integrations.vllm_plugin:register", "vllm.general_plugins")
+    monkeypatch.setattr(metadata, "entry_points", lambda **kw: [ep])
+    assert tool.entry_point_dir(str(tmp_path)) is None and not list(tmp_path.iterdir())
+
+
+class _RpcLLM:
+    def __init__(self, fail=False):
+        self.fail = fail
+
+    def collective_rpc(self, method):
+        if self.fail:
+            raise TimeoutError("engine gone")
+        return [method(object())]
+
+
+def test_megakernel_report_from_a_separate_engine_process():
+    rep = tool.megakernel_report(_RpcLLM(), "separate")
+    assert rep["engine_process"] == "separate" and rep["caller_pid"] == os.getpid() and "kernel_error" in rep
+    bad = tool.megakernel_report(_RpcLLM(fail=True), "separate")
+    assert bad == {"report_error": "collective_rpc: TimeoutError: engine gone"}
+    assert tool.megakernel_report(None, "separate") == {"report_error": "the engine did not start"}
+    assert "engine_process" not in tool.megakernel_report(None, "inproc")
