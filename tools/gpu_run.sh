@@ -30,13 +30,12 @@ case "$what" in
   sweep)
     # the variants profiles/RESULTS.md plans to compare; each sweep checks its variants' logits first
     S="python3 tools/gpu_sweep.py"
-    B1="default: p64:smem_prefix=65536 p32:smem_prefix=32768 fold:fold_embed=1 par:parallel_argmax=1
+    # (the 2026-11-30 fourth run settled smem_prefix 32K, kv_splits 2, unroll 2 and slabs: see RESULTS.md)
+    B1="default: fold:fold_embed=1 par:parallel_argmax=1 fp:fold_embed=1,parallel_argmax=1
         all:fold_embed=1,smem_prefix=65536,parallel_argmax=1"
-    { $S llama-3.2-1b 1 $B1 ks2:kv_splits=2
+    { $S llama-3.2-1b 1 $B1
       $S qwen3-0.6b 1 $B1 --no-trace
       $S llama-3.1-8b 1 $B1 --no-trace
-      $S qwen3-0.6b 4 default: p64:smem_prefix=65536 u2:unroll=2 --no-trace
-      $S llama-3.2-1b 6 default: noslabs:slabs=0 --no-trace
     } 2>&1 | grep -v Warn | tee "$OUT/sweep.log" ;;
   all)
     python3 -m pytest -m "gpu and not perf" -q -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"

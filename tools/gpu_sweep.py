@@ -1,7 +1,14 @@
-"""Time kernel variants on one set of weights (CUDA-graph replays, median), then trace the first
-variant: per-stage wait and work times. Usage: gpu_sweep.py MODEL BATCH 'name:key=val,key=val' ..."""
-import collections, sys
+"""Time kernel variants on one set of weights, then trace the first variant: per-stage wait and work
+times. Usage: gpu_sweep.py MODEL BATCH 'name:key=val,key=val' ... [--no-trace] [--rounds=N]
+
+Every variant is built first (one packed copy of the weights shared by all), its logits checked
+against the first variant's, and one step captured in a CUDA graph; then the graphs are timed in
+interleaved rounds (each round replays every variant STEPS times), so that clock or thermal drift
+during the sweep falls on all variants alike. Per variant: the median of all its replays, and the
+spread of its round medians (what a difference between two variants must exceed to mean anything)."""
+import collections, statistics, sys
 import torch
+from megakernel.instructions.layout import pack_weights
 from megakernel.kernel.decode import KernelOptions
 from megakernel.model.presets import get_preset
 from megakernel.model.weights import random_weights
@@ -40,7 +47,11 @@ def prepare(eng, start=32, seed=None):
     eng.k_cache.normal_(0, 1); eng.v_cache.normal_(0, 1)
     eng.reset_sync(); eng.bufs.tokens.fill_(1); eng.bufs.positions.fill_(start)
 
-def time_graph(eng, start=32, steps=40):
+ROUNDS, STEPS = 5, 20
+
+def capture(eng, start=32):
+    """A CUDA graph of one step at position `start` (the graph keeps the position: every replay times
+    the same step)."""
     prepare(eng, start)
     for _ in range(2): eng.launch()
     torch.cuda.synchronize()
@@ -48,12 +59,25 @@ def time_graph(eng, start=32, steps=40):
     with torch.cuda.graph(g):
         eng.launch()
     eng.bufs.positions.fill_(start); torch.cuda.synchronize()
+    return g
+
+def replay_ms(g):
     e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
-    ts = []
-    for _ in range(steps):
-        e0.record(); g.replay(); e1.record(); torch.cuda.synchronize(); ts.append(e0.elapsed_time(e1))
-    eng.check()
-    return sorted(ts)[len(ts) // 2]
+    e0.record(); g.replay(); e1.record(); torch.cuda.synchronize()
+    return e0.elapsed_time(e1)
+
+def interleaved(timers, rounds=ROUNDS, steps=STEPS):
+    """timers: name -> a function that times one replay (ms). Returns name -> (median of all replays,
+    lowest and highest round median), the rounds interleaved over the variants."""
+    samples = {name: [] for name in timers}
+    round_medians = {name: [] for name in timers}
+    for _ in range(rounds):
+        for name, one in timers.items():
+            ts = [one() for _ in range(steps)]
+            samples[name] += ts
+            round_medians[name].append(statistics.median(ts))
+    return {name: (statistics.median(samples[name]), min(round_medians[name]), max(round_medians[name]))
+            for name in timers}
 
 def one_step_logits(eng, start=32):
     """Logits of one step from a fixed cache history and inputs: variants of one model must agree."""
@@ -83,26 +107,34 @@ def main():
     bw = read_bw()
     floor = cfg.weight_bytes() / bw * 1e3
     print(f"{model} B={B}: read bw {bw/1e12:.2f} TB/s, floor {floor:.3f} ms")
+    rounds = int(next((a.split("=")[1] for a in sys.argv if a.startswith("--rounds=")), ROUNDS))
+    packed = pack_weights(w, 512).to("cuda")   # one copy for every variant (the 8B shape: 16 GB)
     first = None
     ref_logits = None
+    built = {}
     for spec in specs:
         name, opts, eng_kw = parse(spec)
-        eng = MegakernelEngine(w, B, 512, options=KernelOptions(**opts), **eng_kw)
+        eng = MegakernelEngine(w, B, 512, options=KernelOptions(**opts), packed_weights=packed, **eng_kw)
         logits = one_step_logits(eng)
         if ref_logits is None:
             ref_logits, agree = logits, "reference"
         else:   # same weights, cache and inputs: a variant computes the same step (float32 sums in another order)
             err = ((logits - ref_logits).norm() / ref_logits.norm()).item()
             agree = f"rel err {err:.1e} vs {specs[0].partition(':')[0]}" + ("" if err < 1e-3 else "  MISMATCH")
-        ms = time_graph(eng)
-        print(f"  {name:20s} {ms:.3f} ms/step  {floor/ms*100:5.1f}% of floor  (kv_splits {eng.layout.kv_splits})  "
-              f"{agree}", flush=True)
+        built[name] = (eng, capture(eng), agree)
         if first is None:
             first = (opts, eng_kw)
-        del eng
+    times = interleaved({name: (lambda g=g: replay_ms(g)) for name, (_, g, _) in built.items()}, rounds)
+    for name, (eng, _, agree) in built.items():
+        eng.check()
+        ms, lo, hi = times[name]
+        print(f"  {name:20s} {ms:.3f} ms/step (rounds {lo:.3f}-{hi:.3f})  {floor/ms*100:5.1f}% of floor  "
+              f"(kv_splits {eng.layout.kv_splits})  {agree}", flush=True)
+    del built
     if "--no-trace" not in sys.argv:
         opts, eng_kw = first
-        trace(MegakernelEngine(w, B, 512, options=KernelOptions(trace=True, **opts), **eng_kw))
+        trace(MegakernelEngine(w, B, 512, options=KernelOptions(trace=True, **opts), packed_weights=packed,
+                               **eng_kw))
 
 
 if __name__ == "__main__":

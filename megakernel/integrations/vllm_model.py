@@ -60,9 +60,10 @@ logger = logging.getLogger("vllm.megakernel")
 
 ENV_CHECK = "MEGAKERNEL_VLLM_CHECK"   # "1": read the kernel's error word after every eager launch
 ENV_MAX_BATCH = "MEGAKERNEL_VLLM_MAX_BATCH"   # largest decode batch sent to the megakernel (1..MAX_BATCH)
-# Default of ENV_MAX_BATCH: the largest batch at which vLLM's decode step is faster with the megakernel
-# than stock on the H200 (profiles/RESULTS.md, tools/vllm_bench.py); larger batches run stock.
-DEFAULT_MAX_BATCH = MAX_BATCH
+# Default of ENV_MAX_BATCH. tools/vllm_bench.py on the H200 (profiles/RESULTS.md, 2026-11-30, fourth run),
+# megakernel at every batch against stock vLLM, llama-3.2-1b: 1.02x at batch 1, 0.91x at 2, 0.99x at 4,
+# 0.85x at 8. Only batch 1 is not slower, so larger decode batches run stock unless the switch says otherwise.
+DEFAULT_MAX_BATCH = 1
 POW2_BUCKETS = (1, 2, 4, 8)
 HOPPER = (9, 0)
 

@@ -2,7 +2,9 @@
 
 tools/vllm_parity.py runs both paths on one model directory (a preset-shaped checkpoint of seeded random
 weights, as save_pretrained writes it), each vLLM engine in its own process: stock (default compilation)
-and the plugin switched on by `hf_overrides` (FULL_DECODE_ONLY CUDA graphs). Two workloads, greedy with
+and the plugin switched on by `hf_overrides` (FULL_DECODE_ONLY CUDA graphs), with
+MEGAKERNEL_VLLM_MAX_BATCH=8 (`--plugin-max-batch 8`) so that decode batches of every size, not only
+those the plugin sends to the megakernel by default, are checked. Two workloads, greedy with
 the top-5 logprobs of every step: one 32-token prompt for 128 tokens (batch 1), and 12 prompts of
 different lengths through max_num_seqs=8 (prefill chunks and decodes of 1-8 requests interleaved, one
 shared paged cache). The judgement (tools/vllm_parity.compare, unit-tested in tests/unit/test_vllm_tools.py)
@@ -53,7 +55,7 @@ def test_plugin_path_matches_stock_vllm(preset, tmp_path):
         pytest.skip(reason)
     out = tmp_path / "out"
     cmd = [sys.executable, TOOL, "--preset", preset, "--out", str(out), "--models", str(tmp_path / "models"),
-           "--budget", str(BUDGET_S)]
+           "--budget", str(BUDGET_S), "--plugin-max-batch", "8"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=BUDGET_S + 45)
     tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
     report_path = out / f"vllm_parity_{preset}.json"
@@ -61,6 +63,8 @@ def test_plugin_path_matches_stock_vllm(preset, tmp_path):
     report = json.loads(report_path.read_text())
     assert report.get("megakernel_used") is True, \
         f"{preset}: the plugin path did not run decode steps through the megakernel: {report.get('megakernel')}"
+    assert "engines [1, 2, 4, 8]" in report["megakernel"], \
+        f"{preset}: not every batch bucket ran on the megakernel: {report['megakernel']}"
     workloads = report.get("parity", {}).get("workloads", {})
     for name, (requests, min_steps) in WORKLOADS.items():
         w = workloads.get(name)

@@ -333,6 +333,12 @@ def _module(**tensors):
     return m
 
 
+@pytest.fixture(autouse=True)
+def _every_batch_on_the_megakernel(monkeypatch):
+    """The adapter tests cover batches up to MAX_BATCH; the default limit has its own test."""
+    monkeypatch.setenv(vm.ENV_MAX_BATCH, str(vm.MAX_BATCH))
+
+
 def fake_vllm_model(weights, vocab_pad: int = 64):
     """A module tree with vLLM's names and fused layouts (qkv_proj, gate_up_proj, padded vocab)."""
     c = weights.config
@@ -457,6 +463,19 @@ def test_adapter_disables_itself_for_an_unsupported_vllm_config(mk_log):
     assert "tensor_parallel_size=2" in mk_log.text
     a.on_weights_loaded()
     assert a.engine_cls is None and a.weights is None
+
+
+def test_adapter_default_limit_sends_only_batch_one_to_the_megakernel(monkeypatch, mk_log):
+    monkeypatch.delenv(vm.ENV_MAX_BATCH)
+    FakeEngine.built.clear()
+    a, cfg, ctx, _ = _ready_adapter()
+    assert a.max_batch == vm.DEFAULT_MAX_BATCH == 1 and a.buckets == (1,)
+    name = "model.layers.0.self_attn.attn"
+    ctx.attn_metadata = {name: _metadata(2, 1, 0)}
+    assert a.maybe_decode(torch.zeros(2, dtype=torch.long), torch.arange(2)) is None and not FakeEngine.built
+    ctx.attn_metadata = {name: _metadata(1, 1, 0)}
+    assert a.maybe_decode(torch.zeros(1, dtype=torch.long), torch.arange(1)) is not None
+    assert [e.batch for e in FakeEngine.built] == [1]
 
 
 def test_adapter_on_cpu_falls_back_with_the_reason():

@@ -1,0 +1,44 @@
+"""tools/gpu_sweep.py's CPU parts: the variant spec parser and the interleaved timing rounds."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    spec = importlib.util.spec_from_file_location("tools_gpu_sweep", REPO / "tools" / "gpu_sweep.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_parse_splits_kernel_options_from_engine_arguments(sweep):
+    assert sweep.parse("default:") == ("default", {}, {})
+    name, opts, eng = sweep.parse("x:fold_embed=1,smem_prefix=65536,kv_splits=2,slabs=0,policy=balanced,fuse=0")
+    assert name == "x" and opts == {"smem_prefix": 65536}
+    assert eng == {"fold_embed": True, "kv_splits": 2, "slab_staging": False, "policy": "balanced",
+                   "fuse_attn_reduce": False}
+
+
+def test_interleaved_rounds_visit_every_variant_in_turn(sweep):
+    calls = []
+    clock = {"a": iter([1.0, 3.0, 2.0, 9.0, 9.0, 9.0]), "b": iter([5.0, 4.0, 6.0, 7.0, 5.5, 5.0])}
+
+    def timer(name):
+        def one():
+            calls.append(name)
+            return next(clock[name])
+        return one
+
+    got = sweep.interleaved({"a": timer("a"), "b": timer("b")}, rounds=3, steps=2)
+    assert calls == ["a", "a", "b", "b"] * 3
+    # a: rounds [1, 3] [2, 9] [9, 9] -> round medians 2, 5.5, 9; all six samples (1 2 3 9 9 9): median 6
+    assert got["a"] == (6.0, 2.0, 9.0)
+    # b: rounds [5, 4] [6, 7] [5.5, 5] -> 4.5, 6.5, 5.25; median of all 5.25
+    assert got["b"] == (5.25, 4.5, 6.5)
