@@ -79,7 +79,8 @@ def make_model_dir(preset: str, seed: int, root: str) -> str:
     from megakernel.model.weights import random_weights, save_checkpoint
 
     t0 = time.perf_counter()
-    save_checkpoint(path, random_weights(get_preset(preset), seed=seed))
+    # shards of at most 5 GiB, as save_pretrained writes them (the llama-3.1-8b shape is 16 GB)
+    save_checkpoint(path, random_weights(get_preset(preset), seed=seed), max_shard_bytes=5 << 30)
     open(done, "w").close()
     print(f"[{preset}] wrote {path} in {time.perf_counter() - t0:.1f} s", flush=True)
     return path
