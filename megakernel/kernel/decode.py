@@ -819,25 +819,32 @@ class DecodeKernel:
         else:
             self.stage_input(tidx, K, in_addr, norm_addr, s_x, ss, s0, kw, gather)
 
+    def staged_extent(self, K, s0, kw):
+        """(columns staged, row stride in s_x) of stage_input / stage_merged_attention: the whole row of
+        K columns, or with a slab start s0 (decided at trace time) its kw columns at stride slab_cols."""
+        if s0 is None:
+            return K, K
+        return kw, self.slab_cols
+
+    def staged_column(self, q, s0):
+        """Input column of the staged quad q: 4q, or 4q past the slab start s0."""
+        if s0 is None:
+            return q * 4
+        return s0 + q * 4
+
     @cute.jit
     def stage_input(self, tidx: Int32, K: Int32, in_addr: Int64, norm_addr: Int64, s_x: cute.Tensor,
                     ss: cute.Tensor, s0=None, kw=None, gather=None):
         """s_x = input row x norm weight for every sequence, ss[b] = sum(x^2): X_UNROLL quads per thread
         per round, so a whole input row is one round of loads. With s0, kw: that slab of columns, at row
         stride slab_cols, and ss only when `gather`."""
-        width = K
-        stride = K
-        if cutlass.const_expr(s0 is not None):
-            width = kw
-            stride = self.slab_cols
+        width, stride = self.staged_extent(K, s0, kw)
         for b in cutlass.range_constexpr(self.B):
             for q0 in range(tidx, width // 4, self.threads * X_UNROLL):
                 for v in cutlass.range_constexpr(X_UNROLL):
                     q = q0 + v * self.threads
                     if q < width // 4:
-                        k = q * 4
-                        if cutlass.const_expr(s0 is not None):
-                            k = s0 + q * 4
+                        k = self.staged_column(q, s0)
                         xv = load_f32x4(in_addr + (Int64(b) * Int64(K) + Int64(k)) * 4)
                         nv = load_weights_bf16x4(norm_addr + Int64(k) * 2)
                         for e in cutlass.range_constexpr(4):
@@ -875,17 +882,11 @@ class DecodeKernel:
         """O_PROJ folded with the attention merge: s_x = the merged attention output of every sequence,
         one quad per thread at a time (each quad is 2 x splits loads). With s0, kw: that slab of columns,
         at row stride slab_cols."""
-        width = K
-        stride = K
-        if cutlass.const_expr(s0 is not None):
-            width = kw
-            stride = self.slab_cols
+        width, stride = self.staged_extent(K, s0, kw)
         for b in cutlass.range_constexpr(self.B):
             for q in range(tidx, width // 4, self.threads):
                 xv = cute.make_rmem_tensor((4,), Float32)
-                k = q * 4
-                if cutlass.const_expr(s0 is not None):
-                    k = s0 + q * 4
+                k = self.staged_column(q, s0)
                 self.merge_quad(layer, b, k, attn_part_o, attn_part_lse, xv)
                 for e in cutlass.range_constexpr(4):
                     s_x[b * stride + q * 4 + e] = xv[e]
