@@ -54,6 +54,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START = time.perf_counter()
 MK_ARCH = {"LlamaForCausalLM": "MegakernelLlamaForCausalLM", "Qwen3ForCausalLM": "MegakernelQwen3ForCausalLM"}
 PATHS = ("stock", "plugin")
+PLUGIN_GROUP = "vllm.general_plugins"   # vLLM's entry-point group for general plugins
 # below this, a path with --parity or --profile gets a warning: 159 s per path (--budget 330) stopped both
 # paths right after CUDA-graph capture on the H200 (llama-3.2-1b shape, 2026-11-30)
 MIN_PATH_SECONDS = 240.0
@@ -612,24 +613,32 @@ def profile_stage(llm, vocab: int, args: argparse.Namespace, into: dict) -> None
 
 def entry_point_dir(root: str) -> str | None:
     """A folder that makes this checkout's vLLM plugin entry point visible to vLLM's engine process
-    when the package is not installed (the GPU host runs the checkout from PYTHONPATH): a
-    megakernel dist-info with the entry point pyproject.toml declares. None when it is installed."""
+    when the package is not installed (the GPU host runs the checkout from PYTHONPATH): a dist-info
+    with the name, version and vLLM entry points pyproject.toml declares. None when it is installed."""
+    import tomllib
     from importlib import metadata
 
-    if any(ep.name == "megakernel" for ep in metadata.entry_points(group="vllm.general_plugins")):
+    if any(ep.name == "megakernel" for ep in metadata.entry_points(group=PLUGIN_GROUP)):
         return None
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
     folder = os.path.join(root, "entry_points")
-    info = os.path.join(folder, "megakernel-0+checkout.dist-info")
+    info = os.path.join(folder, f"{project['name']}-{project['version']}.dist-info")
     os.makedirs(info, exist_ok=True)
     with open(os.path.join(info, "METADATA"), "w") as f:
-        f.write("Metadata-Version: 2.1\nName: megakernel\nVersion: 0+checkout\n")
+        f.write(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
     with open(os.path.join(info, "entry_points.txt"), "w") as f:
-        f.write("[vllm.general_plugins]\nmegakernel = megakernel.integrations.vllm_plugin:register\n")
+        f.write(f"[{PLUGIN_GROUP}]\n" + "".join(f"{name} = {target}\n" for name, target
+                                                 in project["entry-points"][PLUGIN_GROUP].items()))
     return folder
 
 
 def worker_env(args: argparse.Namespace, path: str) -> dict[str, str]:
     """The environment of one path's worker process."""
+    sys.path.insert(0, REPO)
+    from megakernel.integrations.vllm_model import ENV_MAX_BATCH
+    from megakernel.integrations.vllm_plugin import ENV_SWITCH
+
     paths = [REPO]
     env = dict(os.environ)
     if args.engine_process == "inproc":
@@ -645,10 +654,10 @@ def worker_env(args: argparse.Namespace, path: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [os.environ.get("PYTHONPATH")] if p])
     # the host reaches no network: nothing may wait on a hub or a usage-stats server
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
-    env.pop("MEGAKERNEL_VLLM", None)   # the stock path must stay stock: the plugin path uses hf_overrides
-    env.pop("MEGAKERNEL_VLLM_MAX_BATCH", None)
+    env.pop(ENV_SWITCH, None)   # the stock path must stay stock: the plugin path uses hf_overrides
+    env.pop(ENV_MAX_BATCH, None)
     if path == "plugin" and args.plugin_max_batch is not None:
-        env["MEGAKERNEL_VLLM_MAX_BATCH"] = str(args.plugin_max_batch)
+        env[ENV_MAX_BATCH] = str(args.plugin_max_batch)
     return env
 
 

@@ -577,8 +577,9 @@ class MegakernelDecode:
 
     def describe(self) -> dict[str, Any]:
         kv = asdict(self.kv[2]) if self.kv else None
-        return {"disabled": self.disabled, "buckets": list(self.buckets), "max_batch": self.max_batch, "engines": sorted(self.engines),
-                "packed_once": self.packed is not None, "kv": kv, "max_seq_len": self.max_seq_len}
+        return {"disabled": self.disabled, "buckets": list(self.buckets), "max_batch": self.max_batch,
+                "engines": sorted(self.engines), "packed_once": self.packed is not None, "kv": kv,
+                "max_seq_len": self.max_seq_len}
 
     def check_engines(self) -> None:
         """Raise MegakernelError if any engine's error word is set (syncs the device)."""
