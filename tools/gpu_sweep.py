@@ -1,5 +1,6 @@
 """Time kernel variants on one set of weights, then trace the first variant: per-stage wait and work
-times. Usage: gpu_sweep.py MODEL BATCH 'name:key=val,key=val' ... [--no-trace] [--rounds=N]
+times. Usage: gpu_sweep.py MODEL BATCH 'name:key=val,key=val' ... [--no-trace] [--trace=NAME] [--rounds=N]
+(the trace is of the first variant, or of variant NAME)
 
 Every variant is built first (one packed copy of the weights shared by all), its logits checked
 against the first variant's, and one step captured in a CUDA graph; then the graphs are timed in
@@ -27,6 +28,9 @@ def parse(spec):
             continue
         if k == "fold_embed":                # fold_embed=1: layer 0's QKV reads the embedding itself
             eng["fold_embed"] = bool(int(v))
+            continue
+        if k == "lm_pool":                   # lm_pool=32: LM head pool tiles of 32 rows after the static ones
+            eng["lm_pool_rows"] = int(v)
             continue
         (eng if k in ("kv_splits", "policy") else opts)[k] = v if k == "policy" else int(v)
     return name, opts, eng
@@ -94,10 +98,20 @@ def trace(eng, start=32):
     by = collections.defaultdict(list)
     for r in recs: by[r["opcode"]].append(r)
     print(f"  trace: step span {span/1e3:.1f} us")
+    layers = eng.layout.config.num_layers
     for op, rs in by.items():
         wait = sum(r["ready"] - r["begin"] for r in rs) / len(rs)
         work = sum(r["end"] - r["ready"] for r in rs) / len(rs)
-        print(f"    {op:13s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us")
+        # a per-layer stage (its instructions in start order, one group per layer): from its first
+        # instruction's start to its last one's end, the mean over layers: the stage's share of the chain
+        phase = ""
+        if len(rs) % layers == 0 and len(rs) > layers:
+            rs = sorted(rs, key=lambda r: r["ready"])
+            per = len(rs) // layers
+            spans = [max(r["end"] for r in rs[i:i + per]) - min(r["ready"] for r in rs[i:i + per])
+                     for i in range(0, len(rs), per)]
+            phase = f"  layer span {statistics.mean(spans)/1e3:6.2f} us"
+        print(f"    {op:13s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us{phase}")
 
 def main():
     model, B = sys.argv[1], int(sys.argv[2])
@@ -110,6 +124,7 @@ def main():
     rounds = int(next((a.split("=")[1] for a in sys.argv if a.startswith("--rounds=")), ROUNDS))
     packed = pack_weights(w, 512).to("cuda")   # one copy for every variant (the 8B shape: 16 GB)
     first = None
+    traced = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--trace=")), None)
     ref_logits = None
     built = {}
     for spec in specs:
@@ -122,7 +137,7 @@ def main():
             err = ((logits - ref_logits).norm() / ref_logits.norm()).item()
             agree = f"rel err {err:.1e} vs {specs[0].partition(':')[0]}" + ("" if err < 1e-3 else "  MISMATCH")
         built[name] = (eng, capture(eng), agree)
-        if first is None:
+        if first is None or name == traced:
             first = (opts, eng_kw)
     times = interleaved({name: (lambda g=g: replay_ms(g)) for name, (_, g, _) in built.items()}, rounds)
     for name, (eng, _, agree) in built.items():

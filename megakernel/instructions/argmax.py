@@ -29,7 +29,10 @@ def writes(ins: Instruction, layout) -> list:
 
 def reference(ins: Instruction, ctx: StageContext) -> None:
     b = ctx.bufs
-    best = b.lm_max[:, :ins.a0].argmax(dim=1)
-    b.out_tokens.copy_(b.lm_idx[torch.arange(b.lm_idx.shape[0]), best])
+    vals, idx = b.lm_max[:, :ins.a0], b.lm_idx[:, :ins.a0]
+    # the largest value; among equal ones the lowest row (a slot's row need not grow with the slot
+    # where the LM head has a pool)
+    top = vals.max(dim=1, keepdim=True).values
+    b.out_tokens.copy_(torch.where(vals == top, idx, torch.iinfo(torch.int32).max).min(dim=1).values)
     b.tokens.copy_(b.out_tokens)
     b.positions.add_(1)

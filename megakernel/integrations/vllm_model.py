@@ -365,6 +365,7 @@ class MegakernelDecode:
         self.kv: tuple[list[torch.Tensor], list[torch.Tensor], KVGeometry] | None = None
         self._kv_key: tuple[int, ...] | None = None
         self.engine_cls = None
+        self.layout_kw: dict[str, Any] = {}
         self.prepared = False
         self.config: ModelConfig | None = None
         mc = vllm_config.model_config
@@ -427,6 +428,10 @@ class MegakernelDecode:
         from vllm.forward_context import get_forward_context, is_forward_context_available
         self._fc_get, self._fc_available = get_forward_context, is_forward_context_available
         self.engine_cls = MegakernelEngine
+        # the kernel and layout the vLLM parity runs on the GPU host checked (profiles/RESULTS.md): the
+        # 2026-11-30 defaults (fold_embed, attn_preload, early_loads) serve vLLM once they have been too
+        from megakernel.kernel.decode import KernelOptions
+        self.layout_kw = {"fold_embed": False, "options": KernelOptions(attn_preload=False, early_loads=False)}
         self.norm_weight = self.weights.final_norm
         self.eps = self.config.rms_norm_eps
         if "packed_weights" in engine_kwargs(MegakernelEngine, packed_weights=None):
@@ -487,7 +492,8 @@ class MegakernelDecode:
             _log_once(f"no engine for batch {bucket} at CUDA graph capture")
             return None
         k_list, v_list, geom = self.kv
-        kw = engine_kwargs(self.engine_cls, packed_weights=self.packed, own_kv_cache=False, lm_head=False)
+        kw = engine_kwargs(self.engine_cls, packed_weights=self.packed, own_kv_cache=False, lm_head=False,
+                           **self.layout_kw)
         if self.packed is None:
             kw.pop("packed_weights", None)
         elif self.packed.rope_cos.shape[0] < rope_positions(self.max_seq_len, geom.block_size):

@@ -34,7 +34,8 @@ from ..instructions.layout import (COL_PASS, ROW_GROUP, SLAB_STAGE_BYTES, SMEM_L
 from ..instructions.opcodes import Opcode
 from ..instructions.record import (W_A0, W_A1, W_A2, W_A3, W_INDEX, W_LAYER, W_OPCODE, W_SIGNAL_ID,
                                    W_WAIT_COUNT, W_WAIT_ID, WORDS)
-from .ptx import (atomic_add_acq_rel, atomic_cas, bulk_copy_g2s, fence_proxy_async_shared, load_acquire,
+from .ptx import (atomic_add_acq_rel, atomic_add_relaxed, atomic_cas, cp_async_shared, cp_async_wait_all,
+                  load_shared_b32, bulk_copy_g2s, fence_proxy_async_shared, load_acquire,
                   load_f32x4, load_shared_raw, load_weights_bf16x8, load_weights_raw, mbarrier_arrive_expect_tx,
                   mbarrier_init, mbarrier_init_fence, mbarrier_try_wait, prefetch_l2, red_release_add,
                   store_relaxed, unpack_bf16x8, warp_max_index, warp_sum)
@@ -79,7 +80,8 @@ class KernelOptions:
     rows_per_unit: int = 0                   # rows of a work unit sharing its input columns (0: 2 where the
                                              # input is staged, else 1 per 8 loads)
     prefetch_ahead: int = 1                  # L2-prefetch the weight tile of the instruction this many ahead
-    attn_preload: bool = False               # ATTN_PARTIAL loads its first cached token's K/V before its wait
+    attn_preload: bool = True                # ATTN_PARTIAL loads its first cached token's K/V before its wait
+                                             # (by cp.async into shared memory; not on the slab path)
     unroll: int = 0                          # 256-column passes per work unit (0: by batch, within the
                                              # registers: 8 at batch 1 or 8 warps, 4 up to batch 4, else 2)
     preload: int = 1                         # work items per warp whose weight loads are issued before the
@@ -88,6 +90,13 @@ class KernelOptions:
     smem_prefix: int = 0                     # bytes per buffer (two buffers) of the next matvec tile's first
                                              # rows, bulk-copied into shared memory one instruction ahead
                                              # (0: off; shrunk to the shared memory left; replaces preload)
+    early_loads: bool = True                 # O_PROJ / DOWN load their residual right after the wait, and the
+                                             # attention merge loads every split's partial with its lse: one
+                                             # round trip less on each (False: the loads where they are used)
+    hop_prefetch: int = 0                    # bytes of the next instruction's weight tile that thread 0 asks
+                                             # the copy engine to bring into L2 at an instruction whose wait
+                                             # spans the attention hop (ATTN_PARTIAL, O_PROJ), while HBM is
+                                             # otherwise idle (0: off)
 
 
 @cute.jit
@@ -192,6 +201,7 @@ class DecodeKernel:
         self.kv_sb, self.kv_st, self.kv_sh = kv_strides or (self.bs * self.Hkv * self.D, self.Hkv * self.D, self.D)
         self.max_seq_len = layout.max_seq_len
         self.T = lm_tiles
+        self.lm_pool = layout.lm_pool
         self.num_counters = num_counters
         self.eps = float(c.rms_norm_eps)
         self.qk_norm = bool(c.qk_norm)
@@ -232,6 +242,10 @@ class DecodeKernel:
         if ROW_GROUP % self.items_per_step:
             raise ValueError(f"rows_per_unit={self.items_per_step} must divide {ROW_GROUP}")
         self.raw_words = self.items_per_step * self.unroll * 4
+        # (the slab path, batch 5-8, has no register to spare for the early residual, and no shared memory
+        # for the K/V preload)
+        self.early_res = options.early_loads and not self.slabs
+        self.attn_pre = options.attn_preload and not self.slabs
         # (the slab path, batch 5-8, has no registers to spare for loads held across the wait)
         self.preload_items = 0 if self.slabs else min(max(0, int(options.preload)), self.items_per_step)
         if self.qk_norm and self.B == 4 and self.unroll == 4:
@@ -260,7 +274,8 @@ class DecodeKernel:
         words = [4, 8, 8, warps * 8, warps * 8, self.part_slots,
                  4 if with_x and self.x_smem else self.part_slots, 8,
                  (self.B * self.slab_cols if self.x_smem else 4) if with_x else 0,
-                 G * D, 2 * D, warps * G, warps * G, warps * G * D, self.max_queue_len * WORDS]
+                 G * D, 2 * D, warps * G, warps * G, warps * G * D, self.max_queue_len * WORDS, 4,
+                 warps * D if getattr(self, "attn_pre", False) else 4]
         prefix = getattr(self, "prefix_bytes", 0)
         return sum((4 * w + 15) // 16 * 16 for w in words) + (2 * prefix + 2 * 8 + 128 if prefix else 0)
 
@@ -340,6 +355,10 @@ class DecodeKernel:
         s_o = smem.allocate_tensor(Float32, cute.make_layout((self.warps * self.G * self.D,)), byte_alignment=16)
         # the CTA's whole instruction queue, copied once: instruction fetch is then a shared-memory read
         s_queue = smem.allocate_tensor(Int32, cute.make_layout((self.max_queue_len * WORDS,)), byte_alignment=16)
+        s_lm = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=16)    # LM head pool ticket
+        # attn_preload: each warp's first cached token, bf16 k then v (D each), copied before the wait
+        s_pre = smem.allocate_tensor(Int32, cute.make_layout((self.warps * self.D if self.attn_pre else 4,)),
+                                     byte_alignment=16)
 
         wb = Int32(0)        # shared addresses of the two tile-prefix buffers and their mbarriers
         mb = Int32(0)
@@ -407,6 +426,13 @@ class DecodeKernel:
                     self.prefetch_instruction(s_queue, ins + ahead * WORDS, w_qkv, w_o, w_gate_up, w_down,
                                               w_lm_head)
 
+            # ---- across the attention hop HBM idles: the next tile (GATE_UP after O_PROJ) streams into L2
+            if cutlass.const_expr(self.options.hop_prefetch > 0):
+                if tidx == 0 and i + 1 < s_ctrl[2]:
+                    if op == OP_O_PROJ or op == OP_ATTN_PARTIAL:
+                        self.prefetch_instruction(s_queue, ins + WORDS, w_qkv, w_o, w_gate_up, w_down, w_lm_head,
+                                                  cap=self.options.hop_prefetch)
+
             # ---- the next instruction's tile prefix: into the buffer this one does not use
             if cutlass.const_expr(self.prefix_bytes > 0):
                 if i + 1 < s_ctrl[2]:
@@ -417,11 +443,10 @@ class DecodeKernel:
             # warp issues its first step of loads now and they arrive while thread 0 waits
             is_matvec = op >= OP_QKV and op != OP_ATTN_PARTIAL and op != OP_ATTN_REDUCE and op != OP_ARGMAX
             raw = cute.make_rmem_tensor((self.raw_words,), Int32)
-            kv0 = cute.make_rmem_tensor((2 * self.E,), Float32)     # attention: first cached token's k | v
-            if cutlass.const_expr(self.options.attn_preload):
+            if cutlass.const_expr(self.attn_pre):
                 if op == OP_ATTN_PARTIAL:
                     # the cache holds positions < pos from earlier steps: nothing this step writes
-                    self.attn_preload(warp, lane, layer, a0, a1, a2, a3, positions, block_table, kv_table, kv0)
+                    self.attn_preload(warp, lane, layer, a0, a1, a2, a3, positions, block_table, kv_table, s_pre)
             if cutlass.const_expr(self.preload_items > 0):
                 if is_matvec:
                     # (never with slabs: preload_items is 0 there)
@@ -476,13 +501,40 @@ class DecodeKernel:
                                 w_lm_head, attn_norm, mlp_norm, final_norm, ones, x, h, qkv, attn_out, act,
                                 logits, lm_max, lm_idx, s_red, s_ired, s_part, s_ssq, s_wv, s_wi, s_rstd, s_x,
                                 raw, a3, attn_part_o, attn_part_lse, pf_rows, pf_addr, w_embed, tokens)
+                    if cutlass.const_expr(self.lm_pool is not None):
+                        if op == OP_LM_HEAD and a3 > 0:
+                            # the pool: take tiles by ticket until none is left (LM_HEAD's a3 = 1)
+                            pool = self.lm_pool
+                            if tidx == 0:
+                                s_lm[0] = atomic_add_relaxed(sync + 8, Int32(1))
+                            cute.arch.sync_threads()
+                            t = s_lm[0]
+                            while t < pool.tiles:
+                                # the next ticket is asked for now; its answer is read after this tile
+                                nxt = Int32(0)
+                                if tidx == 0:
+                                    nxt = atomic_add_relaxed(sync + 8, Int32(1))
+                                row0 = Int32(pool.start) + t * pool.pool_rows
+                                n_rows = Int32(self.V) - row0
+                                if n_rows > pool.pool_rows:
+                                    n_rows = Int32(pool.pool_rows)
+                                self.matvec(tidx, warp, lane, Int32(OP_LM_HEAD), Int32(0), row0, n_rows, a2,
+                                            w_qkv, w_o, w_gate_up, w_down, w_lm_head, attn_norm, mlp_norm,
+                                            final_norm, ones, x, h, qkv, attn_out, act, logits, lm_max, lm_idx,
+                                            s_red, s_ired, s_part, s_ssq, s_wv, s_wi, s_rstd, s_x, raw, Int32(0),
+                                            attn_part_o, attn_part_lse, Int32(0), Int32(0), w_embed, tokens,
+                                            lm_continue=True)
+                                if tidx == 0:
+                                    s_lm[0] = nxt
+                                cute.arch.sync_threads()
+                                t = s_lm[0]
                 else:
                     if op == OP_EMBED:
                         self.embed(tidx, w_embed, tokens, x, error, s_queue[ins + W_INDEX])
                     if op == OP_ATTN_PARTIAL:
                         self.attn_partial(tidx, warp, lane, layer, a0, a1, a2, a3, s_queue[ins + W_INDEX], qkv,
                                           q_norm, k_norm, rope_cos, rope_sin, positions, block_table, kv_table,
-                                          attn_part_o, attn_part_lse, error, s_q, s_kv, s_m, s_l, s_o, kv0)
+                                          attn_part_o, attn_part_lse, error, s_q, s_kv, s_m, s_l, s_o, s_pre)
                     if op == OP_ATTN_REDUCE:
                         self.attn_reduce(tidx, layer, a0, a1, a3, attn_part_o, attn_part_lse, attn_out)
                     if op == OP_ARGMAX:
@@ -520,18 +572,20 @@ class DecodeKernel:
             done = atomic_add_acq_rel(sync + 4, Int32(1))
             if done == self.num_sms - 1:
                 store_relaxed(sync + 4, Int32(0))
+                store_relaxed(sync + 8, Int32(0))         # the LM head pool's ticket: every CTA is done
                 store_relaxed(sync, s_ctrl[0] + 1)
 
     @cute.jit
     def prefetch_instruction(self, s_queue: cute.Tensor, ins: Int32, w_qkv: Int64, w_o: Int64,
-                             w_gate_up: Int64, w_down: Int64, w_lm_head: Int64):
+                             w_gate_up: Int64, w_down: Int64, w_lm_head: Int64, cap: int = 0):
+        """L2 prefetch of the first min(tile bytes, cap or prefetch_bytes) of the instruction at word `ins`."""
         op = s_queue[ins + W_OPCODE]
         addr, k = self.weight_tile(op, s_queue[ins + W_LAYER], s_queue[ins + W_A0],
                                    w_qkv, w_o, w_gate_up, w_down, w_lm_head)
         if k > 0:
             nbytes = s_queue[ins + W_A1] * k * 2
-            if nbytes > self.options.prefetch_bytes:
-                nbytes = Int32(self.options.prefetch_bytes)
+            if nbytes > (cap or self.options.prefetch_bytes):
+                nbytes = Int32(cap or self.options.prefetch_bytes)
             prefetch_l2(addr, nbytes)
 
     @cute.jit
@@ -590,7 +644,9 @@ class DecodeKernel:
                s_red: cute.Tensor, s_ired: cute.Tensor, s_part: cute.Tensor, s_ssq: cute.Tensor,
                s_wv: cute.Tensor, s_wi: cute.Tensor, s_rstd: cute.Tensor, s_x: cute.Tensor, raw: cute.Tensor,
                a3: Int32, attn_part_o: Int64, attn_part_lse: Int64, pf_rows: Int32, pf_addr: Int32,
-               w_embed: Int64, tokens: Int64):
+               w_embed: Int64, tokens: Int64, lm_continue: bool = False):
+        """One tile of a matvec stage (rows a0 .. a0 + a1 - 1). lm_continue: an LM head pool tile, whose
+        (max, argmax) extends the instruction's slot and whose weights were not preloaded."""
         B, H = self.B, self.H
         l64 = Int64(layer)
         w_addr, K = self.weight_tile(op, layer, a0, w_qkv, w_o, w_gate_up, w_down, w_lm_head)
@@ -644,6 +700,16 @@ class DecodeKernel:
         # fixed order (deterministic), then the epilogue runs one thread per output.
         seg_cols = COL_PASS * self.unroll
         n_seg = K // seg_cols
+        # the residual of this thread's first output (O_PROJ, DOWN), loaded now: its round trip overlaps
+        # the input's instead of ending the instruction
+        res0 = Float32(0.0)
+        n_res0 = a1 * B
+        if a1 > self.chunk_rows:
+            n_res0 = Int32(self.chunk_rows * B)
+        if cutlass.const_expr(self.early_res):
+            if has_res and tidx < n_res0:
+                r0 = tidx // B
+                res0 = ld_f32(res_addr + (Int64(tidx - r0 * B) * Int64(H) + Int64(r0)) * 4)
         ss = cute.make_rmem_tensor((B,), Float32)
         if cutlass.const_expr(self.x_smem and not self.slabs):
             # stage x * norm weight in shared memory, and sum(x^2) per sequence for the RMSNorm
@@ -658,9 +724,10 @@ class DecodeKernel:
                 self.stage(tidx, layer, K, merge, in_addr, norm_addr, attn_part_o, attn_part_lse, s_x, ss)
             self.rms_statistic(tidx, warp, lane, K, ss, s_wv, s_rstd)
             cute.arch.sync_threads()
-        if is_lm and tidx < B:
-            s_red[tidx] = Float32(-math.inf)
-            s_ired[tidx] = Int32(0x7FFFFFFF)
+        if cutlass.const_expr(not lm_continue):
+            if is_lm and tidx < B:
+                s_red[tidx] = Float32(-math.inf)
+                s_ired[tidx] = Int32(0x7FFFFFFF)
         for c0 in range(0, a1, self.chunk_rows):
             rows = a1 - c0
             if rows > self.chunk_rows:
@@ -675,7 +742,7 @@ class DecodeKernel:
             else:
                 for unit in range(warp, n_units, self.warps):
                     # the first unit of the first chunk was (partly) loaded before the wait (preload)
-                    if cutlass.const_expr(self.preload_items > 0):
+                    if cutlass.const_expr(self.preload_items > 0 and not lm_continue):
                         if c0 > 0 or unit != warp:
                             self.load_step(lane, w_addr, K, c0, unit, raw)
                         else:
@@ -725,7 +792,13 @@ class DecodeKernel:
                         y = y + s_part[(r * n_seg + sg) * B + b]
                     y = y * scale
                     if has_res:
-                        y = y + ld_f32(res_addr + (Int64(b) * Int64(H) + Int64(c0 + r)) * 4)
+                        if cutlass.const_expr(not self.early_res):
+                            y = y + ld_f32(res_addr + (Int64(b) * Int64(H) + Int64(c0 + r)) * 4)
+                        else:
+                            if c0 == 0 and t == tidx:
+                                y = y + res0
+                            else:
+                                y = y + ld_f32(res_addr + (Int64(b) * Int64(H) + Int64(c0 + r)) * 4)
                     st_f32(ob + Int64(c0 + r) * 4, y)
                     if is_lm:
                         s_part[(r * n_seg) * B + b] = y          # keep the logit for the argmax below
@@ -899,6 +972,40 @@ class DecodeKernel:
         head = k // self.D
         d = k - head * self.D
         base = ((Int64(layer) * self.B + Int64(b)) * self.Hq + Int64(head)) * self.S
+        if cutlass.const_expr(self.options.early_loads):
+            self.merge_quad_early(base, d, attn_part_o, attn_part_lse, out)
+        else:
+            self.merge_quad_late(base, d, attn_part_o, attn_part_lse, out)
+
+    @cute.jit
+    def merge_quad_early(self, base: Int64, d: Int32, attn_part_o: Int64, attn_part_lse: Int64, out: cute.Tensor):
+        lse = cute.make_rmem_tensor((self.S,), Float32)
+        # every split's partial and log-sum-exp in one round of loads (an empty split wrote lse = -inf and
+        # a zero partial, which the test below skips): the output never waits on two round trips
+        ov = cute.make_rmem_tensor((self.S * 4,), Float32)
+        for s in cutlass.range_constexpr(self.S):
+            lse[s] = ld_f32(attn_part_lse + (base + s) * 4)
+            o4 = load_f32x4(attn_part_o + ((base + s) * self.D + Int64(d)) * 4)
+            for e in cutlass.range_constexpr(4):
+                ov[s * 4 + e] = o4[e]
+        mx = Float32(-math.inf)
+        for s in cutlass.range_constexpr(self.S):
+            if lse[s] > mx:
+                mx = lse[s]
+        tot = Float32(0.0)
+        for e in cutlass.range_constexpr(4):
+            out[e] = Float32(0.0)
+        for s in cutlass.range_constexpr(self.S):
+            if lse[s] > Float32(-math.inf):
+                f = ex2((lse[s] - mx) * Float32(LOG2E))
+                tot = tot + f
+                for e in cutlass.range_constexpr(4):
+                    out[e] = out[e] + f * ov[s * 4 + e]
+        for e in cutlass.range_constexpr(4):
+            out[e] = out[e] / tot
+
+    @cute.jit
+    def merge_quad_late(self, base: Int64, d: Int32, attn_part_o: Int64, attn_part_lse: Int64, out: cute.Tensor):
         lse = cute.make_rmem_tensor((self.S,), Float32)
         mx = Float32(-math.inf)
         for s in cutlass.range_constexpr(self.S):
@@ -1058,22 +1165,40 @@ class DecodeKernel:
 
     @cute.jit
     def attn_preload(self, warp: Int32, lane: Int32, layer: Int32, b: Int32, kvh: Int32, split: Int32,
-                     num_splits: Int32, positions: Int64, block_table: Int64, kv_table: Int64, kv0: cute.Tensor):
+                     num_splits: Int32, positions: Int64, block_table: Int64, kv_table: Int64, s_pre: cute.Tensor):
         """Before ATTN_PARTIAL's wait: this warp's first cached token of the split (the one phase B takes
-        first, position lo + warp), k into kv0[:E] and v into kv0[E:], when the warp has one. Positions
-        and the cache's history are step inputs, never written by the stages this instruction waits on."""
+        first, position lo + warp), its lane's bf16 k and v elements copied to the warp's slot of s_pre by
+        cp.async (no register holds them across the wait), when the warp has one. Positions and the
+        cache's history are step inputs, never written by the stages this instruction waits on."""
         pos = ld_i32(positions + Int64(b) * 4)
         if pos < 0 or pos >= self.max_seq_len:
             pos = Int32(0)                      # attn_partial reports it; no cached token is read
         lo, hi = self.split_bounds(pos, split, num_splits)
         if lo + warp < hi:
-            kk = cute.make_rmem_tensor((self.E,), Float32)
-            vv = cute.make_rmem_tensor((self.E,), Float32)
-            self.load_cached_kv(b, kvh, lo + warp, block_table, ld_i64(kv_table + Int64(layer) * 16),
-                                ld_i64(kv_table + Int64(layer) * 16 + 8), lane, kk, vv)
-            for e in cutlass.range_constexpr(self.E):
-                kv0[e] = kk[e]
-                kv0[self.E + e] = vv[e]
+            t = lo + warp
+            tb = ld_i32(block_table + (Int64(b) * self.max_blocks + Int64(t // self.bs)) * 4)
+            ts = Int64(tb) * self.kv_sb + Int64(t % self.bs) * self.kv_st + Int64(kvh) * self.kv_sh
+            off = (ts + Int64(lane * self.E)) * 2
+            dst = Int32(s_pre.iterator.toint()) + (warp * self.D + lane * self.E) * 2
+            cp_async_shared(dst, ld_i64(kv_table + Int64(layer) * 16) + off, self.E * 2)
+            cp_async_shared(dst + self.D * 2, ld_i64(kv_table + Int64(layer) * 16 + 8) + off, self.E * 2)
+
+    @cute.jit
+    def preloaded_kv(self, warp: Int32, lane: Int32, s_pre: cute.Tensor, kk: cute.Tensor, vv: cute.Tensor):
+        """This lane's k and v elements that attn_preload copied (float32), after waiting for the copies."""
+        cp_async_wait_all()
+        src = Int32(s_pre.iterator.toint()) + (warp * self.D + lane * self.E) * 2
+        for w in cutlass.range_constexpr(self.E // 2):
+            kw = load_shared_b32(src + w * 4)
+            vw = load_shared_b32(src + self.D * 2 + w * 4)
+            kk[2 * w] = cute.arch.inline_ptx("shl.b32 {$w0}, {$r0}, 16;", write_only_types=[Float32],
+                                             read_only_args=[kw])
+            kk[2 * w + 1] = cute.arch.inline_ptx("and.b32 {$w0}, {$r0}, 0xffff0000;", write_only_types=[Float32],
+                                                 read_only_args=[kw])
+            vv[2 * w] = cute.arch.inline_ptx("shl.b32 {$w0}, {$r0}, 16;", write_only_types=[Float32],
+                                             read_only_args=[vw])
+            vv[2 * w + 1] = cute.arch.inline_ptx("and.b32 {$w0}, {$r0}, 0xffff0000;", write_only_types=[Float32],
+                                                 read_only_args=[vw])
 
     @cute.jit
     def attn_partial(self, tidx: Int32, warp: Int32, lane: Int32, layer: Int32, b: Int32, kvh: Int32,
@@ -1081,7 +1206,7 @@ class DecodeKernel:
                      rope_cos: Int64, rope_sin: Int64, positions: Int64, block_table: Int64, kv_table: Int64,
                      attn_part_o: Int64, attn_part_lse: Int64, error: Int64,
                      s_q: cute.Tensor, s_kv: cute.Tensor, s_m: cute.Tensor, s_l: cute.Tensor, s_o: cute.Tensor,
-                     kv0: cute.Tensor):
+                     s_pre: cute.Tensor):
         D, E, G, half = self.D, self.E, self.G, self.D // 2
         pos = ld_i32(positions + Int64(b) * 4)
         bad = pos < 0 or pos >= self.max_seq_len
@@ -1173,11 +1298,9 @@ class DecodeKernel:
             kk = cute.make_rmem_tensor((E,), Float32)
             vv = cute.make_rmem_tensor((E,), Float32)
             if j < n_mine:
-                if cutlass.const_expr(self.options.attn_preload):
+                if cutlass.const_expr(self.attn_pre):
                     if j == 0:          # loaded before the wait (attn_preload)
-                        for e in cutlass.range_constexpr(E):
-                            kk[e] = kv0[e]
-                            vv[e] = kv0[E + e]
+                        self.preloaded_kv(warp, lane, s_pre, kk, vv)
                     else:
                         self.load_cached_kv(b, kvh, lo + warp + j * self.warps, block_table, k_base, v_base,
                                             lane, kk, vv)

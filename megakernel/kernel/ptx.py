@@ -104,6 +104,24 @@ def mbarrier_try_wait(mbar: Int32, parity: Int32) -> Int32:
 
 
 @cute.jit
+def cp_async_shared(dst: Int32, src: Int64, nbytes: int):
+    """Asynchronous copy of nbytes (4, 8 or 16; both addresses aligned to it) from global `src` to shared
+    `dst` (LDGSTS): no register holds the data; cp_async_wait_all makes it visible to this thread."""
+    cute.arch.inline_ptx(f"cp.async.ca.shared.global [{{$r0}}], [{{$r1}}], {nbytes};", read_only_args=[dst, src])
+
+
+@cute.jit
+def cp_async_wait_all():
+    """Wait for this thread's cp.async copies (and commit the pending ones first)."""
+    cute.arch.inline_ptx("cp.async.wait_all;")
+
+
+@cute.jit
+def load_shared_b32(addr: Int32) -> Int32:
+    return cute.arch.inline_ptx("ld.shared.b32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[addr])
+
+
+@cute.jit
 def load_shared_raw(addr: Int32):
     """16 bytes of shared memory at a 16-byte aligned address as 4 raw 32-bit words (weights a bulk
     copy put there; unpack_bf16x8 converts them as it does the global loads')."""
@@ -125,6 +143,13 @@ def red_release_add(addr: Int64, value: Int32):
 @cute.jit
 def atomic_add_acq_rel(addr: Int64, value: Int32) -> Int32:
     return cute.arch.inline_ptx("atom.acq_rel.gpu.global.add.s32 {$w0}, [{$r0}], {$r1};",
+                                write_only_types=[Int32], read_only_args=[addr, value])
+
+
+@cute.jit
+def atomic_add_relaxed(addr: Int64, value: Int32) -> Int32:
+    """Old value of a relaxed gpu-scope atomic add (a ticket: orders nothing else)."""
+    return cute.arch.inline_ptx("atom.relaxed.gpu.global.add.s32 {$w0}, [{$r0}], {$r1};",
                                 write_only_types=[Int32], read_only_args=[addr, value])
 
 

@@ -7,8 +7,13 @@ decodes the next token. `step()` is the checked user path: it validates inputs b
 error word after it. An engine with its own cache starts with the contiguous block table (sequence b
 owns blocks b*n .. b*n+n-1), so a bare `launch()` (benchmarks, graph capture) is a valid step.
 
-`fold_embed=True` (opt-in until measured) lays the step out with the embedding folded into layer 0's
-QKV (`StepLayout.embed_folded`): those tiles read embed[token] themselves and wait on nothing.
+Layout options (profiles/RESULTS.md has the sweeps behind the defaults): `fold_embed=True` (the
+default since 2026-11-30) folds the embedding into layer 0's QKV (`StepLayout.embed_folded`): those
+tiles read embed[token] themselves and wait on nothing. `lm_pool_rows=N` (opt-in; 32 is the size
+measured) gives the LM head one static tile per SM over three quarters of the vocabulary and a pool of
+N-row tiles that the CTAs take by ticket once their own is done (`StepLayout.lm_pool`): the step no
+longer waits for the slowest SM's LM head tile, but on llama-3.2-1b batch 1 the step was no shorter
+beside fold_embed and attn_preload.
 
 Three constructor options serve callers that bring their own LM head and KV cache (the vLLM
 integration, docs/vllm.md):
@@ -81,8 +86,8 @@ class MegakernelEngine:
     def __init__(self, weights: ModelWeights, batch: int, max_seq_len: int, *, block_size: int = 16,
                  num_blocks: int | None = None, num_sms: int | None = None, policy: str = "balanced",
                  kv_splits: int | None = None, options: KernelOptions = KernelOptions(),
-                 fuse_attn_reduce: bool | None = None, slab_staging: bool = True, fold_embed: bool = False,
-                 device: str | torch.device = "cuda",
+                 fuse_attn_reduce: bool | None = None, slab_staging: bool = True, fold_embed: bool = True,
+                 lm_pool_rows: int = 0, device: str | torch.device = "cuda",
                  own_kv_cache: bool = True, packed_weights: PackedWeights | None = None, lm_head: bool = True):
         config = weights.config
         self.device = torch.device(device)
@@ -109,7 +114,7 @@ class MegakernelEngine:
                                  kv_splits=kv_splits or default_kv_splits(config, batch, num_sms, blocks_per_seq * block_size),
                                  block_size=block_size, max_blocks_per_seq=blocks_per_seq, num_sms=num_sms,
                                  fuse_attn_reduce=fuse_attn_reduce if options.x_in_smem else False,
-                                 slab_staging=slab_staging, fold_embed=fold_embed)
+                                 slab_staging=slab_staging, fold_embed=fold_embed, lm_pool_rows=lm_pool_rows)
         self.layout.validate()
         self.program = build_program(self.layout, lm_head=lm_head)
         self.queues = assign(self.program, policy)

@@ -214,9 +214,9 @@ class _EngineTakingEverything:
     """Records the keywords the vLLM adapter builds an engine with (CPU stand-in)."""
 
     def __init__(self, weights, batch, max_seq_len, *, block_size=16, device="cpu", packed_weights=None,
-                 own_kv_cache=True, lm_head=True):
+                 own_kv_cache=True, lm_head=True, fold_embed=True, options=None):
         self.kw = dict(block_size=block_size, packed_weights=packed_weights, own_kv_cache=own_kv_cache,
-                       lm_head=lm_head)
+                       lm_head=lm_head, fold_embed=fold_embed, options=options)
         self.bufs = SimpleNamespace(block_table=torch.full((batch, -(-max_seq_len // block_size)), -1))
         self.bound = None
 
@@ -235,6 +235,7 @@ def test_vllm_adapter_shares_packed_weights_only_where_they_cover_the_engine(cac
     adapter.max_seq_len, adapter.block_size, adapter.buckets = 40, 16, (1, 2, 4, 8)
     adapter.engines, adapter.engine_cls, adapter.weights, adapter.device = {}, _EngineTakingEverything, weights, "cpu"
     adapter.disabled = None
+    adapter.layout_kw = {"fold_embed": False, "options": "pinned"}     # what prepare() pins for vLLM
     adapter.packed = pack_weights(weights, vllm_model.rope_positions(adapter.max_seq_len, adapter.block_size))
     assert adapter.packed.rope_cos.shape[0] == 48
     k = [torch.zeros(4, cache_block_size, config.num_kv_heads, config.head_dim, dtype=BF16)] * config.num_layers
@@ -244,6 +245,7 @@ def test_vllm_adapter_shares_packed_weights_only_where_they_cover_the_engine(cac
     eng = adapter._engine(3)
     assert adapter.disabled is None and adapter.engines == {4: eng}
     assert eng.kw["own_kv_cache"] is False and eng.kw["lm_head"] is False and eng.kw["block_size"] == cache_block_size
+    assert eng.kw["fold_embed"] is False and eng.kw["options"] == "pinned", eng.kw
     assert (eng.kw["packed_weights"] is adapter.packed) == shared, eng.kw
     assert eng.bound == (k, k) and not eng.bufs.block_table.any()
 
@@ -294,6 +296,40 @@ def test_smem_prefix_kernel_compiles_with_bulk_copies_and_no_spills(name, batch,
     for needle in ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes", "mbarrier.try_wait.parity",
                    "mbarrier.arrive.expect_tx", "fence.proxy.async.shared::cta", "ld.shared.v4.b32"):
         assert needle in ptx, f"{what}: no {needle} in the PTX"
+
+
+@pytest.mark.parametrize("name,batch", [("llama-3.2-1b", 1), ("qwen3-0.6b", 1), ("llama-3.1-8b", 1),
+                                        ("llama-3.2-1b", 8)])
+def test_hop_prefetch_kernel_compiles_with_l2_prefetches_and_no_spills(name, batch):
+    """KernelOptions(hop_prefetch=...): at ATTN_PARTIAL and O_PROJ, thread 0 asks the copy engine to bring
+    the next instruction's tile into L2 (cp.async.bulk.prefetch.L2), and the default kernel has no such
+    prefetch at all."""
+    from megakernel.kernel.decode import KernelOptions
+
+    layout = _layout(name, batch, max_seq_len=256, block_size=16)
+    program = build_program(layout)
+    what = f"{name} batch={batch} hop_prefetch=256KiB"
+    ptx = _compile_without_spills(layout, program, KernelOptions(hop_prefetch=256 * 1024), what).__ptx__
+    assert "cp.async.bulk.prefetch.L2.global" in ptx, f"{what}: no L2 bulk prefetch in the PTX"
+    plain = _compile_without_spills(layout, program, KernelOptions(), f"{name} batch={batch}").__ptx__
+    assert "cp.async.bulk.prefetch.L2.global" not in plain, f"{name} batch={batch}: a prefetch without the option"
+
+
+@pytest.mark.parametrize("name,batch", [("llama-3.2-1b", 1), ("qwen3-0.6b", 1), ("llama-3.1-8b", 1),
+                                        ("llama-3.2-1b", 4), ("llama-3.2-1b", 8)])
+def test_lm_pool_kernel_compiles_with_a_ticket_and_no_spills(name, batch):
+    """StepLayout(lm_pool_rows=32): one static LM head tile per SM, then pool tiles taken with a relaxed
+    atomic ticket; the step's last CTA resets the ticket. No spills beside the second (pool) matvec."""
+    from megakernel.kernel.decode import KernelOptions
+
+    layout = _layout(name, batch, max_seq_len=256, block_size=16, lm_pool_rows=32)
+    pool = layout.lm_pool
+    assert pool is not None and pool.start == pool.static_rows * 132 < layout.config.vocab_size, name
+    program = build_program(layout)
+    lm = [i for i in program.instructions if i.opcode.name == "LM_HEAD"]
+    assert len(lm) == 132 and all(i.a3 == 1 and i.a1 == pool.static_rows for i in lm), name
+    ptx = _compile_without_spills(layout, program, KernelOptions(), f"{name} batch={batch} lm_pool_rows=32").__ptx__
+    assert "atom.relaxed.gpu.global.add.s32" in ptx, f"{name} batch={batch}: no ticket atomic in the PTX"
 
 
 @pytest.mark.parametrize("name,batch", [("llama-3.2-1b", 1), ("qwen3-0.6b", 4), ("llama-3.1-8b", 1)])
@@ -501,30 +537,48 @@ def test_bare_launch_uses_the_engines_own_contiguous_block_table(name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ("smem_prefix", "fold_embed", "parallel_argmax", "both"))
+@pytest.mark.parametrize("variant", ("shipped", "smem_prefix", "fold_embed", "parallel_argmax", "hop_prefetch",
+                                     "lm_pool", "attn_preload", "early_loads_off", "both"))
 @pytest.mark.parametrize("name", ("tiny-llama", "llama-3.2-1b", "qwen3-0.6b"))
-def test_opt_in_kernel_variants_give_the_logits_of_the_default_engine(name, variant):
-    """smem_prefix changes where a unit's weights come from (shared memory instead of HBM), fold_embed
-    where layer 0's QKV reads its input (the embedding table instead of x[0]), parallel_argmax how the
-    tiles' (max, index) pairs are reduced (an associative comparison); none changes the arithmetic: the
-    same steps give bit-identical logits and tokens, on fresh random inputs, with the logits poisoned
-    before every launch."""
+def test_kernel_variants_give_the_logits_of_the_plain_engine(name, variant):
+    """Against the plain engine (no fold_embed, no LM head pool, no attn_preload): the shipped defaults
+    (all three on), and each option alone. smem_prefix changes where a unit's weights come from (shared
+    memory instead of HBM), hop_prefetch only what L2 holds when they are read, attn_preload and
+    early_loads when loads are issued, lm_pool which CTA computes an LM head tile, fold_embed where
+    layer 0's QKV reads its input (the embedding table instead of x[0]), parallel_argmax how the tiles'
+    (max, index) pairs are reduced (an associative comparison); none changes the arithmetic: the same
+    steps give bit-identical logits and tokens, on fresh random inputs, with the logits poisoned before
+    every launch."""
     from megakernel.kernel.decode import KernelOptions
     from megakernel.runtime.engine import MegakernelEngine
 
     config = dataclasses.replace(get_preset(name), num_layers=min(get_preset(name).num_layers, 4))
     weights = random_weights(config, seed=43, dtype=BF16, device=GPU, rng_device=GPU)
     batch = 2
-    ref = MegakernelEngine(weights, batch, MAX_SEQ_LEN, block_size=BLOCK_SIZE, device=GPU)
-    kw = {}
+    plain_opts = KernelOptions(attn_preload=False)
+    ref = MegakernelEngine(weights, batch, MAX_SEQ_LEN, block_size=BLOCK_SIZE, device=GPU, fold_embed=False,
+                           lm_pool_rows=0, options=plain_opts)
+    kw = {} if variant == "shipped" else {"fold_embed": False, "lm_pool_rows": 0, "options": plain_opts}
     if variant in ("smem_prefix", "both"):
-        kw["options"] = KernelOptions(smem_prefix=64 * 1024, parallel_argmax=variant == "both")
+        kw["options"] = dataclasses.replace(plain_opts, smem_prefix=64 * 1024, parallel_argmax=variant == "both")
     if variant == "parallel_argmax":
-        kw["options"] = KernelOptions(parallel_argmax=True)
+        kw["options"] = dataclasses.replace(plain_opts, parallel_argmax=True)
+    if variant == "hop_prefetch":
+        kw["options"] = dataclasses.replace(plain_opts, hop_prefetch=256 * 1024)
+    if variant == "attn_preload":
+        kw["options"] = KernelOptions(attn_preload=True)
+    if variant == "early_loads_off":
+        kw["options"] = dataclasses.replace(plain_opts, early_loads=False)
     if variant in ("fold_embed", "both"):
         kw["fold_embed"] = True
+    if variant in ("lm_pool", "both"):
+        kw["lm_pool_rows"] = 32
     pre = MegakernelEngine(weights, batch, MAX_SEQ_LEN, block_size=BLOCK_SIZE, device=GPU, **kw)
-    assert pre.compiled is not None and pre.layout.embed_folded == (variant in ("fold_embed", "both"))
+    folds = variant in ("fold_embed", "both", "shipped")
+    pools = variant in ("lm_pool", "both", "shipped") and name != "tiny-llama"   # tiny: under 8 rows per SM
+    assert pre.compiled is not None and pre.layout.embed_folded == folds, variant
+    assert (pre.layout.lm_pool is not None) == pools, variant
+    assert not ref.layout.embed_folded and ref.layout.lm_pool is None
     table = contiguous_block_table(batch, MAX_SEQ_LEN, BLOCK_SIZE, GPU)
     gen = torch.Generator().manual_seed(43)
     for t in range(6):
@@ -536,5 +590,5 @@ def test_opt_in_kernel_variants_give_the_logits_of_the_default_engine(name, vari
             out.append((eng.step(tokens, positions, table).clone(), eng.logits.clone()))
         what = f"{name} (4 layers) {variant} step {t} positions {positions.tolist()}"
         assert not torch.isnan(out[1][1]).any(), f"{what}: logits not written"
-        assert torch.equal(out[0][1], out[1][1]), f"{what}: logits differ from the default engine's"
+        assert torch.equal(out[0][1], out[1][1]), f"{what}: logits differ from the plain engine's"
         assert torch.equal(out[0][0], out[1][0]), what

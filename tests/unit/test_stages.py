@@ -560,6 +560,9 @@ def _gpu_bench(case: StageCase, **engine_kw):
     s = case.shape
     config = case.to_config()
     weights = random_weights(config, seed=case.seed, dtype=BF16, device=GPU, rng_device=GPU)
+    # each stage in its plain form: layer 0's QKV reading x[0] (not the folded embedding), the LM head in
+    # static tiles (tests/unit/test_engine_options.py checks the folded and pooled layouts end to end)
+    engine_kw.setdefault("fold_embed", False)
     engine = MegakernelEngine(weights, s.batch, s.max_seq_len, block_size=s.block_size,
                               num_blocks=_num_blocks(case), kv_splits=case.kv_splits, device=GPU, **engine_kw)
     packed = engine.weights.to("cpu")

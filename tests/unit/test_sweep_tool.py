@@ -20,10 +20,10 @@ def sweep():
 
 def test_parse_splits_kernel_options_from_engine_arguments(sweep):
     assert sweep.parse("default:") == ("default", {}, {})
-    name, opts, eng = sweep.parse("x:fold_embed=1,smem_prefix=65536,kv_splits=2,slabs=0,policy=balanced,fuse=0")
+    name, opts, eng = sweep.parse("x:fold_embed=1,smem_prefix=65536,kv_splits=2,slabs=0,policy=balanced,fuse=0,lm_pool=32")
     assert name == "x" and opts == {"smem_prefix": 65536}
     assert eng == {"fold_embed": True, "kv_splits": 2, "slab_staging": False, "policy": "balanced",
-                   "fuse_attn_reduce": False}
+                   "fuse_attn_reduce": False, "lm_pool_rows": 32}
 
 
 def test_interleaved_rounds_visit_every_variant_in_turn(sweep):
