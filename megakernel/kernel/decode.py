@@ -80,7 +80,7 @@ class KernelOptions:
     rows_per_unit: int = 0                   # rows of a work unit sharing its input columns (0: 2 where the
                                              # input is staged, else 1 per 8 loads)
     prefetch_ahead: int = 1                  # L2-prefetch the weight tile of the instruction this many ahead
-    attn_preload: bool = True                # ATTN_PARTIAL loads its first cached token's K/V before its wait
+    attn_preload: bool = False               # ATTN_PARTIAL loads its first cached token's K/V before its wait
                                              # (by cp.async into shared memory; not on the slab path)
     unroll: int = 0                          # 256-column passes per work unit (0: by batch, within the
                                              # registers: 8 at batch 1 or 8 warps, 4 up to batch 4, else 2)
@@ -1179,7 +1179,8 @@ class DecodeKernel:
             tb = ld_i32(block_table + (Int64(b) * self.max_blocks + Int64(t // self.bs)) * 4)
             ts = Int64(tb) * self.kv_sb + Int64(t % self.bs) * self.kv_st + Int64(kvh) * self.kv_sh
             off = (ts + Int64(lane * self.E)) * 2
-            dst = Int32(s_pre.iterator.toint()) + (warp * self.D + lane * self.E) * 2
+            # the warp's slot: D bf16 of k, then D of v (4 * D bytes)
+            dst = Int32(s_pre.iterator.toint()) + (warp * 2 * self.D + lane * self.E) * 2
             cp_async_shared(dst, ld_i64(kv_table + Int64(layer) * 16) + off, self.E * 2)
             cp_async_shared(dst + self.D * 2, ld_i64(kv_table + Int64(layer) * 16 + 8) + off, self.E * 2)
 
@@ -1187,7 +1188,7 @@ class DecodeKernel:
     def preloaded_kv(self, warp: Int32, lane: Int32, s_pre: cute.Tensor, kk: cute.Tensor, vv: cute.Tensor):
         """This lane's k and v elements that attn_preload copied (float32), after waiting for the copies."""
         cp_async_wait_all()
-        src = Int32(s_pre.iterator.toint()) + (warp * self.D + lane * self.E) * 2
+        src = Int32(s_pre.iterator.toint()) + (warp * 2 * self.D + lane * self.E) * 2
         for w in cutlass.range_constexpr(self.E // 2):
             kw = load_shared_b32(src + w * 4)
             vw = load_shared_b32(src + self.D * 2 + w * 4)

@@ -316,6 +316,28 @@ def test_hop_prefetch_kernel_compiles_with_l2_prefetches_and_no_spills(name, bat
 
 
 @pytest.mark.parametrize("name,batch", [("llama-3.2-1b", 1), ("qwen3-0.6b", 1), ("llama-3.1-8b", 1),
+                                        ("qwen3-0.6b", 4), ("qwen3-0.6b", 8), ("llama-3.2-1b", 8)])
+def test_attn_preload_kernel_copies_kv_by_cp_async_without_spills(name, batch):
+    """KernelOptions(attn_preload=True): ATTN_PARTIAL's first cached token per warp is copied into shared
+    memory by cp.async before the wait (no register holds it across the wait), with fold_embed too;
+    absent on the slab path (llama-3.2-1b batch 8), which has no shared memory for it."""
+    from megakernel.kernel.decode import DecodeKernel, KernelOptions
+    from megakernel.instructions.record import serialize
+    from megakernel.schedule import assign
+
+    layout = _layout(name, batch, max_seq_len=256, block_size=16, slab_staging=True, fold_embed=True)
+    program = build_program(layout)
+    options = KernelOptions(attn_preload=True)
+    table, _ = serialize(assign(program, "balanced"))
+    dk = DecodeKernel(layout, program.lm_tiles, program.num_counters, table.shape[1], None, options)
+    what = f"{name} batch={batch} attn_preload fold_embed"
+    ptx = _compile_without_spills(layout, program, options, what).__ptx__
+    assert ("cp.async.ca.shared.global" in ptx) == dk.attn_pre == (not dk.slabs), what
+    if dk.attn_pre:
+        assert "cp.async.wait_all" in ptx, what
+
+
+@pytest.mark.parametrize("name,batch", [("llama-3.2-1b", 1), ("qwen3-0.6b", 1), ("llama-3.1-8b", 1),
                                         ("llama-3.2-1b", 4), ("llama-3.2-1b", 8)])
 def test_lm_pool_kernel_compiles_with_a_ticket_and_no_spills(name, batch):
     """StepLayout(lm_pool_rows=32): one static LM head tile per SM, then pool tiles taken with a relaxed
@@ -542,7 +564,7 @@ def test_bare_launch_uses_the_engines_own_contiguous_block_table(name):
 @pytest.mark.parametrize("name", ("tiny-llama", "llama-3.2-1b", "qwen3-0.6b"))
 def test_kernel_variants_give_the_logits_of_the_plain_engine(name, variant):
     """Against the plain engine (no fold_embed, no LM head pool, no attn_preload): the shipped defaults
-    (all three on), and each option alone. smem_prefix changes where a unit's weights come from (shared
+    (fold_embed and early_loads on), and each option alone. smem_prefix changes where a unit's weights come from (shared
     memory instead of HBM), hop_prefetch only what L2 holds when they are read, attn_preload and
     early_loads when loads are issued, lm_pool which CTA computes an LM head tile, fold_embed where
     layer 0's QKV reads its input (the embedding table instead of x[0]), parallel_argmax how the tiles'
@@ -575,7 +597,7 @@ def test_kernel_variants_give_the_logits_of_the_plain_engine(name, variant):
         kw["lm_pool_rows"] = 32
     pre = MegakernelEngine(weights, batch, MAX_SEQ_LEN, block_size=BLOCK_SIZE, device=GPU, **kw)
     folds = variant in ("fold_embed", "both", "shipped")
-    pools = variant in ("lm_pool", "both", "shipped") and name != "tiny-llama"   # tiny: under 8 rows per SM
+    pools = variant in ("lm_pool", "both") and name != "tiny-llama"   # tiny: under 8 rows per SM
     assert pre.compiled is not None and pre.layout.embed_folded == folds, variant
     assert (pre.layout.lm_pool is not None) == pools, variant
     assert not ref.layout.embed_folded and ref.layout.lm_pool is None
