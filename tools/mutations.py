@@ -188,11 +188,18 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
              stage_probe("test_attention_partial_and_reduce_stages"), VM_PROBE, E2E_CPU_PROBE),
             (Patch(KERNEL, "* self.Q + Int64(head * D + d)) * 4, acc_o / tot)",
                    "* self.Q + Int64(head * D + d)) * 4, acc_o)"),
-             Patch(KERNEL, "            out[e] = out[e] / tot", "            out[e] = out[e]")))
+             Patch(KERNEL, "out[e] = out[e] + f * ov[s * 4 + e]\n        for e in cutlass.range_constexpr(4):\n"
+                           "            out[e] = out[e] / tot",
+                   "out[e] = out[e] + f * ov[s * 4 + e]\n        for e in cutlass.range_constexpr(4):\n"
+                   "            out[e] = out[e]"),
+             Patch(KERNEL, "out[e] = out[e] + f * ov[e]\n        for e in cutlass.range_constexpr(4):\n"
+                           "            out[e] = out[e] / tot",
+                   "out[e] = out[e] + f * ov[e]\n        for e in cutlass.range_constexpr(4):\n"
+                   "            out[e] = out[e]")))
     + _pair("argmax_tie_to_highest",
             "ARGMAX breaks a tie between LM-head tiles toward the highest vocabulary index",
-            (Patch(ARGMAX, "best = b.lm_max[:, :ins.a0].argmax(dim=1)",
-                   "best = (ins.a0 - 1) - b.lm_max[:, :ins.a0].flip(1).argmax(dim=1)"),),
+            (Patch(ARGMAX, "torch.where(vals == top, idx, torch.iinfo(torch.int32).max).min(dim=1).values",
+                   "torch.where(vals == top, idx, -1).max(dim=1).values"),),
             (stage_probe("test_argmax_stage"), VM_PROBE, E2E_CPU_PROBE),
             (Patch(KERNEL, "if v > bv or (v == bv and vi < bi):\n                    bv = v\n                    bi = vi\n"
                            "            self.emit_token(",
