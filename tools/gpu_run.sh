@@ -30,9 +30,10 @@ case "$what" in
   sweep)
     # the variants profiles/RESULTS.md plans to compare; each sweep checks its variants' logits first
     S="python3 tools/gpu_sweep.py"
-    # (the 2026-11-30 fourth run settled smem_prefix 32K, kv_splits 2, unroll 2 and slabs: see RESULTS.md)
-    B1="default: fold:fold_embed=1 par:parallel_argmax=1 fp:fold_embed=1,parallel_argmax=1
-        all:fold_embed=1,smem_prefix=65536,parallel_argmax=1"
+    # (the 2026-11-30 fourth run settled smem_prefix 32K, kv_splits 2, unroll 2 and slabs, the fifth
+    # hop_prefetch, fold_embed and early_loads: see RESULTS.md)
+    B1="default: plain:fold_embed=0,early_loads=0 ap:attn_preload=1 pool:lm_pool=32
+        appool:attn_preload=1,lm_pool=32 appar:attn_preload=1,parallel_argmax=1"
     { $S llama-3.2-1b 1 $B1
       $S qwen3-0.6b 1 $B1 --no-trace
       $S llama-3.1-8b 1 $B1 --no-trace

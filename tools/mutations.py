@@ -119,6 +119,8 @@ CONTEXT = "megakernel/instructions/context.py"
 ARGMAX = "megakernel/instructions/argmax.py"
 DAG = "megakernel/schedule/dag.py"
 KERNEL = "megakernel/kernel/decode.py"
+VM_MODULE = "megakernel/schedule/vm.py"
+ENGINE_OPTIONS = "tests/unit/test_engine_options.py"
 
 
 def _pair(name: str, bug: str, vm: tuple[Patch, ...], cpu_probes: tuple[Probe, ...],
@@ -205,6 +207,16 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
                            "            self.emit_token(",
                    "if v > bv or (v == bv and vi > bi):\n                    bv = v\n                    bi = vi\n"
                    "            self.emit_token("),))
+    # the LM head pool is opt-in (MegakernelEngine(lm_pool_rows=...)): its tests, not the default GPU probes
+    + [Mutation("lm_pool_ticket_not_reset",
+                "the LM head pool's ticket is not reset after a step, so later steps compute no pool tile",
+                (Patch(VM_MODULE, "            sync[2] = 0 ", "            pass "),),
+                (Probe("vm-lm-pool", (f"{VM}::test_vm_with_an_lm_head_pool_gives_the_same_steps",)),)),
+       Mutation("lm_pool_ticket_not_reset.kernel",
+                "the last CTA out does not reset the LM head pool's ticket",
+                (Patch(KERNEL, "                store_relaxed(sync + 8, Int32(0))", "                pass"),),
+                (Probe("gpu-lm-pool", (f"{ENGINE_OPTIONS}::test_kernel_variants_give_the_logits_of_the_plain_engine",
+                                       "-k", "lm_pool"), gpu=True),), kernel=True)]
 )
 
 BY_NAME = {m.name: m for m in MUTATIONS}

@@ -567,6 +567,11 @@ class DecodeKernel:
                         landed = mbarrier_try_wait(mb + slot * 8, (pf_used // 2) % 2)
                     pf_used = pf_used + 1
 
+        # ---- (attn_preload) no K/V copy is left in flight when the CTA exits: an instruction that
+        # aborted after its copies never waited for them
+        if cutlass.const_expr(self.attn_pre):
+            cp_async_wait_all()
+
         # ---- the last CTA out advances the epoch for the next step
         if tidx == 0:
             done = atomic_add_acq_rel(sync + 4, Int32(1))
