@@ -122,6 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--compile-mode", default=None,
                        help="torch.compile mode for torch-compile (default 'default'; e.g. "
                             "max-autotune-no-cudagraphs)")
+    bench.add_argument("--kernel-options", metavar="KEY=VALUE,...",
+                       help="options of the megakernel backend: KernelOptions fields (e.g. attn_preload=1, "
+                            "early_loads=0, parallel_argmax=1, unroll=4) and the engine's layout options "
+                            "(fold_embed=0, lm_pool_rows=32, kv_splits=2, policy=round-robin); checked before "
+                            "anything runs")
     bench.add_argument("--json", metavar="PATH", help="also write the numbers as JSON to PATH")
     _common(bench, dtype=False)
 
@@ -323,12 +328,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bench.check_bench_args(config, batches, args.steps, args.context, names)
     except ValueError as exc:
         raise InputError(str(exc)) from None
+    mk_options = None
+    if args.kernel_options:
+        from megakernel.runtime.engine import parse_engine_options
+        try:
+            mk_options = parse_engine_options(args.kernel_options)
+        except (ValueError, TypeError) as exc:
+            raise InputError(f"--kernel-options: {exc}") from None
     if device.type != "cuda":
         _eprint(f"megakernel bench: no CUDA device: timing {', '.join(names or bench.CPU_BACKENDS)} on "
                 f"{args.preset or bench.CPU_PRESET} on the CPU; these are not GPU figures")
     t0 = time.monotonic()
     report = bench.run_bench(preset=args.preset, batches=batches, steps=args.steps, context=args.context,
                              backend_names=names, device=device, seed=args.seed, compile_mode=args.compile_mode,
+                             megakernel_options=mk_options,
                              log=lambda msg: _eprint(f"[{time.monotonic() - t0:6.1f} s] {msg}"))
     print(bench.format_table(report))
     if args.json:

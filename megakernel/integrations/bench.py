@@ -96,9 +96,10 @@ def check_bench_args(config, batches: tuple[int, ...], steps: int, context: int,
 
 def run_bench(preset: str | None = None, batches: tuple[int, ...] = (1,), steps: int = 128, context: int = 32,
               backend_names: tuple[str, ...] | None = None, device: str | torch.device | None = None,
-              seed: int = 0, compile_mode: str | None = None,
+              seed: int = 0, compile_mode: str | None = None, megakernel_options: dict | None = None,
               log: Callable[[str], None] = lambda msg: None) -> BenchReport:
-    """Run the benchmark; `log` receives progress lines. A backend that cannot run gets a row with `error`."""
+    """Run the benchmark; `log` receives progress lines. A backend that cannot run gets a row with `error`.
+    megakernel_options: MegakernelEngine keywords for the megakernel backend (parse_engine_options)."""
     notes: list[str] = []
     cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
     device = torch.device(device if device is not None else ("cuda" if cuda else "cpu"))
@@ -111,6 +112,8 @@ def run_bench(preset: str | None = None, batches: tuple[int, ...] = (1,), steps:
     if backend_names is None:
         backend_names = GPU_BACKENDS if cuda else CPU_BACKENDS
     check_bench_args(config, batches, steps, context, backend_names)
+    if megakernel_options:
+        notes.append("megakernel backend built with " + ", ".join(f"{k}={v}" for k, v in megakernel_options.items()))
     dtype = torch.bfloat16 if cuda else torch.float32
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
 
@@ -139,6 +142,8 @@ def run_bench(preset: str | None = None, batches: tuple[int, ...] = (1,), steps:
             batch_rows.append(row)
             try:
                 kw = {"compile_mode": compile_mode} if name == "torch-compile" and compile_mode else {}
+                if name == "megakernel" and megakernel_options:
+                    kw = dict(megakernel_options)
                 log(f"{name}, batch {batch}: building" + (" (compiling, can take minutes)"
                                                           if name == "torch-compile" else ""))
                 backend = backends_mod.get_backend(name, weights, device, **kw)

@@ -364,6 +364,44 @@ class MegakernelEngine:
         return out
 
 
+# MegakernelEngine keywords that parse_engine_options accepts beside the KernelOptions fields
+LAYOUT_OPTIONS = {"fold_embed": bool, "lm_pool_rows": int, "kv_splits": int, "slab_staging": bool,
+                  "policy": str, "num_sms": int}
+
+
+def parse_engine_options(spec: str) -> dict:
+    """'attn_preload=1,lm_pool_rows=32,unroll=4' -> MegakernelEngine keywords: KernelOptions fields go into
+    `options=KernelOptions(...)`, the layout ones (LAYOUT_OPTIONS) are passed as they are. Booleans are
+    0/1/true/false. ValueError, naming the item, for an unknown key or a value of the wrong kind."""
+    import dataclasses
+
+    kinds = {f.name: type(f.default) for f in dataclasses.fields(KernelOptions) if f.name != "trace"}
+    kernel, layout = {}, {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        kind = kinds.get(key) or LAYOUT_OPTIONS.get(key)
+        if not sep or kind is None:
+            raise ValueError(f"kernel option {item!r}: expected KEY=VALUE with KEY one of "
+                             f"{', '.join(sorted(kinds) + sorted(LAYOUT_OPTIONS))}")
+        text = text.strip()
+        if kind is bool:
+            if text.lower() not in ("0", "1", "true", "false"):
+                raise ValueError(f"kernel option {item!r}: {key} takes 0/1/true/false")
+            value = text.lower() in ("1", "true")
+        elif kind is int:
+            try:
+                value = int(text)
+            except ValueError:
+                raise ValueError(f"kernel option {item!r}: {key} takes an integer") from None
+        else:
+            value = text
+        (kernel if key in kinds else layout)[key] = value
+    if kernel:
+        layout["options"] = KernelOptions(**kernel)
+    return layout
+
+
 class MegakernelBackend:
     """The engine behind the DecodeBackend protocol (megakernel.integrations.backends)."""
 

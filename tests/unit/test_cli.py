@@ -176,6 +176,10 @@ def no_work(monkeypatch):
     (["bench", "--steps", "0"], "steps >= 1"),
     (["bench", "--backends", "reference,cublas"], "unknown backend 'cublas'"),
     (["info", "--preset", "llama-9"], "unknown model preset"),
+    (["bench", "--kernel-options", "bogus=1"], "kernel option 'bogus=1': expected KEY=VALUE"),
+    (["bench", "--kernel-options", "unroll=x"], "unroll takes an integer"),
+    (["bench", "--kernel-options", "attn_preload=yes"], "attn_preload takes 0/1/true/false"),
+    (["bench", "--kernel-options", "fold_embed"], "expected KEY=VALUE"),
 ])
 def test_bad_input_fails_before_work(capsys, no_work, argv, message):
     rc, _, err = _run(capsys, argv)
@@ -211,3 +215,40 @@ def test_info_deepseek_preset_reports_moe_bytes(capsys):
 def test_info_rejects_bad_batch(capsys):
     assert cli.main(["info", "--preset", "tiny-llama", "--batch", "0"]) == 2
     assert "--batch must be >= 1" in capsys.readouterr().err
+
+
+def test_kernel_options_parse_into_engine_keywords():
+    from megakernel.kernel.decode import KernelOptions
+    from megakernel.runtime.engine import parse_engine_options
+
+    kw = parse_engine_options("attn_preload=1, unroll=4,fold_embed=false,lm_pool_rows=32,policy=round-robin")
+    assert kw == {"fold_embed": False, "lm_pool_rows": 32, "policy": "round-robin",
+                  "options": KernelOptions(attn_preload=True, unroll=4)}
+    assert parse_engine_options("") == {} and parse_engine_options("kv_splits=2") == {"kv_splits": 2}
+    with pytest.raises(ValueError, match="trace"):        # trace mode is not a benchmark option
+        parse_engine_options("trace=1")
+
+
+def test_bench_passes_kernel_options_to_the_megakernel_backend_only(monkeypatch):
+    """run_bench hands the parsed options to the megakernel backend's constructor and no other, and says so
+    in the report's notes."""
+    from megakernel.integrations import backends, bench
+    from megakernel.runtime.engine import parse_engine_options
+
+    seen = {}
+    real = backends.get_backend
+
+    def spy(name, weights, device, **kw):
+        seen[name] = kw
+        if name == "megakernel":
+            raise backends.BackendUnavailable("no GPU in this test")
+        return real(name, weights, device, **kw)
+
+    monkeypatch.setattr(backends, "get_backend", spy)
+    opts = parse_engine_options("fold_embed=0,parallel_argmax=1")
+    report = bench.run_bench(preset="tiny-llama", batches=(1,), steps=2, context=2,
+                             backend_names=("reference", "megakernel"), device="cpu", megakernel_options=opts)
+    assert seen == {"reference": {}, "megakernel": opts}
+    rows = {r.backend: r for r in report.rows}
+    assert rows["reference"].error is None and "no GPU in this test" in rows["megakernel"].error
+    assert any("fold_embed=False" in n and "parallel_argmax=True" in n for n in report.notes), report.notes
