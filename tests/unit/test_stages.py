@@ -652,11 +652,12 @@ def test_stages_on_gpu_match_reference_with_slab_staging(case):
 @given(case=GPU_CASES)
 def test_stages_on_gpu_match_reference_with_opt_in_kernel_options(case):
     """The same properties with the opt-in kernel paths: tile prefixes bulk-copied into shared memory
-    (each instruction's prefix is issued while the one before it runs, as in a step) and the ARGMAX
-    reduction spread over every thread (its planted ties must still go to the lowest index)."""
+    (each instruction's prefix is issued while the one before it runs, as in a step), the ARGMAX
+    reduction spread over every thread (its planted ties must still go to the lowest index), and
+    ATTN_PARTIAL's first cached token per warp copied by cp.async before the wait (attn_preload)."""
     from megakernel.kernel.decode import KernelOptions
 
-    run_gpu_stages(case, options=KernelOptions(smem_prefix=64 * 1024, parallel_argmax=True))
+    run_gpu_stages(case, options=KernelOptions(smem_prefix=64 * 1024, parallel_argmax=True, attn_preload=True))
 
 
 def run_gpu_stages(case: StageCase, expect_slabs: bool = False, **engine_kw) -> None:
