@@ -13,26 +13,22 @@ from megakernel.instructions.layout import pack_weights
 from megakernel.kernel.decode import KernelOptions
 from megakernel.model.presets import get_preset
 from megakernel.model.weights import random_weights
-from megakernel.runtime.engine import MegakernelEngine
+from megakernel.runtime.engine import MegakernelEngine, split_engine_options
+
+# the sweep's short names for engine keywords (megakernel.runtime.engine.LAYOUT_OPTIONS)
+ALIASES = {"fuse": "fuse_attn_reduce",   # fuse=0: keep the ATTN_REDUCE stage
+           "slabs": "slab_staging",      # slabs=1: stage wide inputs in column slabs
+           "lm_pool": "lm_pool_rows"}    # lm_pool=32: LM head pool tiles of 32 rows after the static ones
 
 def parse(spec):
+    """'name:key=val,...' -> (name, KernelOptions keywords, engine keywords), parsed and checked as
+    `megakernel bench --kernel-options` does, with the short names in ALIASES."""
     name, _, kv = spec.partition(":")
-    opts, eng = {}, {}
+    items = []
     for item in filter(None, kv.split(",")):
-        k, v = item.split("=")
-        if k == "fuse":                      # fuse=0: keep the ATTN_REDUCE stage
-            eng["fuse_attn_reduce"] = bool(int(v))
-            continue
-        if k == "slabs":                     # slabs=1: stage wide inputs in column slabs
-            eng["slab_staging"] = bool(int(v))
-            continue
-        if k == "fold_embed":                # fold_embed=1: layer 0's QKV reads the embedding itself
-            eng["fold_embed"] = bool(int(v))
-            continue
-        if k == "lm_pool":                   # lm_pool=32: LM head pool tiles of 32 rows after the static ones
-            eng["lm_pool_rows"] = int(v)
-            continue
-        (eng if k in ("kv_splits", "policy") else opts)[k] = v if k == "policy" else int(v)
+        k, sep, v = item.partition("=")
+        items.append(f"{ALIASES.get(k, k)}{sep}{v}")
+    opts, eng = split_engine_options(",".join(items))
     return name, opts, eng
 
 def read_bw(nbytes=2 << 30):

@@ -190,14 +190,7 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
              stage_probe("test_attention_partial_and_reduce_stages"), VM_PROBE, E2E_CPU_PROBE),
             (Patch(KERNEL, "* self.Q + Int64(head * D + d)) * 4, acc_o / tot)",
                    "* self.Q + Int64(head * D + d)) * 4, acc_o)"),
-             Patch(KERNEL, "out[e] = out[e] + f * ov[s * 4 + e]\n        for e in cutlass.range_constexpr(4):\n"
-                           "            out[e] = out[e] / tot",
-                   "out[e] = out[e] + f * ov[s * 4 + e]\n        for e in cutlass.range_constexpr(4):\n"
-                   "            out[e] = out[e]"),
-             Patch(KERNEL, "out[e] = out[e] + f * ov[e]\n        for e in cutlass.range_constexpr(4):\n"
-                           "            out[e] = out[e] / tot",
-                   "out[e] = out[e] + f * ov[e]\n        for e in cutlass.range_constexpr(4):\n"
-                   "            out[e] = out[e]")))
+             Patch(KERNEL, "            out[e] = out[e] / tot", "            out[e] = out[e]")))
     + _pair("argmax_tie_to_highest",
             "ARGMAX breaks a tie between LM-head tiles toward the highest vocabulary index",
             (Patch(ARGMAX, "torch.where(vals == top, idx, torch.iinfo(torch.int32).max).min(dim=1).values",

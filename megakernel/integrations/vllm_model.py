@@ -429,7 +429,7 @@ class MegakernelDecode:
         self._fc_get, self._fc_available = get_forward_context, is_forward_context_available
         self.engine_cls = MegakernelEngine
         # the kernel and layout the vLLM parity runs on the GPU host checked (profiles/RESULTS.md): the
-        # 2026-11-30 defaults (fold_embed, attn_preload, early_loads) serve vLLM once they have been too
+        # 2026-11-30 defaults (fold_embed, early_loads) serve vLLM once they have been too
         from megakernel.kernel.decode import KernelOptions
         self.layout_kw = {"fold_embed": False, "options": KernelOptions(attn_preload=False, early_loads=False)}
         self.norm_weight = self.weights.final_norm

@@ -38,7 +38,7 @@ from .ptx import (atomic_add_acq_rel, atomic_add_relaxed, atomic_cas, cp_async_s
                   load_shared_b32, bulk_copy_g2s, fence_proxy_async_shared, load_acquire,
                   load_f32x4, load_shared_raw, load_weights_bf16x8, load_weights_raw, mbarrier_arrive_expect_tx,
                   mbarrier_init, mbarrier_init_fence, mbarrier_try_wait, prefetch_l2, red_release_add,
-                  store_relaxed, unpack_bf16x8, warp_max_index, warp_sum)
+                  store_relaxed, unpack_bf16x2, unpack_bf16x8, warp_max_index, warp_sum)
 
 THREADS = 256
 WARPS = THREADS // 32
@@ -587,10 +587,11 @@ class DecodeKernel:
         op = s_queue[ins + W_OPCODE]
         addr, k = self.weight_tile(op, s_queue[ins + W_LAYER], s_queue[ins + W_A0],
                                    w_qkv, w_o, w_gate_up, w_down, w_lm_head)
+        limit = cap or self.options.prefetch_bytes
         if k > 0:
             nbytes = s_queue[ins + W_A1] * k * 2
-            if nbytes > (cap or self.options.prefetch_bytes):
-                nbytes = Int32(cap or self.options.prefetch_bytes)
+            if nbytes > limit:
+                nbytes = Int32(limit)
             prefetch_l2(addr, nbytes)
 
     @cute.jit
@@ -977,22 +978,14 @@ class DecodeKernel:
         head = k // self.D
         d = k - head * self.D
         base = ((Int64(layer) * self.B + Int64(b)) * self.Hq + Int64(head)) * self.S
-        if cutlass.const_expr(self.options.early_loads):
-            self.merge_quad_early(base, d, attn_part_o, attn_part_lse, out)
-        else:
-            self.merge_quad_late(base, d, attn_part_o, attn_part_lse, out)
-
-    @cute.jit
-    def merge_quad_early(self, base: Int64, d: Int32, attn_part_o: Int64, attn_part_lse: Int64, out: cute.Tensor):
         lse = cute.make_rmem_tensor((self.S,), Float32)
-        # every split's partial and log-sum-exp in one round of loads (an empty split wrote lse = -inf and
-        # a zero partial, which the test below skips): the output never waits on two round trips
         ov = cute.make_rmem_tensor((self.S * 4,), Float32)
         for s in cutlass.range_constexpr(self.S):
             lse[s] = ld_f32(attn_part_lse + (base + s) * 4)
-            o4 = load_f32x4(attn_part_o + ((base + s) * self.D + Int64(d)) * 4)
-            for e in cutlass.range_constexpr(4):
-                ov[s * 4 + e] = o4[e]
+            if cutlass.const_expr(self.options.early_loads):
+                # every split's partial in the same round of loads as the lse values (an empty split wrote
+                # lse = -inf and a zero partial, which the test below skips): no second round trip
+                self.load_partial(attn_part_o, base, s, d, ov)
         mx = Float32(-math.inf)
         for s in cutlass.range_constexpr(self.S):
             if lse[s] > mx:
@@ -1003,6 +996,8 @@ class DecodeKernel:
         for s in cutlass.range_constexpr(self.S):
             if lse[s] > Float32(-math.inf):
                 f = ex2((lse[s] - mx) * Float32(LOG2E))
+                if cutlass.const_expr(not self.options.early_loads):
+                    self.load_partial(attn_part_o, base, s, d, ov)
                 tot = tot + f
                 for e in cutlass.range_constexpr(4):
                     out[e] = out[e] + f * ov[s * 4 + e]
@@ -1010,25 +1005,11 @@ class DecodeKernel:
             out[e] = out[e] / tot
 
     @cute.jit
-    def merge_quad_late(self, base: Int64, d: Int32, attn_part_o: Int64, attn_part_lse: Int64, out: cute.Tensor):
-        lse = cute.make_rmem_tensor((self.S,), Float32)
-        mx = Float32(-math.inf)
-        for s in cutlass.range_constexpr(self.S):
-            lse[s] = ld_f32(attn_part_lse + (base + s) * 4)
-            if lse[s] > mx:
-                mx = lse[s]
-        tot = Float32(0.0)
+    def load_partial(self, attn_part_o: Int64, base: Int64, s: int, d: Int32, ov: cute.Tensor):
+        """Elements d..d+3 of split s's partial output into ov[4s:4s+4]."""
+        o4 = load_f32x4(attn_part_o + ((base + s) * self.D + Int64(d)) * 4)
         for e in cutlass.range_constexpr(4):
-            out[e] = Float32(0.0)
-        for s in cutlass.range_constexpr(self.S):
-            if lse[s] > Float32(-math.inf):
-                f = ex2((lse[s] - mx) * Float32(LOG2E))
-                ov = load_f32x4(attn_part_o + ((base + s) * self.D + Int64(d)) * 4)
-                tot = tot + f
-                for e in cutlass.range_constexpr(4):
-                    out[e] = out[e] + f * ov[e]
-        for e in cutlass.range_constexpr(4):
-            out[e] = out[e] / tot
+            ov[s * 4 + e] = o4[e]
 
     @cute.jit
     def load_step(self, lane: Int32, w_addr: Int64, K: Int32, c0: Int32, unit: Int32, raw: cute.Tensor,
@@ -1195,16 +1176,8 @@ class DecodeKernel:
         cp_async_wait_all()
         src = Int32(s_pre.iterator.toint()) + (warp * 2 * self.D + lane * self.E) * 2
         for w in cutlass.range_constexpr(self.E // 2):
-            kw = load_shared_b32(src + w * 4)
-            vw = load_shared_b32(src + self.D * 2 + w * 4)
-            kk[2 * w] = cute.arch.inline_ptx("shl.b32 {$w0}, {$r0}, 16;", write_only_types=[Float32],
-                                             read_only_args=[kw])
-            kk[2 * w + 1] = cute.arch.inline_ptx("and.b32 {$w0}, {$r0}, 0xffff0000;", write_only_types=[Float32],
-                                                 read_only_args=[kw])
-            vv[2 * w] = cute.arch.inline_ptx("shl.b32 {$w0}, {$r0}, 16;", write_only_types=[Float32],
-                                             read_only_args=[vw])
-            vv[2 * w + 1] = cute.arch.inline_ptx("and.b32 {$w0}, {$r0}, 0xffff0000;", write_only_types=[Float32],
-                                                 read_only_args=[vw])
+            kk[2 * w], kk[2 * w + 1] = unpack_bf16x2(load_shared_b32(src + w * 4))
+            vv[2 * w], vv[2 * w + 1] = unpack_bf16x2(load_shared_b32(src + self.D * 2 + w * 4))
 
     @cute.jit
     def attn_partial(self, tidx: Int32, warp: Int32, lane: Int32, layer: Int32, b: Int32, kvh: Int32,

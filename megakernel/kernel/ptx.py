@@ -47,6 +47,13 @@ def unpack_bf16x8(w0: Int32, w1: Int32, w2: Int32, w3: Int32):
 
 
 @cute.jit
+def unpack_bf16x2(w: Int32):
+    """One word of packed bf16 (low half first) -> 2 float32, as unpack_bf16x8 does for four."""
+    return cute.arch.inline_ptx("shl.b32 {$w0}, {$r0}, 16; and.b32 {$w1}, {$r0}, 0xffff0000;",
+                                write_only_types=[Float32] * 2, read_only_args=[w])
+
+
+@cute.jit
 def load_f32x4(addr: Int64):
     """4 float32 activations written earlier in this step by other CTAs (coherent path)."""
     return cute.arch.inline_ptx(

@@ -366,13 +366,21 @@ class MegakernelEngine:
 
 # MegakernelEngine keywords that parse_engine_options accepts beside the KernelOptions fields
 LAYOUT_OPTIONS = {"fold_embed": bool, "lm_pool_rows": int, "kv_splits": int, "slab_staging": bool,
-                  "policy": str, "num_sms": int}
+                  "fuse_attn_reduce": bool, "policy": str, "num_sms": int}
 
 
 def parse_engine_options(spec: str) -> dict:
     """'attn_preload=1,lm_pool_rows=32,unroll=4' -> MegakernelEngine keywords: KernelOptions fields go into
     `options=KernelOptions(...)`, the layout ones (LAYOUT_OPTIONS) are passed as they are. Booleans are
     0/1/true/false. ValueError, naming the item, for an unknown key or a value of the wrong kind."""
+    kernel, layout = split_engine_options(spec)
+    if kernel:
+        layout["options"] = KernelOptions(**kernel)
+    return layout
+
+
+def split_engine_options(spec: str) -> tuple[dict, dict]:
+    """parse_engine_options' parse: (KernelOptions keywords, layout keywords)."""
     import dataclasses
 
     kinds = {f.name: type(f.default) for f in dataclasses.fields(KernelOptions) if f.name != "trace"}
@@ -397,9 +405,7 @@ def parse_engine_options(spec: str) -> dict:
         else:
             value = text
         (kernel if key in kinds else layout)[key] = value
-    if kernel:
-        layout["options"] = KernelOptions(**kernel)
-    return layout
+    return kernel, layout
 
 
 class MegakernelBackend:
