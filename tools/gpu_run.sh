@@ -31,9 +31,9 @@ case "$what" in
     # the variants profiles/RESULTS.md plans to compare; each sweep checks its variants' logits first
     S="python3 tools/gpu_sweep.py"
     # (the 2026-11-30 fourth run settled smem_prefix 32K, kv_splits 2, unroll 2 and slabs, the fifth
-    # hop_prefetch, fold_embed and early_loads: see RESULTS.md)
-    B1="default: plain:fold_embed=0,early_loads=0 ap:attn_preload=1 pool:lm_pool=32
-        appool:attn_preload=1,lm_pool=32 appar:attn_preload=1,parallel_argmax=1"
+    # hop_prefetch, fold_embed and early_loads, the sixth attn_preload and parallel_argmax: see RESULTS.md)
+    B1="default: plain:fold_embed=0,early_loads=0,attn_preload=0,parallel_argmax=0 noap:attn_preload=0
+        nopar:parallel_argmax=0 pool:lm_pool=32"
     { $S llama-3.2-1b 1 $B1
       $S qwen3-0.6b 1 $B1 --no-trace
       $S llama-3.1-8b 1 $B1 --no-trace

@@ -199,7 +199,16 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
             (Patch(KERNEL, "if v > bv or (v == bv and vi < bi):\n                    bv = v\n                    bi = vi\n"
                            "            self.emit_token(",
                    "if v > bv or (v == bv and vi > bi):\n                    bv = v\n                    bi = vi\n"
-                   "            self.emit_token("),))
+                   "            self.emit_token("),
+             # the parallel reduction (batch 1-2): each thread's tiles, then the warps' maxima
+             Patch(KERNEL, "if v > bv or (v == bv and vi < bi):\n                    bv = v\n                    bi = vi\n"
+                           "            bv, bi = warp_max_index(",
+                   "if v > bv or (v == bv and vi > bi):\n                    bv = v\n                    bi = vi\n"
+                   "            bv, bi = warp_max_index("),
+             Patch(KERNEL, "if v > bv or (v == bv and vi < bi):\n                bv = v\n                bi = vi\n"
+                           "        return bv, bi",
+                   "if v > bv or (v == bv and vi > bi):\n                bv = v\n                bi = vi\n"
+                   "        return bv, bi")))
     # the LM head pool is opt-in (MegakernelEngine(lm_pool_rows=...)): its tests, not the default GPU probes
     + [Mutation("lm_pool_ticket_not_reset",
                 "the LM head pool's ticket is not reset after a step, so later steps compute no pool tile",

@@ -428,10 +428,10 @@ class MegakernelDecode:
         from vllm.forward_context import get_forward_context, is_forward_context_available
         self._fc_get, self._fc_available = get_forward_context, is_forward_context_available
         self.engine_cls = MegakernelEngine
-        # the kernel and layout the vLLM parity runs on the GPU host checked (profiles/RESULTS.md): the
-        # 2026-11-30 defaults (fold_embed, early_loads) serve vLLM once they have been too
-        from megakernel.kernel.decode import KernelOptions
-        self.layout_kw = {"fold_embed": False, "options": KernelOptions(attn_preload=False, early_loads=False)}
+        # the engines' shipped layout and kernel options (fold_embed, early_loads, attn_preload,
+        # parallel_argmax), which the vLLM parity runs on the GPU host check (profiles/RESULTS.md);
+        # layout_kw is where a different layout would be pinned for vLLM
+        self.layout_kw = {}
         self.norm_weight = self.weights.final_norm
         self.eps = self.config.rms_norm_eps
         if "packed_weights" in engine_kwargs(MegakernelEngine, packed_weights=None):

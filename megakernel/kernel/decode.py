@@ -80,13 +80,14 @@ class KernelOptions:
     rows_per_unit: int = 0                   # rows of a work unit sharing its input columns (0: 2 where the
                                              # input is staged, else 1 per 8 loads)
     prefetch_ahead: int = 1                  # L2-prefetch the weight tile of the instruction this many ahead
-    attn_preload: bool = False               # ATTN_PARTIAL loads its first cached token's K/V before its wait
+    attn_preload: bool = True                # ATTN_PARTIAL loads its first cached token's K/V before its wait
                                              # (by cp.async into shared memory; not on the slab path)
     unroll: int = 0                          # 256-column passes per work unit (0: by batch, within the
                                              # registers: 8 at batch 1 or 8 warps, 4 up to batch 4, else 2)
     preload: int = 1                         # work items per warp whose weight loads are issued before the
                                              # matvec's wait (0: none; at most the items of one step)
-    parallel_argmax: bool = False            # ARGMAX reduces the LM head tiles with every thread, not one per sequence
+    parallel_argmax: bool = True             # ARGMAX reduces the LM head tiles with every thread, not one per sequence
+                                             # (at batch 1-2; above, one thread per sequence)
     smem_prefix: int = 0                     # bytes per buffer (two buffers) of the next matvec tile's first
                                              # rows, bulk-copied into shared memory one instruction ahead
                                              # (0: off; shrunk to the shared memory left; replaces preload)
@@ -246,6 +247,9 @@ class DecodeKernel:
         # for the K/V preload)
         self.early_res = options.early_loads and not self.slabs
         self.attn_pre = options.attn_preload and not self.slabs
+        # parallel ARGMAX at batch 1-2 (measured faster at batch 1): beside attn_preload at batch 3
+        # (qwen3-0.6b) and on the slab path (llama-3.2-1b batch 7), ptxas spills 8 bytes at 128 registers
+        self.par_argmax = options.parallel_argmax and self.B <= 2 and not self.slabs
         # (the slab path, batch 5-8, has no registers to spare for loads held across the wait)
         self.preload_items = 0 if self.slabs else min(max(0, int(options.preload)), self.items_per_step)
         if self.qk_norm and self.B == 4 and self.unroll == 4:
@@ -1370,7 +1374,7 @@ class DecodeKernel:
         the next token is written and the inputs advanced. One thread per sequence scans the tiles, or
         (parallel_argmax) every thread takes some tiles and warps and then the CTA reduce them with the
         same comparison, which is associative: the same token either way."""
-        if cutlass.const_expr(self.options.parallel_argmax):
+        if cutlass.const_expr(self.par_argmax):
             self.argmax_parallel(tidx, warp, lane, num_tiles, lm_max, lm_idx, out_tokens, tokens, positions, s_wv,
                                  s_wi)
         else:

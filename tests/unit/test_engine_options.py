@@ -235,7 +235,7 @@ def test_vllm_adapter_shares_packed_weights_only_where_they_cover_the_engine(cac
     adapter.max_seq_len, adapter.block_size, adapter.buckets = 40, 16, (1, 2, 4, 8)
     adapter.engines, adapter.engine_cls, adapter.weights, adapter.device = {}, _EngineTakingEverything, weights, "cpu"
     adapter.disabled = None
-    adapter.layout_kw = {"fold_embed": False, "options": "pinned"}     # what prepare() pins for vLLM
+    adapter.layout_kw = {"fold_embed": False, "options": "pinned"}     # a layout pinned for vLLM reaches it
     adapter.packed = pack_weights(weights, vllm_model.rope_positions(adapter.max_seq_len, adapter.block_size))
     assert adapter.packed.rope_cos.shape[0] == 48
     k = [torch.zeros(4, cache_block_size, config.num_kv_heads, config.head_dim, dtype=BF16)] * config.num_layers
@@ -563,9 +563,9 @@ def test_bare_launch_uses_the_engines_own_contiguous_block_table(name):
                                      "lm_pool", "attn_preload", "early_loads_off", "both"))
 @pytest.mark.parametrize("name", ("tiny-llama", "llama-3.2-1b", "qwen3-0.6b"))
 def test_kernel_variants_give_the_logits_of_the_plain_engine(name, variant):
-    """Against the plain engine (no fold_embed, no LM head pool, no attn_preload): the shipped defaults
-    (fold_embed and early_loads on), and each option alone. smem_prefix changes where a unit's weights come from (shared
-    memory instead of HBM), hop_prefetch only what L2 holds when they are read, attn_preload and
+    """Against the plain engine (no fold_embed, no LM head pool, no attn_preload, no parallel_argmax): the
+    shipped defaults (fold_embed, early_loads, attn_preload and parallel_argmax on), and each option alone.
+    smem_prefix changes where a unit's weights come from (shared memory instead of HBM), hop_prefetch only what L2 holds when they are read, attn_preload and
     early_loads when loads are issued, lm_pool which CTA computes an LM head tile, fold_embed where
     layer 0's QKV reads its input (the embedding table instead of x[0]), parallel_argmax how the tiles'
     (max, index) pairs are reduced (an associative comparison); none changes the arithmetic: the same
@@ -577,7 +577,7 @@ def test_kernel_variants_give_the_logits_of_the_plain_engine(name, variant):
     config = dataclasses.replace(get_preset(name), num_layers=min(get_preset(name).num_layers, 4))
     weights = random_weights(config, seed=43, dtype=BF16, device=GPU, rng_device=GPU)
     batch = 2
-    plain_opts = KernelOptions(attn_preload=False)
+    plain_opts = KernelOptions(attn_preload=False, parallel_argmax=False)
     ref = MegakernelEngine(weights, batch, MAX_SEQ_LEN, block_size=BLOCK_SIZE, device=GPU, fold_embed=False,
                            lm_pool_rows=0, options=plain_opts)
     kw = {} if variant == "shipped" else {"fold_embed": False, "lm_pool_rows": 0, "options": plain_opts}
@@ -588,7 +588,7 @@ def test_kernel_variants_give_the_logits_of_the_plain_engine(name, variant):
     if variant == "hop_prefetch":
         kw["options"] = dataclasses.replace(plain_opts, hop_prefetch=256 * 1024)
     if variant == "attn_preload":
-        kw["options"] = KernelOptions(attn_preload=True)
+        kw["options"] = dataclasses.replace(plain_opts, attn_preload=True)
     if variant == "early_loads_off":
         kw["options"] = dataclasses.replace(plain_opts, early_loads=False)
     if variant in ("fold_embed", "both"):
