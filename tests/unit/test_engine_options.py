@@ -337,6 +337,27 @@ def test_attn_preload_kernel_copies_kv_by_cp_async_without_spills(name, batch):
         assert "cp.async.wait_all" in ptx, what
 
 
+@pytest.mark.parametrize("name,batch,parallel", [("llama-3.2-1b", 1, True), ("qwen3-0.6b", 2, True),
+                                                 ("qwen3-0.6b", 3, False), ("llama-3.2-1b", 7, False),
+                                                 ("llama-3.1-8b", 8, False)])
+def test_parallel_argmax_is_used_at_batch_1_and_2_only(name, batch, parallel):
+    """The default KernelOptions(parallel_argmax=True) reduces the LM head tiles with the whole CTA at
+    batch 1-2; above, one thread per sequence scans them (beside attn_preload, the parallel reduction
+    spills at 128 registers at qwen3-0.6b batch 3 and on the slab path: the compile tests cover every
+    batch with the defaults). Asked off, it is off everywhere."""
+    from megakernel.kernel.decode import DecodeKernel, KernelOptions
+    from megakernel.instructions.record import serialize
+    from megakernel.schedule import assign
+
+    layout = _layout(name, batch, max_seq_len=256, block_size=16, slab_staging=True)
+    program = build_program(layout)
+    table, _ = serialize(assign(program, "balanced"))
+    args = (layout, program.lm_tiles, program.num_counters, table.shape[1], None)
+    assert KernelOptions().parallel_argmax
+    assert DecodeKernel(*args, KernelOptions()).par_argmax == parallel, f"{name} batch={batch}"
+    assert not DecodeKernel(*args, KernelOptions(parallel_argmax=False)).par_argmax, f"{name} batch={batch}"
+
+
 @pytest.mark.parametrize("name,batch", [("llama-3.2-1b", 1), ("qwen3-0.6b", 1), ("llama-3.1-8b", 1),
                                         ("llama-3.2-1b", 4), ("llama-3.2-1b", 8)])
 def test_lm_pool_kernel_compiles_with_a_ticket_and_no_spills(name, batch):
