@@ -1,6 +1,9 @@
 """Record one decode step in the kernel's trace mode and write a Chrome/Perfetto trace plus a stage
 summary. Usage (GPU host): python3 tools/gpu_profile.py MODEL BATCH OUT_DIR"""
 import json, os, sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from toolargs import positional  # noqa: E402
+ARGS = positional(__doc__, "gpu_profile.py MODEL BATCH OUT_DIR", 3, ints=(1,))
 import torch
 from megakernel.kernel.decode import KernelOptions
 from megakernel.model.presets import get_preset
@@ -8,7 +11,7 @@ from megakernel.model.weights import random_weights
 from megakernel.runtime.engine import MegakernelEngine
 from megakernel.runtime.trace import stage_summary, write_chrome_trace
 
-model, batch, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+model, batch, out = ARGS[0], int(ARGS[1]), ARGS[2]
 cfg = get_preset(model)
 eng = MegakernelEngine(random_weights(cfg, seed=3, device="cuda"), batch, 512, options=KernelOptions(trace=True))
 eng.k_cache.normal_(0, 1); eng.v_cache.normal_(0, 1)      # a 32-token history

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU host: stage the CuTe DSL bundle, run the GPU test suite and the benchmarks,
-# and write every log under $OUT. Usage: bash tools/gpu_run.sh [tests|tests-par|bench|sweep|vllm|smoke|all] [extra args]
+# and write every log under $OUT. Usage: bash tools/gpu_run.sh [tests|tests-par|bench|sweep|sweep-batch|vllm|smoke|all] [extra args]
 set -uo pipefail
 source tools/gpu_env.sh
 what=${1:-all}; shift || true
@@ -38,6 +38,14 @@ case "$what" in
       $S qwen3-0.6b 1 $B1 --no-trace
       $S llama-3.1-8b 1 $B1 --no-trace
     } 2>&1 | grep -v Warn | tee "$OUT/sweep.log" ;;
+  sweep-batch)
+    # batch 4-8 (the column-slab path): four rows per unit share each input read from shared memory
+    # instead of two (compiles without spills at unroll 1, or at 8 warps of 255 registers); traced
+    S="python3 tools/gpu_sweep.py"
+    { $S llama-3.1-8b 8 default: r4:rows_per_unit=4,unroll=1 r4w8:rows_per_unit=4,warps=8 --trace=default
+      $S llama-3.1-8b 4 default: r4:rows_per_unit=4,unroll=1 --no-trace
+      $S llama-3.2-1b 8 default: r4w8:rows_per_unit=4,warps=8 --no-trace
+    } 2>&1 | grep -v Warn | tee "$OUT/sweep_batch.log" ;;
   all)
     python3 -m pytest -m "gpu and not perf" -q -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
     python3 -m pytest -m perf -q -p no:cacheprovider 2>&1 | tee "$OUT/perf.log" ;;

@@ -1,6 +1,10 @@
 """Quick GPU check of the megakernel: one step on tiny presets vs the reference, then a preset-size
-step, then timing of graph replays against a pure device read. Prints a short table."""
-import sys, time, math
+step, then timing of graph replays against a pure device read. Prints a short table.
+Usage (GPU host): python3 tools/gpu_smoke.py [PRESET ...]  (default: tiny-llama tiny-qwen3; MK_BATCH=N
+sets the batch, 1 by default)"""
+import os, sys, time, math
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from toolargs import positional  # noqa: E402
 import torch
 from megakernel.model.presets import get_preset
 from megakernel.model.weights import random_weights
@@ -68,7 +72,7 @@ def time_graph(eng, steps=50):
     return sorted(ts)[len(ts)//2]
 
 if __name__ == "__main__":
-    names = sys.argv[1:] or ["tiny-llama", "tiny-qwen3"]
+    names = positional(__doc__, "gpu_smoke.py [PRESET ...]", 0) or ["tiny-llama", "tiny-qwen3"]
     bw = read_bw()
     print(f"read bandwidth {bw/1e12:.2f} TB/s")
     import os

@@ -7,13 +7,15 @@ against the first variant's, and one step captured in a CUDA graph; then the gra
 interleaved rounds (each round replays every variant STEPS times), so that clock or thermal drift
 during the sweep falls on all variants alike. Per variant: the median of all its replays, and the
 spread of its round medians (what a difference between two variants must exceed to mean anything)."""
-import collections, statistics, sys
+import collections, os, statistics, sys
 import torch
 from megakernel.instructions.layout import pack_weights
 from megakernel.kernel.decode import KernelOptions
 from megakernel.model.presets import get_preset
 from megakernel.model.weights import random_weights
 from megakernel.runtime.engine import MegakernelEngine, split_engine_options
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from toolargs import positional  # noqa: E402
 
 # the sweep's short names for engine keywords (megakernel.runtime.engine.LAYOUT_OPTIONS)
 ALIASES = {"fuse": "fuse_attn_reduce",   # fuse=0: keep the ATTN_REDUCE stage
@@ -110,7 +112,9 @@ def trace(eng, start=32):
         print(f"    {op:13s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us{phase}")
 
 def main():
-    model, B = sys.argv[1], int(sys.argv[2])
+    args = positional(__doc__, "gpu_sweep.py MODEL BATCH [name:key=val,...] ... [--no-trace] [--trace=NAME] "
+                               "[--rounds=N]", 2, ints=(1,))
+    model, B = args[0], int(args[1])
     specs = [a for a in sys.argv[3:] if not a.startswith("--")] or ["default:"]
     cfg = get_preset(model)
     w = random_weights(cfg, seed=3, device="cuda")

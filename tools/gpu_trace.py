@@ -1,13 +1,17 @@
 """Per-stage timing of one decode step from the kernel's trace mode: for each opcode, the mean time
-instructions spent waiting on their counter and working, and the step's span."""
-import sys, collections
+instructions spent waiting on their counter and working, and the step's span.
+Usage (GPU host): python3 tools/gpu_trace.py MODEL [BATCH]  (BATCH defaults to 1)"""
+import os, sys, collections
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from toolargs import positional  # noqa: E402
+ARGS = positional(__doc__, "gpu_trace.py MODEL [BATCH]", 1, ints=(1,))
 import torch
 from megakernel.model.presets import get_preset
 from megakernel.model.weights import random_weights
 from megakernel.runtime.engine import MegakernelEngine
 from megakernel.kernel.decode import KernelOptions
 
-name = sys.argv[1]; B = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+name = ARGS[0]; B = int(ARGS[1]) if len(ARGS) > 1 else 1
 cfg = get_preset(name)
 w = random_weights(cfg, seed=3, device="cuda")
 eng = MegakernelEngine(w, B, 256, options=KernelOptions(trace=True))

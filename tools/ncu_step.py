@@ -1,13 +1,17 @@
 """One megakernel decode step inside an NVTX range (domain "megakernel", range "decode_step"), after
-warm-up steps outside it, for Nsight Compute to profile with --nvtx-include."""
-import sys
+warm-up steps outside it, for Nsight Compute to profile with --nvtx-include (tools/gpu_ncu.sh runs it).
+Usage (GPU host): python3 tools/ncu_step.py MODEL BATCH"""
+import os, sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from toolargs import positional  # noqa: E402
+ARGS = positional(__doc__, "ncu_step.py MODEL BATCH", 2, ints=(1,))
 import nvtx
 import torch
 from megakernel.model.presets import get_preset
 from megakernel.model.weights import random_weights
 from megakernel.runtime.engine import MegakernelEngine
 
-model, batch = sys.argv[1], int(sys.argv[2])
+model, batch = ARGS[0], int(ARGS[1])
 eng = MegakernelEngine(random_weights(get_preset(model), seed=3, device="cuda"), batch, 512)
 eng.k_cache.normal_(0, 1); eng.v_cache.normal_(0, 1)
 eng.bufs.tokens.fill_(1); eng.bufs.positions.fill_(32)

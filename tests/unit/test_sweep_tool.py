@@ -42,3 +42,18 @@ def test_interleaved_rounds_visit_every_variant_in_turn(sweep):
     assert got["a"] == (6.0, 2.0, 9.0)
     # b: rounds [5, 4] [6, 7] [5.5, 5] -> 4.5, 6.5, 5.25; median of all 5.25
     assert got["b"] == (5.25, 4.5, 6.5)
+
+
+def test_help_and_missing_arguments_stop_before_any_gpu_work(sweep, monkeypatch, capsys):
+    """--help prints the usage; a missing MODEL or BATCH exits with the usage line, before any weights
+    are made or the GPU is touched."""
+    monkeypatch.setattr(sweep, "random_weights", lambda *a, **k: pytest.fail("weights made"))
+    monkeypatch.setattr(sweep.sys, "argv", ["gpu_sweep.py", "--help"])
+    with pytest.raises(SystemExit) as done:
+        sweep.main()
+    assert done.value.code == 0 and "Usage: gpu_sweep.py MODEL BATCH" in capsys.readouterr().out
+    for argv in (["gpu_sweep.py"], ["gpu_sweep.py", "llama-3.2-1b"], ["gpu_sweep.py", "llama-3.2-1b", "x:unroll=2"],
+                 ["gpu_sweep.py", "--no-trace", "llama-3.2-1b"]):
+        monkeypatch.setattr(sweep.sys, "argv", argv)
+        with pytest.raises(SystemExit, match="usage: gpu_sweep.py MODEL BATCH"):
+            sweep.main()

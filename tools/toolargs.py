@@ -1,0 +1,17 @@
+"""Argument checks shared by the GPU tools: --help prints the tool's docstring, and a missing or
+malformed positional argument exits with the usage line before any weights are made or a GPU is used."""
+from __future__ import annotations
+
+import sys
+
+
+def positional(doc: str, usage: str, required: int, ints: tuple[int, ...] = ()) -> list[str]:
+    """The command line's positional arguments (those not starting with --), after --help and the checks:
+    at least `required` of them, and the ones at the indices in `ints` integers."""
+    if "-h" in sys.argv[1:] or "--help" in sys.argv[1:]:
+        print(doc.strip())
+        sys.exit(0)
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if len(args) < required or any(i < len(args) and not args[i].isdigit() for i in ints):
+        sys.exit(f"usage: {usage}  (--help explains)")
+    return args
