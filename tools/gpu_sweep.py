@@ -115,7 +115,7 @@ def main():
     args = positional(__doc__, "gpu_sweep.py MODEL BATCH [name:key=val,...] ... [--no-trace] [--trace=NAME] "
                                "[--rounds=N]", 2, ints=(1,))
     model, B = args[0], int(args[1])
-    specs = [a for a in sys.argv[3:] if not a.startswith("--")] or ["default:"]
+    specs = args[2:] or ["default:"]
     cfg = get_preset(model)
     w = random_weights(cfg, seed=3, device="cuda")
     bw = read_bw()

@@ -113,6 +113,14 @@ class Mutation:
         return self.kernel
 
 
+# the kernel's ARGMAX comparisons (DecodeKernel.scan_tiles, merge_warp_maxima), for the tie mutation
+_SCAN_BODY = ("            v = ld_f32(lm_max + (Int64(b) * self.T + Int64(t)) * 4)\n"
+              "            vi = ld_i32(lm_idx + (Int64(b) * self.T + Int64(t)) * 4)\n"
+              "            if v > bv or (v == bv and vi < bi):")
+_MERGE_BODY = ("            v = s_wv[w * self.B + b]\n"
+               "            vi = s_wi[w * self.B + b]\n"
+               "            if v > bv or (v == bv and vi < bi):")
+
 ATTN = "megakernel/instructions/attention.py"
 MATVEC = "megakernel/instructions/matvec_stages.py"
 CONTEXT = "megakernel/instructions/context.py"
@@ -196,19 +204,11 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
             (Patch(ARGMAX, "torch.where(vals == top, idx, torch.iinfo(torch.int32).max).min(dim=1).values",
                    "torch.where(vals == top, idx, -1).max(dim=1).values"),),
             (stage_probe("test_argmax_stage"), VM_PROBE, E2E_CPU_PROBE),
-            (Patch(KERNEL, "if v > bv or (v == bv and vi < bi):\n                    bv = v\n                    bi = vi\n"
-                           "            self.emit_token(",
-                   "if v > bv or (v == bv and vi > bi):\n                    bv = v\n                    bi = vi\n"
-                   "            self.emit_token("),
-             # the parallel reduction (batch 1-2): each thread's tiles, then the warps' maxima
-             Patch(KERNEL, "if v > bv or (v == bv and vi < bi):\n                    bv = v\n                    bi = vi\n"
-                           "            bv, bi = warp_max_index(",
-                   "if v > bv or (v == bv and vi > bi):\n                    bv = v\n                    bi = vi\n"
-                   "            bv, bi = warp_max_index("),
-             Patch(KERNEL, "if v > bv or (v == bv and vi < bi):\n                bv = v\n                bi = vi\n"
-                           "        return bv, bi",
-                   "if v > bv or (v == bv and vi > bi):\n                bv = v\n                bi = vi\n"
-                   "        return bv, bi")))
+            # the tile scan (both ARGMAX forms), then the warps' maxima (parallel ARGMAX, batch 1-2)
+            (Patch(KERNEL, "for t in range(t0, num_tiles, step):\n" + _SCAN_BODY,
+                   "for t in range(t0, num_tiles, step):\n" + _SCAN_BODY.replace("vi < bi", "vi > bi")),
+             Patch(KERNEL, "for w in range(self.warps):\n" + _MERGE_BODY,
+                   "for w in range(self.warps):\n" + _MERGE_BODY.replace("vi < bi", "vi > bi"))))
     # the LM head pool is opt-in (MegakernelEngine(lm_pool_rows=...)): its tests, not the default GPU probes
     + [Mutation("lm_pool_ticket_not_reset",
                 "the LM head pool's ticket is not reset after a step, so later steps compute no pool tile",

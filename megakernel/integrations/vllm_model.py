@@ -365,6 +365,9 @@ class MegakernelDecode:
         self.kv: tuple[list[torch.Tensor], list[torch.Tensor], KVGeometry] | None = None
         self._kv_key: tuple[int, ...] | None = None
         self.engine_cls = None
+        # engine keywords beside the adapter's own: empty, so the engines take the shipped layout and
+        # kernel options, which the vLLM parity runs on the GPU host check (profiles/RESULTS.md); where a
+        # different layout would be pinned for vLLM
         self.layout_kw: dict[str, Any] = {}
         self.prepared = False
         self.config: ModelConfig | None = None
@@ -428,10 +431,6 @@ class MegakernelDecode:
         from vllm.forward_context import get_forward_context, is_forward_context_available
         self._fc_get, self._fc_available = get_forward_context, is_forward_context_available
         self.engine_cls = MegakernelEngine
-        # the engines' shipped layout and kernel options (fold_embed, early_loads, attn_preload,
-        # parallel_argmax), which the vLLM parity runs on the GPU host check (profiles/RESULTS.md);
-        # layout_kw is where a different layout would be pinned for vLLM
-        self.layout_kw = {}
         self.norm_weight = self.weights.final_norm
         self.eps = self.config.rms_norm_eps
         if "packed_weights" in engine_kwargs(MegakernelEngine, packed_weights=None):

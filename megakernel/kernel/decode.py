@@ -3,7 +3,8 @@
 Device layout of a CTA: 16 warps where the matvec input is staged in shared memory, else 8. Each
 instruction:
   1. a matvec's warps issue the 16-byte weight loads of their first work unit before the wait below
-     (weights never depend on activations; opt-in: ATTN_PARTIAL its first cached token's K/V too);
+     (weights never depend on activations), and ATTN_PARTIAL's warps copy their first cached token's
+     K/V into shared memory (attn_preload);
   2. thread 0 spins (ld.acquire.gpu, bounded by globaltimer) until the counter it waits on reaches
      epoch-relative target; a timeout writes the error word and aborts the CTA's queue;
   3. the stage body runs (opcode dispatch by `if`; every body is inlined once);
@@ -340,7 +341,8 @@ class DecodeKernel:
         lane = tidx % 32
 
         smem = cutlass.utils.SmemAllocator()
-        s_ctrl = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=16)       # epoch, abort, queue length, stop
+        # epoch, abort, queue length, stop
+        s_ctrl = smem.allocate_tensor(Int32, cute.make_layout((4,)), byte_alignment=16)
         s_red = smem.allocate_tensor(Float32, cute.make_layout((8,)), byte_alignment=16)
         s_ired = smem.allocate_tensor(Int32, cute.make_layout((8,)), byte_alignment=16)
         s_wv = smem.allocate_tensor(Float32, cute.make_layout((self.warps * 8,)), byte_alignment=16)
@@ -1147,11 +1149,22 @@ class DecodeKernel:
     def load_cached_kv(self, b: Int32, kvh: Int32, t: Int32, block_table: Int64, k_base: Int64, v_base: Int64,
                        lane: Int32, kk: cute.Tensor, vv: cute.Tensor):
         """This lane's E elements of the cached k and v of sequence b at position t (kv head kvh)."""
-        tb = ld_i32(block_table + (Int64(b) * self.max_blocks + Int64(t // self.bs)) * 4)
-        ts = Int64(tb) * self.kv_sb + Int64(t % self.bs) * self.kv_st + Int64(kvh) * self.kv_sh
+        ts = self.cached_token(b, kvh, t, block_table)
         for e in cutlass.range_constexpr(self.E):
             kk[e] = ld_bf16(k_base + (ts + Int64(lane * self.E + e)) * 2)
             vv[e] = ld_bf16(v_base + (ts + Int64(lane * self.E + e)) * 2)
+
+    @cute.jit
+    def cached_token(self, b: Int32, kvh: Int32, t: Int32, block_table: Int64) -> Int64:
+        """Element offset, in a layer's K (or V) cache, of sequence b's position t, kv head kvh: its block
+        from the block table, then the cache's strides."""
+        tb = ld_i32(block_table + (Int64(b) * self.max_blocks + Int64(t // self.bs)) * 4)
+        return Int64(tb) * self.kv_sb + Int64(t % self.bs) * self.kv_st + Int64(kvh) * self.kv_sh
+
+    def preload_slot(self, warp: Int32, lane: Int32, s_pre: cute.Tensor) -> Int32:
+        """Shared address of this lane's k elements in its warp's slot of s_pre: a slot holds D bf16 of k,
+        then D of v (4 * D bytes); the lane's v elements are D * 2 bytes further."""
+        return Int32(s_pre.iterator.toint()) + (warp * 2 * self.D + lane * self.E) * 2
 
     @cute.jit
     def attn_preload(self, warp: Int32, lane: Int32, layer: Int32, b: Int32, kvh: Int32, split: Int32,
@@ -1165,12 +1178,8 @@ class DecodeKernel:
             pos = Int32(0)                      # attn_partial reports it; no cached token is read
         lo, hi = self.split_bounds(pos, split, num_splits)
         if lo + warp < hi:
-            t = lo + warp
-            tb = ld_i32(block_table + (Int64(b) * self.max_blocks + Int64(t // self.bs)) * 4)
-            ts = Int64(tb) * self.kv_sb + Int64(t % self.bs) * self.kv_st + Int64(kvh) * self.kv_sh
-            off = (ts + Int64(lane * self.E)) * 2
-            # the warp's slot: D bf16 of k, then D of v (4 * D bytes)
-            dst = Int32(s_pre.iterator.toint()) + (warp * 2 * self.D + lane * self.E) * 2
+            off = (self.cached_token(b, kvh, lo + warp, block_table) + Int64(lane * self.E)) * 2
+            dst = self.preload_slot(warp, lane, s_pre)
             cp_async_shared(dst, ld_i64(kv_table + Int64(layer) * 16) + off, self.E * 2)
             cp_async_shared(dst + self.D * 2, ld_i64(kv_table + Int64(layer) * 16 + 8) + off, self.E * 2)
 
@@ -1178,7 +1187,7 @@ class DecodeKernel:
     def preloaded_kv(self, warp: Int32, lane: Int32, s_pre: cute.Tensor, kk: cute.Tensor, vv: cute.Tensor):
         """This lane's k and v elements that attn_preload copied (float32), after waiting for the copies."""
         cp_async_wait_all()
-        src = Int32(s_pre.iterator.toint()) + (warp * 2 * self.D + lane * self.E) * 2
+        src = self.preload_slot(warp, lane, s_pre)
         for w in cutlass.range_constexpr(self.E // 2):
             kk[2 * w], kk[2 * w + 1] = unpack_bf16x2(load_shared_b32(src + w * 4))
             vv[2 * w], vv[2 * w + 1] = unpack_bf16x2(load_shared_b32(src + self.D * 2 + w * 4))
@@ -1385,14 +1394,7 @@ class DecodeKernel:
                         lm_idx: Int64, out_tokens: Int64, tokens: Int64, positions: Int64, s_wv: cute.Tensor,
                         s_wi: cute.Tensor):
         for b in cutlass.range_constexpr(self.B):
-            bv = Float32(-math.inf)
-            bi = Int32(0x7FFFFFFF)
-            for t in range(tidx, num_tiles, self.threads):
-                v = ld_f32(lm_max + (Int64(b) * self.T + Int64(t)) * 4)
-                vi = ld_i32(lm_idx + (Int64(b) * self.T + Int64(t)) * 4)
-                if v > bv or (v == bv and vi < bi):
-                    bv = v
-                    bi = vi
+            bv, bi = self.scan_tiles(b, tidx, self.threads, num_tiles, lm_max, lm_idx)
             bv, bi = warp_max_index(bv, bi)
             if lane == 0:
                 s_wv[warp * self.B + b] = bv
@@ -1406,15 +1408,21 @@ class DecodeKernel:
     def argmax_serial(self, tidx: Int32, num_tiles: Int32, lm_max: Int64, lm_idx: Int64, out_tokens: Int64,
                       tokens: Int64, positions: Int64):
         if tidx < self.B:
-            bv = Float32(-math.inf)
-            bi = Int32(0x7FFFFFFF)
-            for t in range(num_tiles):
-                v = ld_f32(lm_max + (Int64(tidx) * self.T + Int64(t)) * 4)
-                vi = ld_i32(lm_idx + (Int64(tidx) * self.T + Int64(t)) * 4)
-                if v > bv or (v == bv and vi < bi):
-                    bv = v
-                    bi = vi
+            _, bi = self.scan_tiles(tidx, Int32(0), 1, num_tiles, lm_max, lm_idx)
             self.emit_token(tidx, bi, out_tokens, tokens, positions)
+
+    @cute.jit
+    def scan_tiles(self, b: Int32, t0: Int32, step: int, num_tiles: Int32, lm_max: Int64, lm_idx: Int64):
+        """(max, lowest index among equal maxima) of sequence b over LM head tiles t0, t0 + step, ..."""
+        bv = Float32(-math.inf)
+        bi = Int32(0x7FFFFFFF)
+        for t in range(t0, num_tiles, step):
+            v = ld_f32(lm_max + (Int64(b) * self.T + Int64(t)) * 4)
+            vi = ld_i32(lm_idx + (Int64(b) * self.T + Int64(t)) * 4)
+            if v > bv or (v == bv and vi < bi):
+                bv = v
+                bi = vi
+        return bv, bi
 
     @cute.jit
     def merge_warp_maxima(self, b: Int32, bv: Float32, bi: Int32, s_wv: cute.Tensor, s_wi: cute.Tensor):

@@ -44,6 +44,17 @@ def _layout(name: str = "tiny-qwen3", batch: int = 2, max_seq_len: int = 40, blo
                       num_sms=num_sms, **layout_options)
 
 
+def _device_code(layout: StepLayout, program, options):
+    """The DecodeKernel (trace-time decisions: slabs, preloads, prefix buffers) the engine would compile for
+    `program` with `options`, built on the CPU without compiling."""
+    from megakernel.instructions.record import serialize
+    from megakernel.kernel.decode import DecodeKernel
+    from megakernel.schedule import assign
+
+    table, _ = serialize(assign(program, "balanced"))
+    return DecodeKernel(layout, program.lm_tiles, program.num_counters, table.shape[1], None, options)
+
+
 def _compile_without_spills(layout: StepLayout, program, options, what: str, kv_strides=None, max_regs: int = 255):
     """Compile the kernel of `program` for sm_90a (no GPU) -> the compiled kernel, after checking its cubin:
     an ELF, at most max_regs registers, no stack frame, and (where nvdisasm exists) no local-memory
@@ -275,21 +286,17 @@ def test_smem_prefix_kernel_compiles_with_bulk_copies_and_no_spills(name, batch,
     matvec tile's first rows (cp.async.bulk on an mbarrier), read back with 16-byte shared loads. Sized
     to the shared memory left beside the kernel's own; absent where nothing is left (the slab path)."""
     from megakernel.instructions.layout import SMEM_LIMIT
-    from megakernel.instructions.record import serialize
-    from megakernel.kernel.decode import DecodeKernel, KernelOptions
-    from megakernel.schedule import assign
+    from megakernel.kernel.decode import KernelOptions
 
     layout = _layout(name, batch, max_seq_len=256, block_size=16, slab_staging=True)
     program = build_program(layout)
-    table, _ = serialize(assign(program, "balanced"))
     options = KernelOptions(smem_prefix=64 * 1024)
-    dk = DecodeKernel(layout, program.lm_tiles, program.num_counters, table.shape[1], None, options)
+    dk = _device_code(layout, program, options)
     what = f"{name} batch={batch} smem_prefix=64KiB -> {dk.prefix_bytes} bytes per buffer"
     assert (dk.prefix_bytes > 0) == expect, what
     assert dk.smem_bytes(dk.warps, with_x=True) <= SMEM_LIMIT, what
     if not expect:
-        assert dk.preload_items == DecodeKernel(layout, program.lm_tiles, program.num_counters, table.shape[1],
-                                                None, KernelOptions()).preload_items, what
+        assert dk.preload_items == _device_code(layout, program, KernelOptions()).preload_items, what
         return
     assert dk.prefix_bytes % 1024 == 0 and dk.prefix_bytes >= 8 * 1024 and dk.preload_items == 0, what
     ptx = _compile_without_spills(layout, program, options, what, max_regs=128).__ptx__
@@ -321,15 +328,12 @@ def test_attn_preload_kernel_copies_kv_by_cp_async_without_spills(name, batch):
     """KernelOptions(attn_preload=True): ATTN_PARTIAL's first cached token per warp is copied into shared
     memory by cp.async before the wait (no register holds it across the wait), with fold_embed too;
     absent on the slab path (llama-3.2-1b batch 8), which has no shared memory for it."""
-    from megakernel.kernel.decode import DecodeKernel, KernelOptions
-    from megakernel.instructions.record import serialize
-    from megakernel.schedule import assign
+    from megakernel.kernel.decode import KernelOptions
 
     layout = _layout(name, batch, max_seq_len=256, block_size=16, slab_staging=True, fold_embed=True)
     program = build_program(layout)
     options = KernelOptions(attn_preload=True)
-    table, _ = serialize(assign(program, "balanced"))
-    dk = DecodeKernel(layout, program.lm_tiles, program.num_counters, table.shape[1], None, options)
+    dk = _device_code(layout, program, options)
     what = f"{name} batch={batch} attn_preload fold_embed"
     ptx = _compile_without_spills(layout, program, options, what).__ptx__
     assert ("cp.async.ca.shared.global" in ptx) == dk.attn_pre == (not dk.slabs), what
@@ -345,17 +349,13 @@ def test_parallel_argmax_is_used_at_batch_1_and_2_only(name, batch, parallel):
     batch 1-2; above, one thread per sequence scans them (beside attn_preload, the parallel reduction
     spills at 128 registers at qwen3-0.6b batch 3 and on the slab path: the compile tests cover every
     batch with the defaults). Asked off, it is off everywhere."""
-    from megakernel.kernel.decode import DecodeKernel, KernelOptions
-    from megakernel.instructions.record import serialize
-    from megakernel.schedule import assign
+    from megakernel.kernel.decode import KernelOptions
 
     layout = _layout(name, batch, max_seq_len=256, block_size=16, slab_staging=True)
     program = build_program(layout)
-    table, _ = serialize(assign(program, "balanced"))
-    args = (layout, program.lm_tiles, program.num_counters, table.shape[1], None)
     assert KernelOptions().parallel_argmax
-    assert DecodeKernel(*args, KernelOptions()).par_argmax == parallel, f"{name} batch={batch}"
-    assert not DecodeKernel(*args, KernelOptions(parallel_argmax=False)).par_argmax, f"{name} batch={batch}"
+    assert _device_code(layout, program, KernelOptions()).par_argmax == parallel, f"{name} batch={batch}"
+    assert not _device_code(layout, program, KernelOptions(parallel_argmax=False)).par_argmax, f"{name} batch={batch}"
 
 
 @pytest.mark.parametrize("name,batch", [("llama-3.2-1b", 1), ("qwen3-0.6b", 1), ("llama-3.1-8b", 1),
@@ -586,10 +586,11 @@ def test_bare_launch_uses_the_engines_own_contiguous_block_table(name):
 def test_kernel_variants_give_the_logits_of_the_plain_engine(name, variant):
     """Against the plain engine (no fold_embed, no LM head pool, no attn_preload, no parallel_argmax): the
     shipped defaults (fold_embed, early_loads, attn_preload and parallel_argmax on), and each option alone.
-    smem_prefix changes where a unit's weights come from (shared memory instead of HBM), hop_prefetch only what L2 holds when they are read, attn_preload and
-    early_loads when loads are issued, lm_pool which CTA computes an LM head tile, fold_embed where
-    layer 0's QKV reads its input (the embedding table instead of x[0]), parallel_argmax how the tiles'
-    (max, index) pairs are reduced (an associative comparison); none changes the arithmetic: the same
+    smem_prefix changes where a unit's weights come from (shared memory instead of HBM), hop_prefetch only
+    what L2 holds when they are read, attn_preload and early_loads when loads are issued, lm_pool which
+    CTA computes an LM head tile, fold_embed where layer 0's QKV reads its input (the embedding table
+    instead of x[0]), parallel_argmax how the tiles' (max, index) pairs are reduced (an associative
+    comparison); none changes the arithmetic: the same
     steps give bit-identical logits and tokens, on fresh random inputs, with the logits poisoned before
     every launch."""
     from megakernel.kernel.decode import KernelOptions
