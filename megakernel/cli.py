@@ -123,10 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch.compile mode for torch-compile (default 'default'; e.g. "
                             "max-autotune-no-cudagraphs)")
     bench.add_argument("--kernel-options", metavar="KEY=VALUE,...",
-                       help="options of the megakernel backend: KernelOptions fields (e.g. attn_preload=0, "
-                            "early_loads=0, parallel_argmax=0, unroll=4) and the engine's layout options "
-                            "(fold_embed=0, lm_pool_rows=32, kv_splits=2, policy=round-robin); checked before "
-                            "anything runs")
+                       help="options of the megakernel backend: KernelOptions fields (timeout_ns=500000000) "
+                            "and the engine's layout options (fold_embed=0, kv_splits=2, policy=round-robin); "
+                            "checked before anything runs")
     bench.add_argument("--json", metavar="PATH", help="also write the numbers as JSON to PATH")
     _common(bench, dtype=False)
 

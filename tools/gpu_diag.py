@@ -10,7 +10,7 @@ import torch
 from megakernel.instructions import attention
 from megakernel.instructions.context import StageContext
 from megakernel.instructions.opcodes import Opcode
-from megakernel.kernel.decode import KernelOptions
+from megakernel.kernel.interpreter import KernelOptions
 from megakernel.model.kv_cache import PagedKVCache
 from megakernel.model.presets import get_preset
 from megakernel.model.reference import ReferenceDecoder

@@ -5,7 +5,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from toolargs import positional  # noqa: E402
 ARGS = positional(__doc__, "gpu_profile.py MODEL BATCH OUT_DIR", 3, ints=(1,))
 import torch
-from megakernel.kernel.decode import KernelOptions
+from megakernel.kernel.interpreter import KernelOptions
 from megakernel.model.presets import get_preset
 from megakernel.model.weights import random_weights
 from megakernel.runtime.engine import MegakernelEngine

@@ -28,23 +28,20 @@ case "$what" in
       python3 -m pytest -m vllm -q -p no:cacheprovider -rs tests/e2e/test_vllm_parity.py -k "$preset" "$@"
     } 2>&1 | tee "$OUT/vllm_tests_$preset.log" ;;
   sweep)
-    # the variants profiles/RESULTS.md plans to compare; each sweep checks its variants' logits first
+    # the layout variants the perf log compares; each sweep checks its variants' logits against the first,
+    # then traces the first (per stage: wait, work, and when the producer warp issued the weight slots)
     S="python3 tools/gpu_sweep.py"
-    # (the 2026-11-30 fourth run settled smem_prefix 32K, kv_splits 2, unroll 2 and slabs, the fifth
-    # hop_prefetch, fold_embed and early_loads, the sixth attn_preload and parallel_argmax: see RESULTS.md)
-    B1="default: plain:fold_embed=0,early_loads=0,attn_preload=0,parallel_argmax=0 noap:attn_preload=0
-        nopar:parallel_argmax=0 pool:lm_pool=32"
-    { $S llama-3.2-1b 1 $B1
-      $S qwen3-0.6b 1 $B1 --no-trace
-      $S llama-3.1-8b 1 $B1 --no-trace
+    { $S llama-3.2-1b 1 default: noembed:fold_embed=0 reduce:fuse=0
+      $S qwen3-0.6b 1 default: noembed:fold_embed=0 --no-trace
+      $S llama-3.1-8b 1 default: noembed:fold_embed=0 --no-trace
+      $S llama-2-7b 1 default: --no-trace
     } 2>&1 | grep -v Warn | tee "$OUT/sweep.log" ;;
   sweep-batch)
-    # batch 4-8 (the column-slab path): four rows per unit share each input read from shared memory
-    # instead of two (compiles without spills at unroll 1, or at 8 warps of 255 registers); traced
+    # batch 4-8: column slabs for the inputs that are not staged whole; traced at llama-3.1-8b batch 8
     S="python3 tools/gpu_sweep.py"
-    { $S llama-3.1-8b 8 default: r4:rows_per_unit=4,unroll=1 r4w8:rows_per_unit=4,warps=8 --trace=default
-      $S llama-3.1-8b 4 default: r4:rows_per_unit=4,unroll=1 --no-trace
-      $S llama-3.2-1b 8 default: r4w8:rows_per_unit=4,warps=8 --no-trace
+    { $S llama-3.1-8b 8 default: reduce:fuse=0 --trace=default
+      $S llama-3.1-8b 4 default: --no-trace
+      $S llama-3.2-1b 8 default: reduce:fuse=0 --no-trace
     } 2>&1 | grep -v Warn | tee "$OUT/sweep_batch.log" ;;
   all)
     python3 -m pytest -m "gpu and not perf" -q -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"

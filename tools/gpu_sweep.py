@@ -10,7 +10,7 @@ spread of its round medians (what a difference between two variants must exceed 
 import collections, os, statistics, sys
 import torch
 from megakernel.instructions.layout import pack_weights
-from megakernel.kernel.decode import KernelOptions
+from megakernel.kernel.interpreter import KernelOptions
 from megakernel.model.presets import get_preset
 from megakernel.model.weights import random_weights
 from megakernel.runtime.engine import MegakernelEngine, split_engine_options
@@ -19,8 +19,7 @@ from toolargs import positional  # noqa: E402
 
 # the sweep's short names for engine keywords (megakernel.runtime.engine.LAYOUT_OPTIONS)
 ALIASES = {"fuse": "fuse_attn_reduce",   # fuse=0: keep the ATTN_REDUCE stage
-           "slabs": "slab_staging",      # slabs=1: stage wide inputs in column slabs
-           "lm_pool": "lm_pool_rows"}    # lm_pool=32: LM head pool tiles of 32 rows after the static ones
+           "slabs": "slab_staging"}      # slabs=1: stage wide inputs in column slabs
 
 def parse(spec):
     """'name:key=val,...' -> (name, KernelOptions keywords, engine keywords), parsed and checked as
@@ -109,7 +108,20 @@ def trace(eng, start=32):
             spans = [max(r["end"] for r in rs[i:i + per]) - min(r["ready"] for r in rs[i:i + per])
                      for i in range(0, len(rs), per)]
             phase = f"  layer span {statistics.mean(spans)/1e3:6.2f} us"
-        print(f"    {op:13s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us{phase}")
+        # the weight stream (core 2): how long before the counter was ready its last slot had been issued
+        # (positive: the weights were on their way through the hop), and how long issuing took
+        stream = ""
+        st = [r for r in rs if "stream_end" in r]
+        if st:
+            ahead = statistics.mean(r["ready"] - r["stream_end"] for r in st)
+            issue = statistics.mean(r["stream_end"] - r["stream_begin"] for r in st)
+            stream = f"  issued {ahead/1e3:7.2f} us before ready, issuing took {issue/1e3:6.2f} us"
+        sd = [r for r in rs if "streamed" in r]
+        if sd:
+            slots = statistics.mean(r["streamed"] - r["ready"] for r in sd)
+            tail = statistics.mean(r["end"] - r["streamed"] for r in sd)
+            stream += f"  (ready->last slot {slots/1e3:6.2f} us, epilogue {tail/1e3:5.2f} us)"
+        print(f"    {op:13s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us{phase}{stream}")
 
 def main():
     args = positional(__doc__, "gpu_sweep.py MODEL BATCH [name:key=val,...] ... [--no-trace] [--trace=NAME] "

@@ -9,7 +9,7 @@ import torch
 from megakernel.model.presets import get_preset
 from megakernel.model.weights import random_weights
 from megakernel.runtime.engine import MegakernelEngine
-from megakernel.kernel.decode import KernelOptions
+from megakernel.kernel.interpreter import KernelOptions
 
 name = ARGS[0]; B = int(ARGS[1]) if len(ARGS) > 1 else 1
 cfg = get_preset(name)

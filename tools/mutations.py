@@ -13,7 +13,7 @@ separate interpreter before the tests, and every `megakernel*` module loaded by 
 through a small guard plugin, after them).
 
 Most mutations have two rows: the VM/reference path (megakernel/instructions, megakernel/schedule: what
-the CPU tests exercise) and, where the bug has a device twin, the GPU kernel (megakernel/kernel/decode.py,
+the CPU tests exercise) and, where the bug has a device twin, the GPU kernel (megakernel/kernel/,
 row marked "kernel"), caught only by GPU tests; those run only with --gpu.
 
 Before any mutation, the same probes run on an unmutated copy (the baseline): a probe that fails there
@@ -113,9 +113,9 @@ class Mutation:
         return self.kernel
 
 
-# the kernel's ARGMAX comparisons (DecodeKernel.scan_tiles, merge_warp_maxima), for the tie mutation
-_SCAN_BODY = ("            v = ld_f32(lm_max + (Int64(b) * self.T + Int64(t)) * 4)\n"
-              "            vi = ld_i32(lm_idx + (Int64(b) * self.T + Int64(t)) * 4)\n"
+# the kernel's ARGMAX comparisons (TokenStages.scan_tiles, merge_warp_maxima), for the tie mutation
+_SCAN_BODY = ("            v = ld_f32(p.lm_max + (Int64(b) * self.T + Int64(t)) * 4)\n"
+              "            vi = ld_i32(p.lm_idx + (Int64(b) * self.T + Int64(t)) * 4)\n"
               "            if v > bv or (v == bv and vi < bi):")
 _MERGE_BODY = ("            v = s_wv[w * self.B + b]\n"
                "            vi = s_wi[w * self.B + b]\n"
@@ -126,7 +126,11 @@ MATVEC = "megakernel/instructions/matvec_stages.py"
 CONTEXT = "megakernel/instructions/context.py"
 ARGMAX = "megakernel/instructions/argmax.py"
 DAG = "megakernel/schedule/dag.py"
-KERNEL = "megakernel/kernel/decode.py"
+K_INTERP = "megakernel/kernel/interpreter.py"
+K_MATVEC = "megakernel/kernel/matvec.py"
+K_ATTN = "megakernel/kernel/attention.py"
+K_TOKENS = "megakernel/kernel/tokens.py"
+KERNEL_MODULES = (K_INTERP, K_MATVEC, K_ATTN, K_TOKENS, "megakernel/kernel/stream.py")
 VM_MODULE = "megakernel/schedule/vm.py"
 ENGINE_OPTIONS = "tests/unit/test_engine_options.py"
 
@@ -145,34 +149,34 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
           (Patch(ATTN, "cos, sin = w.rope_cos[pos], w.rope_sin[pos]",
                  "cos, sin = w.rope_cos[pos + 1], w.rope_sin[pos + 1]"),),
           CPU_PROBES_ATTENTION,
-          (Patch(KERNEL, "cs = ld_f32(rope_cos + (Int64(pos) * half + Int64(fi)) * 4)",
-                 "cs = ld_f32(rope_cos + (Int64(pos + 1) * half + Int64(fi)) * 4)"),
-           Patch(KERNEL, "sn = ld_f32(rope_sin + (Int64(pos) * half + Int64(fi)) * 4)",
-                 "sn = ld_f32(rope_sin + (Int64(pos + 1) * half + Int64(fi)) * 4)")))
+          (Patch(K_ATTN, "cs = ld_f32(p.rope_cos + (Int64(pos) * half + Int64(fi)) * 4)",
+                 "cs = ld_f32(p.rope_cos + (Int64(pos + 1) * half + Int64(fi)) * 4)"),
+           Patch(K_ATTN, "sn = ld_f32(p.rope_sin + (Int64(pos) * half + Int64(fi)) * 4)",
+                 "sn = ld_f32(p.rope_sin + (Int64(pos + 1) * half + Int64(fi)) * 4)")))
     + _pair("o_proj_residual_dropped",
             "O_PROJ writes h = Wo . attn without adding the residual x",
             (Patch(MATVEC, "b.h[l, :, lo:hi] = b.x[l, :, lo:hi] + matvec(w.o_proj[l, lo:hi], inp)",
                    "b.h[l, :, lo:hi] = matvec(w.o_proj[l, lo:hi], inp)"),),
             (stage_probe("test_o_proj_stage"), VM_PROBE, E2E_CPU_PROBE),
-            (Patch(KERNEL, "res_addr = x + (l64 * (B * H) + Int64(a0)) * 4\n            has_res = Boolean(True)",
-                   "res_addr = x + (l64 * (B * H) + Int64(a0)) * 4\n            has_res = Boolean(False)"),))
+            (Patch(K_MATVEC, "res_addr = p.x + (l64 * (B * H) + Int64(a0)) * 4\n            has_res = Boolean(True)",
+                   "res_addr = p.x + (l64 * (B * H) + Int64(a0)) * 4\n            has_res = Boolean(False)"),))
     + _pair("gqa_kv_head_interleaved",
             "GQA mapping: query head h attends with kv head h % num_kv_heads instead of h // group",
             (Patch(ATTN, "q = row[kvh * g * d:(kvh + 1) * g * d].view(g, d)",
                    "q = row[:c.q_size].view(g, c.num_kv_heads, d)[:, kvh]"),),
             CPU_PROBES_ATTENTION,
-            (Patch(KERNEL, "off = (kvh * G + hh) * D", "off = (hh * self.Hkv + kvh) * D"),))
+            (Patch(K_ATTN, "off = (kvh * G + hh) * D", "off = (hh * self.Hkv + kvh) * D"),))
     + _pair("softmax_scale_1_over_d",
             "attention scores scaled by 1/head_dim instead of 1/sqrt(head_dim)",
             (Patch(ATTN, "scores = (q @ keys.T) / math.sqrt(d)", "scores = (q @ keys.T) / d"),),
             CPU_PROBES_ATTENTION,
-            (Patch(KERNEL, "self.scale_log2 = LOG2E / math.sqrt(self.D)", "self.scale_log2 = LOG2E / self.D"),))
+            (Patch(K_INTERP, "self.scale_log2 = LOG2E / math.sqrt(self.D)", "self.scale_log2 = LOG2E / self.D"),))
     + _pair("missing_wait",
             "DAG builder: ATTN_PARTIAL no longer waits for its layer's QKV stage",
             (Patch(DAG, "wait_id=counter_id(l, Stage.QKV), wait_count=n,",
                    "wait_id=NO_COUNTER, wait_count=0,"),),
             (Probe("schedule", (SCHEDULE, "-k", "tiny_presets_fully")), VM_PROBE, E2E_CPU_PROBE),
-            (Patch(KERNEL, "if tidx == 0 and wait_id >= 0:",
+            (Patch(K_INTERP, "if tidx == 0 and wait_id >= 0:",
                    "if tidx == 0 and wait_id >= 0 and op != OP_ATTN_PARTIAL:"),),
             kernel_bug="device: ATTN_PARTIAL skips its counter wait (the DAG still lists it)")
     + _pair("kv_length_plus_one",
@@ -180,7 +184,7 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
             "this step has not written yet, is read from the cache besides the new token's k, v",
             (Patch(ATTN, "return lo, min(lo + chunk, pos)", "return lo, min(lo + chunk, pos + 1)"),),
             CPU_PROBES_ATTENTION,
-            (Patch(KERNEL, "hi = lo + chunk\n        if hi > pos:\n            hi = pos",
+            (Patch(K_ATTN, "hi = lo + chunk\n        if hi > pos:\n            hi = pos",
                    "hi = lo + chunk\n        if hi > pos + 1:\n            hi = pos + 1"),))
     + _pair("rmsnorm_eps_ignored",
             "RMSNorm computes x * rsqrt(mean(x^2)) * w, without eps",
@@ -188,7 +192,7 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
                    "torch.rsqrt(x.pow(2).mean(-1, keepdim=True))"),),
             (stage_probe("test_qkv_stage"), stage_probe("test_gate_up_stage"), stage_probe("test_lm_head_stage"),
              stage_probe("test_attention_partial_and_reduce_stages"), VM_PROBE, E2E_CPU_PROBE),
-            (Patch(KERNEL, "self.eps = float(c.rms_norm_eps)", "self.eps = 0.0"),))
+            (Patch(K_INTERP, "self.eps = float(c.rms_norm_eps)", "self.eps = 0.0"),))
     + _pair("split_merge_unnormalized",
             "the split merge (ATTN_REDUCE, or O_PROJ's folded merge) weights the splits by exp(lse_s - max lse) "
             "without dividing by their sum",
@@ -196,29 +200,37 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
                    "return (torch.exp(lse - lse.amax(-1, keepdim=True))[..., None] * o).sum(dim=-2)"),),
             (stage_probe("test_attn_reduce_stage_with_empty_splits"), stage_probe("test_o_proj_stage"),
              stage_probe("test_attention_partial_and_reduce_stages"), VM_PROBE, E2E_CPU_PROBE),
-            (Patch(KERNEL, "* self.Q + Int64(head * D + d)) * 4, acc_o / tot)",
+            (Patch(K_ATTN, "* self.Q + Int64(head * D + d)) * 4, acc_o / tot)",
                    "* self.Q + Int64(head * D + d)) * 4, acc_o)"),
-             Patch(KERNEL, "            out[e] = out[e] / tot", "            out[e] = out[e]")))
+             Patch(K_ATTN, "            out[e] = out[e] / tot", "            out[e] = out[e]")))
     + _pair("argmax_tie_to_highest",
             "ARGMAX breaks a tie between LM-head tiles toward the highest vocabulary index",
             (Patch(ARGMAX, "torch.where(vals == top, idx, torch.iinfo(torch.int32).max).min(dim=1).values",
                    "torch.where(vals == top, idx, -1).max(dim=1).values"),),
             (stage_probe("test_argmax_stage"), VM_PROBE, E2E_CPU_PROBE),
             # the tile scan (both ARGMAX forms), then the warps' maxima (parallel ARGMAX, batch 1-2)
-            (Patch(KERNEL, "for t in range(t0, num_tiles, step):\n" + _SCAN_BODY,
+            (Patch(K_TOKENS, "for t in range(t0, num_tiles, step):\n" + _SCAN_BODY,
                    "for t in range(t0, num_tiles, step):\n" + _SCAN_BODY.replace("vi < bi", "vi > bi")),
-             Patch(KERNEL, "for w in range(self.warps):\n" + _MERGE_BODY,
+             Patch(K_TOKENS, "for w in range(self.warps):\n" + _MERGE_BODY,
                    "for w in range(self.warps):\n" + _MERGE_BODY.replace("vi < bi", "vi > bi"))))
     # the LM head pool is opt-in (MegakernelEngine(lm_pool_rows=...)): its tests, not the default GPU probes
     + [Mutation("lm_pool_ticket_not_reset",
                 "the LM head pool's ticket is not reset after a step, so later steps compute no pool tile",
                 (Patch(VM_MODULE, "            sync[2] = 0 ", "            pass "),),
                 (Probe("vm-lm-pool", (f"{VM}::test_vm_with_an_lm_head_pool_gives_the_same_steps",)),)),
-       Mutation("lm_pool_ticket_not_reset.kernel",
-                "the last CTA out does not reset the LM head pool's ticket",
-                (Patch(KERNEL, "                store_relaxed(sync + 8, Int32(0))", "                pass"),),
-                (Probe("gpu-lm-pool", (f"{ENGINE_OPTIONS}::test_kernel_variants_give_the_logits_of_the_plain_engine",
-                                       "-k", "lm_pool"), gpu=True),), kernel=True)]
+       # the weight ring (megakernel/kernel/stream.py): device-only, no VM twin
+       Mutation("ring_phase_flipped.kernel",
+                "consumers wait for the weight slot's full barrier with the parity of its previous use, so they read "
+                "a slot before its bulk copy has landed",
+                (Patch(K_MATVEC, "self.wait_full(full + mb, (k_slot // self.ring_slots) % 2, p.error)",
+                       "self.wait_full(full + mb, (k_slot // self.ring_slots + 1) % 2, p.error)"),),
+                GPU_PROBES, kernel=True),
+       Mutation("ring_slot_freed_by_one_warp.kernel",
+                "a weight slot's empty barrier completes on the first consumer warp's arrival, so the producer "
+                "refills the slot while other warps still read it",
+                (Patch(K_INTERP, "mbarrier_init(empty + j * 8, Int32(self.warps))",
+                       "mbarrier_init(empty + j * 8, Int32(1))"),),
+                GPU_PROBES, kernel=True)]
 )
 
 BY_NAME = {m.name: m for m in MUTATIONS}
@@ -426,11 +438,11 @@ import hashlib, json, os, sys
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 from megakernel.instructions.layout import StepLayout, default_kv_splits
 from megakernel.instructions.record import serialize
-from megakernel.kernel import decode
+from megakernel.kernel import interpreter
 from megakernel.kernel.compile import KernelKey, compile_decode_kernel
 from megakernel.model.presets import get_preset
 from megakernel.schedule import assign, build_program
-out = {"decode": decode.__file__, "cubins": {}}
+out = {"kernel": interpreter.__file__, "cubins": {}}
 for name in ("tiny-llama", "tiny-qwen3"):
     config = get_preset(name)
     layout = StepLayout(config=config, batch=2, kv_splits=default_kv_splits(config, 2, 132), block_size=16,
@@ -438,14 +450,14 @@ for name in ("tiny-llama", "tiny-qwen3"):
     program = build_program(layout)
     table, _ = serialize(assign(program, "balanced"))
     key = KernelKey(layout=layout, lm_tiles=program.lm_tiles, num_counters=program.num_counters,
-                    max_queue_len=table.shape[1], kv_strides=None, options=decode.KernelOptions())
+                    max_queue_len=table.shape[1], kv_strides=None, options=interpreter.KernelOptions())
     out["cubins"][name] = hashlib.sha1(compile_decode_kernel(key, keep_artifacts=True).__cubin__).hexdigest()
 print(json.dumps(out))
 '''
 
 
 def compile_kernel(copy: Path, guard_dir: Path, timeout: float) -> dict:
-    """{"decode": path of the compiled decode.py, "cubins": {shape: sha1}} or {"error": text}."""
+    """{"kernel": path of the compiled interpreter.py, "cubins": {shape: sha1}} or {"error": text}."""
     env = run_env(copy, guard_dir, copy / ".unused.json", "")
     env["CUTE_DSL_ARCH"] = "sm_90a"
     with tempfile.TemporaryDirectory(prefix="cute-dsl-") as dump:
@@ -478,8 +490,8 @@ def run_mutation(mutation: Mutation, snapshot: Path, work: Path, guard_dir: Path
             res.status, res.result = "not run", "not run here (needs GPU)"
             if "error" in got:
                 res.status, res.result = "error", f"error: kernel mutant {got['error']}"
-            elif not os.path.realpath(got["decode"]).startswith(os.path.realpath(copy) + os.sep):
-                res.status, res.result = "error", f"error: compiled {got['decode']}, not the copy's decode.py"
+            elif not os.path.realpath(got["kernel"]).startswith(os.path.realpath(copy) + os.sep):
+                res.status, res.result = "error", f"error: compiled {got['kernel']}, not the copy's kernel"
             else:
                 differs = [n for n, h in got["cubins"].items() if h != original_cubins.get(n)]
                 if differs:

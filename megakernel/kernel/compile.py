@@ -12,12 +12,12 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
-# Before cutlass is first imported (by .decode): it reads the target at import. Without a GPU it
+# Before cutlass is first imported (by .interpreter): it reads the target at import. Without a GPU it
 # would otherwise pick its own default; the megakernel is built for Hopper.
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from ..instructions.layout import StepLayout  # noqa: E402
-from .decode import ARG_NAMES, DecodeKernel, KernelOptions  # noqa: E402
+from .interpreter import ARG_NAMES, DecodeKernel, KernelOptions  # noqa: E402
 
 
 @dataclass(frozen=True)

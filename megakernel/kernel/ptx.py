@@ -190,4 +190,98 @@ def warp_max_index(v: Float32, i: Int32):
     return v, i
 
 
+@cute.jit
+def ld_i32(addr: Int64) -> Int32:
+    return cute.arch.inline_ptx("ld.global.b32 {$w0}, [{$r0}];", write_only_types=[Int32], read_only_args=[addr])
+
+
+@cute.jit
+def ld_i64(addr: Int64) -> Int64:
+    return cute.arch.inline_ptx("ld.global.b64 {$w0}, [{$r0}];", write_only_types=[Int64], read_only_args=[addr])
+
+
+@cute.jit
+def ld_f32(addr: Int64) -> Float32:
+    return cute.arch.inline_ptx("ld.global.f32 {$w0}, [{$r0}];", write_only_types=[Float32], read_only_args=[addr])
+
+
+@cute.jit
+def ld_bf16(addr: Int64) -> Float32:
+    return cute.arch.inline_ptx("{ .reg .b16 t; ld.global.nc.b16 t, [{$r0}]; cvt.f32.bf16 {$w0}, t; }",
+                                write_only_types=[Float32], read_only_args=[addr])
+
+
+@cute.jit
+def st_f32(addr: Int64, v: Float32):
+    cute.arch.inline_ptx("st.global.f32 [{$r0}], {$r1};", read_only_args=[addr, v])
+
+
+@cute.jit
+def st_i32(addr: Int64, v: Int32):
+    cute.arch.inline_ptx("st.global.b32 [{$r0}], {$r1};", read_only_args=[addr, v])
+
+
+@cute.jit
+def st_bf16(addr: Int64, v: Float32):
+    cute.arch.inline_ptx("{ .reg .b16 t; cvt.rn.bf16.f32 t, {$r1}; st.global.b16 [{$r0}], t; }",
+                         read_only_args=[addr, v])
+
+
+@cute.jit
+def round_bf16(v: Float32) -> Float32:
+    return cute.arch.inline_ptx("{ .reg .b16 t; cvt.rn.bf16.f32 t, {$r0}; cvt.f32.bf16 {$w0}, t; }",
+                                write_only_types=[Float32], read_only_args=[v])
+
+
+@cute.jit
+def ex2(v: Float32) -> Float32:
+    return cute.arch.inline_ptx("ex2.approx.ftz.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[v])
+
+
+@cute.jit
+def lg2(v: Float32) -> Float32:
+    return cute.arch.inline_ptx("lg2.approx.ftz.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[v])
+
+
+@cute.jit
+def rsqrt(v: Float32) -> Float32:
+    return cute.arch.inline_ptx("rsqrt.approx.ftz.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[v])
+
+
+@cute.jit
+def ld_shared_f32x4(addr: Int32):
+    return cute.arch.inline_ptx("ld.shared.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=[Float32] * 4, read_only_args=[addr])
+
+
+@cute.jit
+def load_weights_bf16x4(addr: Int64):
+    """4 bf16 at an 8-byte aligned address (read-only path) -> 4 float32."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 t0, t1;\n"
+        "ld.global.nc.v2.b32 {t0, t1}, [{$r0}];\n"
+        "shl.b32 {$w0}, t0, 16; and.b32 {$w1}, t0, 0xffff0000;\n"
+        "shl.b32 {$w2}, t1, 16; and.b32 {$w3}, t1, 0xffff0000; }",
+        write_only_types=[Float32] * 4, read_only_args=[addr])
+
+
+@cute.jit
+def globaltimer_lo() -> Int32:
+    return Int32(cute.arch.globaltimer() & Int64(0x7FFFFFFF))
+
+
+@cute.jit
+def load_shared_volatile(addr: Int32) -> Int32:
+    """A shared-memory word another warp may have written since this thread last read it (never cached
+    in a register across a spin loop)."""
+    return cute.arch.inline_ptx("ld.volatile.shared.b32 {$w0}, [{$r0}];", write_only_types=[Int32],
+                                read_only_args=[addr])
+
+
+@cute.jit
+def mbarrier_arrive(mbar: Int32):
+    """One arrival on the shared-memory mbarrier at `mbar`."""
+    cute.arch.inline_ptx("mbarrier.arrive.shared::cta.b64 _, [{$r0}];", read_only_args=[mbar])
+
+
 __all__ = [name for name in dir() if not name.startswith("_") and name not in ("cutlass", "cute", "annotations")]

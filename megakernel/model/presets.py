@@ -33,6 +33,14 @@ PRESETS: dict[str, ModelConfig] = {
         rope_theta=500000.0, rope_scaling=_LLAMA3_8B_ROPE, rms_norm_eps=1e-5, qk_norm=False,
         max_position_embeddings=131072, name="llama-3.1-8b",
     ),
+    # meta-llama/Llama-2-7b-hf: full multi-head attention, and an FFN of 11008 = 43 x 256 columns (an odd,
+    # prime number of 256-column passes: the shape the kernel's last-slab remainder exists for)
+    "llama-2-7b": ModelConfig(
+        architecture="LlamaForCausalLM", hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32,
+        head_dim=128, intermediate_size=11008, vocab_size=32000, tie_word_embeddings=False,
+        rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-5, qk_norm=False,
+        max_position_embeddings=4096, name="llama-2-7b",
+    ),
     # Small shapes with the same structure (GQA, llama3 RoPE scaling / QK-norm) for fast CPU tests.
     "tiny-llama": ModelConfig(
         architecture="LlamaForCausalLM", hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2,

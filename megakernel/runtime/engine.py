@@ -9,11 +9,7 @@ owns blocks b*n .. b*n+n-1), so a bare `launch()` (benchmarks, graph capture) is
 
 Layout options (profiles/RESULTS.md has the sweeps behind the defaults): `fold_embed=True` (the
 default since 2026-11-30) folds the embedding into layer 0's QKV (`StepLayout.embed_folded`): those
-tiles read embed[token] themselves and wait on nothing. `lm_pool_rows=N` (opt-in; 32 is the size
-measured) gives the LM head one static tile per SM over three quarters of the vocabulary and a pool of
-N-row tiles that the CTAs take by ticket once their own is done (`StepLayout.lm_pool`): the step no
-longer waits for the slowest SM's LM head tile, but on llama-3.2-1b batch 1 the step was no shorter
-beside fold_embed and attn_preload.
+tiles read embed[token] themselves and wait on nothing.
 
 Three constructor options serve callers that bring their own LM head and KV cache (the vLLM
 integration, docs/vllm.md):
@@ -43,7 +39,7 @@ from ..instructions.layout import (MAX_BATCH, PackedWeights, StepLayout, allocat
                                    pack_weights, validate_packed_weights, validate_step_inputs)
 from ..instructions.opcodes import Opcode
 from ..instructions.record import serialize
-from ..kernel.decode import ARG_NAMES, ERR_POSITION, ERR_TIMEOUT, ERR_TOKEN, KernelOptions
+from ..kernel.interpreter import ARG_NAMES, ERR_POSITION, ERR_RING, ERR_TIMEOUT, ERR_TOKEN, KernelOptions
 from ..model.kv_cache import contiguous_block_table
 from ..model.weights import ModelWeights
 from ..schedule import assign, build_program, simulate
@@ -69,6 +65,9 @@ class ErrorWord:
                     f"a producer never signalled; the schedule or the kernel is broken")
         if self.code == ERR_POSITION:
             return f"{what}: position {self.value} is past the KV cache"
+        if self.code == ERR_RING:
+            return (f"a weight-ring slot stayed unfilled or occupied past the timeout (phase "
+                    f"{self.value}): the producer and consumers disagree on the slot sequence")
         if self.code == ERR_TOKEN:
             return f"{what}: token id {self.value} is outside the vocabulary"
         return f"unknown error code {self.code} at {what}"
@@ -87,7 +86,7 @@ class MegakernelEngine:
                  num_blocks: int | None = None, num_sms: int | None = None, policy: str = "balanced",
                  kv_splits: int | None = None, options: KernelOptions = KernelOptions(),
                  fuse_attn_reduce: bool | None = None, slab_staging: bool = True, fold_embed: bool = True,
-                 lm_pool_rows: int = 0, device: str | torch.device = "cuda",
+                 device: str | torch.device = "cuda",
                  own_kv_cache: bool = True, packed_weights: PackedWeights | None = None, lm_head: bool = True):
         config = weights.config
         self.device = torch.device(device)
@@ -113,8 +112,7 @@ class MegakernelEngine:
         self.layout = StepLayout(config=config, batch=batch,
                                  kv_splits=kv_splits or default_kv_splits(config, batch, num_sms, blocks_per_seq * block_size),
                                  block_size=block_size, max_blocks_per_seq=blocks_per_seq, num_sms=num_sms,
-                                 fuse_attn_reduce=fuse_attn_reduce if options.x_in_smem else False,
-                                 slab_staging=slab_staging, fold_embed=fold_embed, lm_pool_rows=lm_pool_rows)
+                                 fuse_attn_reduce=fuse_attn_reduce, slab_staging=slab_staging, fold_embed=fold_embed)
         self.layout.validate()
         self.program = build_program(self.layout, lm_head=lm_head)
         self.queues = assign(self.program, policy)
@@ -347,7 +345,9 @@ class MegakernelEngine:
         return self.bufs.logits
 
     def trace_records(self) -> list[dict]:
-        """Per-instruction (sm, index, opcode, begin, ready, end) of the last launch (trace mode)."""
+        """Per-instruction (sm, index, opcode, begin, ready, end) of the last launch (trace mode), and for a
+        matvec (stream_begin, stream_end): when its weight slots began and finished
+        being issued to the copy engine. Nanoseconds from the step's earliest begin."""
         if not self.options.trace:
             raise RuntimeError("trace records need KernelOptions(trace=True)")
         t = self.trace_buf.cpu()
@@ -358,19 +358,25 @@ class MegakernelEngine:
         out = []
         for sm, n in enumerate(lengths):
             for i in range(n):
-                idx, op, begin, ready, end, _sm = (int(v) for v in t[sm, i, :6])
-                out.append({"sm": sm, "index": idx, "opcode": Opcode(op).name, "begin": (begin - base) % wrap,
-                            "ready": (ready - base) % wrap, "end": (end - base) % wrap})
+                idx, op, begin, ready, end, _sm, s0, s1 = (int(v) for v in t[sm, i, :8])
+                rec = {"sm": sm, "index": idx, "opcode": Opcode(op).name, "begin": (begin - base) % wrap,
+                       "ready": (ready - base) % wrap, "end": (end - base) % wrap}
+                if _sm:
+                    rec["streamed"] = (_sm - base) % wrap      # a matvec's last weight slot consumed
+                if s1:
+                    # the producer warp: when it began and finished issuing the tile's weight slots
+                    rec["stream_begin"], rec["stream_end"] = (s0 - base) % wrap, (s1 - base) % wrap
+                out.append(rec)
         return out
 
 
 # MegakernelEngine keywords that parse_engine_options accepts beside the KernelOptions fields
-LAYOUT_OPTIONS = {"fold_embed": bool, "lm_pool_rows": int, "kv_splits": int, "slab_staging": bool,
+LAYOUT_OPTIONS = {"fold_embed": bool, "kv_splits": int, "slab_staging": bool,
                   "fuse_attn_reduce": bool, "policy": str, "num_sms": int}
 
 
 def parse_engine_options(spec: str) -> dict:
-    """'attn_preload=1,lm_pool_rows=32,unroll=4' -> MegakernelEngine keywords: KernelOptions fields go into
+    """'fold_embed=0,kv_splits=2,timeout_ns=500000000' -> MegakernelEngine keywords: KernelOptions fields go into
     `options=KernelOptions(...)`, the layout ones (LAYOUT_OPTIONS) are passed as they are. Booleans are
     0/1/true/false. ValueError, naming the item, for an unknown key or a value of the wrong kind."""
     kernel, layout = split_engine_options(spec)

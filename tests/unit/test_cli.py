@@ -177,8 +177,8 @@ def no_work(monkeypatch):
     (["bench", "--backends", "reference,cublas"], "unknown backend 'cublas'"),
     (["info", "--preset", "llama-9"], "unknown model preset"),
     (["bench", "--kernel-options", "bogus=1"], "kernel option 'bogus=1': expected KEY=VALUE"),
-    (["bench", "--kernel-options", "unroll=x"], "unroll takes an integer"),
-    (["bench", "--kernel-options", "attn_preload=yes"], "attn_preload takes 0/1/true/false"),
+    (["bench", "--kernel-options", "timeout_ns=x"], "timeout_ns takes an integer"),
+    (["bench", "--kernel-options", "fold_embed=yes"], "fold_embed takes 0/1/true/false"),
     (["bench", "--kernel-options", "fold_embed"], "expected KEY=VALUE"),
 ])
 def test_bad_input_fails_before_work(capsys, no_work, argv, message):
@@ -218,12 +218,14 @@ def test_info_rejects_bad_batch(capsys):
 
 
 def test_kernel_options_parse_into_engine_keywords():
-    from megakernel.kernel.decode import KernelOptions
+    from megakernel.kernel.interpreter import KernelOptions
     from megakernel.runtime.engine import parse_engine_options
 
-    kw = parse_engine_options("attn_preload=1, unroll=4,fold_embed=false,lm_pool_rows=32,policy=round-robin")
-    assert kw == {"fold_embed": False, "lm_pool_rows": 32, "policy": "round-robin",
-                  "options": KernelOptions(attn_preload=True, unroll=4)}
+    kw = parse_engine_options("timeout_ns=5000, fold_embed=false,kv_splits=3,policy=round-robin")
+    assert kw == {"fold_embed": False, "kv_splits": 3, "policy": "round-robin",
+                  "options": KernelOptions(timeout_ns=5000)}
+    with pytest.raises(ValueError, match="lm_pool_rows"):   # the LM head pool is gone (profiles/RESULTS.md)
+        parse_engine_options("lm_pool_rows=32")
     assert parse_engine_options("") == {} and parse_engine_options("kv_splits=2") == {"kv_splits": 2}
     with pytest.raises(ValueError, match="trace"):        # trace mode is not a benchmark option
         parse_engine_options("trace=1")
@@ -245,10 +247,10 @@ def test_bench_passes_kernel_options_to_the_megakernel_backend_only(monkeypatch)
         return real(name, weights, device, **kw)
 
     monkeypatch.setattr(backends, "get_backend", spy)
-    opts = parse_engine_options("fold_embed=0,parallel_argmax=1")
+    opts = parse_engine_options("fold_embed=0,timeout_ns=5000")
     report = bench.run_bench(preset="tiny-llama", batches=(1,), steps=2, context=2,
                              backend_names=("reference", "megakernel"), device="cpu", megakernel_options=opts)
     assert seen == {"reference": {}, "megakernel": opts}
     rows = {r.backend: r for r in report.rows}
     assert rows["reference"].error is None and "no GPU in this test" in rows["megakernel"].error
-    assert any("fold_embed=False" in n and "parallel_argmax=True" in n for n in report.notes), report.notes
+    assert any("fold_embed=False" in n and "timeout_ns=5000" in n for n in report.notes), report.notes

@@ -1,5 +1,6 @@
-"""The decode kernel compiles for sm_90a without a GPU, and the SASS is what a bandwidth-bound kernel needs:
-weight tiles streamed with 128-bit read-only loads that skip L1, and no local-memory spills on the real presets.
+"""The decode kernel compiles for sm_90a without a GPU, and the SASS is what the streaming core needs: weight
+tiles brought into shared memory by the bulk copy engine (cp.async.bulk completing on mbarriers), read from
+there with 128-bit shared loads, and no local-memory spills on the real presets at any batch.
 
 The root conftest.py sets the target (CUTE_DSL_ARCH=sm_90a) and a private artifact folder before cutlass
 is first imported.
@@ -17,7 +18,7 @@ from megakernel.instructions.layout import StepLayout, default_kv_splits
 from megakernel.instructions.record import serialize
 from megakernel.kernel.compile import (KernelKey, compile_decode_kernel, nvdisasm_path, resource_usage, sass,
                                        spill_instructions)
-from megakernel.kernel.decode import DecodeKernel, KernelOptions
+from megakernel.kernel.interpreter import DecodeKernel, KernelOptions
 from megakernel.model.presets import get_preset
 from megakernel.schedule import assign, build_program
 
@@ -33,7 +34,7 @@ REAL_CASES = [(name, batch) for name in REAL_PRESETS for batch in BATCHES]
 
 
 @functools.lru_cache(maxsize=None)
-def compiled(name: str, batch: int, slab_staging: bool = False) -> dict:
+def compiled(name: str, batch: int, slab_staging: bool = True) -> dict:
     """PTX, SASS and resource usage of the kernel for a preset at a batch size (compiled once per module)."""
     config = get_preset(name)
     layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, NUM_SMS),
@@ -52,8 +53,7 @@ def compiled(name: str, batch: int, slab_staging: bool = False) -> dict:
     cubin = kernel.__cubin__
     sass_text = sass(cubin)
     return {"ptx": kernel.__ptx__, "cubin": cubin, "sass": sass_text, "usage": resource_usage(cubin),
-            "spills": spill_instructions(sass_text), "slabs": device_code.slabs,
-            "slab_cols": device_code.slab_cols}
+            "spills": spill_instructions(sass_text), "device_code": device_code}
 
 
 def _what(name: str, batch: int, art: dict) -> str:
@@ -81,21 +81,23 @@ def test_kernel_compiles_for_sm90a(name, batch):
 
 
 @pytest.mark.parametrize("name,batch", CASES)
-def test_matvec_weight_loads_are_128_bit_read_only(name, batch):
-    """Weights go through ld.global.nc.L1::no_allocate.v4 (PTX) = LDG.E.NA...128.CONSTANT (SASS): 16 bytes a
-    lane, the read-only path, no L1 allocation. Every no-allocate load in the SASS is such a load (none was
-    split into narrower ones or lost its read-only path)."""
+def test_weights_stream_through_bulk_copies_into_shared_memory(name, batch):
+    """The producer's cp.async.bulk (SASS UBLKCP) completing on mbarriers (try_wait.parity: SYNCS), and the
+    consumers' 128-bit shared loads of the landed weights (LDS.128); no weight is read from global memory by
+    a consumer (no L1-bypassing read-only global load is left in the kernel)."""
     art = compiled(name, batch)
     what = _what(name, batch, art)
-    ptx_loads = re.findall(r"ld\.global\.nc\.L1::no_allocate\S*", art["ptx"])
-    assert len(ptx_loads) >= 2, f"{what}: {len(ptx_loads)} no-allocate weight loads in the PTX"
-    assert all(".v4.b32" in op for op in ptx_loads), f"{what}: PTX weight loads {sorted(set(ptx_loads))}"
-    sass_ops = [op.split(".") for op in re.findall(r"\bLDG(?:\.[A-Z0-9_]+)+", art["sass"])]
-    weight_ops = [parts for parts in sass_ops if "NA" in parts]
-    kinds = sorted({".".join(parts) for parts in sass_ops})
-    assert len(weight_ops) >= 2, f"{what}: {len(weight_ops)} no-allocate loads in the SASS; LDG kinds {kinds}"
-    narrow = sorted({".".join(p) for p in weight_ops if "128" not in p or "CONSTANT" not in p})
-    assert not narrow, f"{what}: weight loads not 128-bit read-only: {narrow}"
+    assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in art["ptx"], \
+        f"{what}: no bulk copy into shared memory in the PTX"
+    assert "mbarrier.try_wait.parity" in art["ptx"] and "mbarrier.arrive.expect_tx" in art["ptx"], what
+    assert re.search(r"\bUBLKCP\b", art["sass"]), f"{what}: no UBLKCP in the SASS"
+    assert re.search(r"\bSYNCS\.", art["sass"]), f"{what}: no mbarrier instruction in the SASS"
+    assert re.search(r"\bLDS\.128\b", art["sass"]), f"{what}: no 128-bit shared load in the SASS"
+    assert not re.findall(r"ld\.global\.nc\.L1::no_allocate\S*", art["ptx"]), \
+        f"{what}: a consumer still loads weights from global memory"
+    dk = art["device_code"]
+    assert 4 <= dk.ring_slots <= 12 and dk.smem_bytes() <= 227 * 1024, \
+        f"{what}: {dk.ring_slots} ring slots, {dk.smem_bytes()} bytes of shared memory"
 
 
 @pytest.mark.parametrize("name,batch", REAL_CASES)
@@ -106,33 +108,34 @@ def test_no_local_memory_spills_on_real_presets(name, batch):
     assert art["usage"].get("frame_bytes", 0) == 0, f"{what}: a stack frame"
 
 
-# The batches between, as the engine lays them out (slab_staging, its default). Register pressure
-# changes with the batch (accumulators, passes per unit, preload, slabs), so every batch is compiled.
+# The batches between, as the engine lays them out. Register pressure changes with the batch (the work
+# item's shape, accumulators, 16 or 8 consumer warps), so every batch is compiled.
 MID_CASES = [(name, batch) for name in REAL_PRESETS for batch in range(2, 8)]
 
 
 @pytest.mark.parametrize("name,batch", MID_CASES)
 def test_no_local_memory_spills_at_every_batch_of_the_engines_layout(name, batch):
-    art = compiled(name, batch, slab_staging=True)
-    what = _what(name, batch, art) + " slab_staging"
+    art = compiled(name, batch)
+    what = _what(name, batch, art)
     assert art["spills"] == 0, f"{what}: local-memory loads/stores in the SASS"
     assert art["usage"].get("frame_bytes", 0) == 0, f"{what}: a stack frame"
+    dk = art["device_code"]
+    assert dk.smem_bytes() <= 227 * 1024 and dk.ring_slots >= 4, what
 
 
-# Batches whose widest input row (batch x K float32) exceeds the staging buffer: with slab_staging the
-# matvecs stage and stream K in column slabs (16 warps), instead of reading the input from L1 (8 warps).
+# Batches whose widest input row (batch x K float32) exceeds what is staged whole: the matvecs stage
+# and consume K one column slab at a time.
 SLAB_CASES = [("llama-3.2-1b", 8), ("llama-3.1-8b", 4), ("llama-3.1-8b", 8)]
 
 
 @pytest.mark.parametrize("name,batch", SLAB_CASES)
 def test_slab_staging_compiles_without_spills(name, batch):
-    art = compiled(name, batch, slab_staging=True)
-    what = _what(name, batch, art) + f" slab_staging slab_cols={art['slab_cols']}"
+    art = compiled(name, batch)
     config = get_preset(name)
-    k_max = max(config.hidden_size, config.q_size, config.intermediate_size)
-    assert art["slabs"] and art["slab_cols"] < k_max, f"{what}: the kernel does not stage in slabs"
-    assert art["slab_cols"] % 256 == 0 and batch * art["slab_cols"] * 4 <= 128 * 1024, what
-    ptx_loads = re.findall(r"ld\.global\.nc\.L1::no_allocate\S*", art["ptx"])
-    assert ptx_loads and all(".v4.b32" in op for op in ptx_loads), f"{what}: PTX weight loads {sorted(set(ptx_loads))}"
+    plan = art["device_code"].plan
+    down = plan.geometry(config.intermediate_size)
+    what = _what(name, batch, art) + f" DOWN slabs {down.n_slab} x {down.slab_cols}"
+    assert not down.x_whole and down.n_slab > 1, f"{what}: the kernel stages DOWN's input whole"
+    assert plan.x_floats == batch * max(g.x_cols for g in plan.by_k.values()) < batch * config.intermediate_size, what
     assert art["spills"] == 0 and art["usage"].get("frame_bytes", 0) == 0, \
         f"{what}: local-memory loads/stores in the SASS"

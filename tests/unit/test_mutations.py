@@ -60,7 +60,7 @@ def test_mutation_still_applies_to_the_current_sources(name):
         compile(text, rel, "exec")
     # VM rows mutate what the CPU tests run (instructions, schedule); kernel rows only the device code
     if m.kernel:
-        assert {p.path for p in m.patches} == {mutations.KERNEL}, f"{name}: a kernel row patches {texts.keys()}"
+        assert {p.path for p in m.patches} <= set(mutations.KERNEL_MODULES), f"{name}: a kernel row patches {texts.keys()}"
     else:
         assert all(p.path.startswith(("megakernel/instructions/", "megakernel/schedule/")) for p in m.patches), \
             f"{name}: a VM row patches {sorted(texts)}"

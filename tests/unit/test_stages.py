@@ -32,9 +32,10 @@ from hypothesis import strategies as st
 
 from megakernel.instructions import STAGE_MODULES
 from megakernel.instructions.context import StageContext
-from megakernel.instructions.layout import X_STAGE_BYTES, StepBuffers, StepLayout, allocate_buffers, pack_weights
+from megakernel.instructions.layout import StepBuffers, StepLayout, allocate_buffers, pack_weights
 from megakernel.instructions.opcodes import Opcode
 from megakernel.instructions.record import Instruction
+from megakernel.kernel.stream import X_WHOLE_BYTES
 from megakernel.model import ops
 from megakernel.model.config import ModelConfig
 from megakernel.model.weights import ModelWeights, random_weights
@@ -621,14 +622,15 @@ GPU_OPCODES = (Opcode.EMBED, Opcode.QKV, Opcode.ATTN_PARTIAL, Opcode.ATTN_REDUCE
 
 
 def _wide(case: StageCase) -> StageCase:
-    """The case with an FFN wide enough that batch x intermediate x float32 exceeds the staging buffer."""
+    """The case with an FFN wide enough that batch x intermediate x float32 is more than the kernel stages
+    whole (X_WHOLE_BYTES): DOWN then stages and consumes its input one column slab at a time."""
     s = case.shape
-    need = (X_STAGE_BYTES // (4 * s.batch)) // 256 * 256 + 256
+    need = (X_WHOLE_BYTES // (4 * s.batch)) // 256 * 256 + 256
     return dataclasses.replace(case, shape=dataclasses.replace(s, intermediate_size=max(s.intermediate_size, need)))
 
 
-# batch 5-8 with an FFN of at least ~5-8k columns: inputs staged in column slabs under slab_staging
-GPU_WIDE_CASES = GPU_CASES.filter(lambda c: c.shape.batch >= 5).map(_wide)
+# batch 2-8 with an FFN of at least ~2-8k columns: DOWN's input staged in column slabs
+GPU_WIDE_CASES = GPU_CASES.filter(lambda c: c.shape.batch >= 2).map(_wide)
 
 
 @pytest.mark.gpu
@@ -643,31 +645,18 @@ def test_stages_on_gpu_match_reference(case):
 @settings(max_examples=GPU_EXAMPLES)
 @given(case=GPU_WIDE_CASES)
 def test_stages_on_gpu_match_reference_with_slab_staging(case):
-    """The same properties where the kernel stages each matvec's input in column slabs (slab_staging)."""
+    """The same properties where the kernel stages DOWN's input in column slabs."""
     run_gpu_stages(case, slab_staging=True, expect_slabs=True)
-
-
-@pytest.mark.gpu
-@settings(max_examples=GPU_EXAMPLES)
-@given(case=GPU_CASES)
-def test_stages_on_gpu_match_reference_with_opt_in_kernel_options(case):
-    """The same properties with the opt-in kernel paths: tile prefixes bulk-copied into shared memory
-    (each instruction's prefix is issued while the one before it runs, as in a step), the ARGMAX
-    reduction spread over every thread (its planted ties must still go to the lowest index), and
-    ATTN_PARTIAL's first cached token per warp copied by cp.async before the wait (attn_preload)."""
-    from megakernel.kernel.decode import KernelOptions
-
-    run_gpu_stages(case, options=KernelOptions(smem_prefix=64 * 1024, parallel_argmax=True, attn_preload=True))
 
 
 def run_gpu_stages(case: StageCase, expect_slabs: bool = False, **engine_kw) -> None:
     bench, engine = _gpu_bench(case, **engine_kw)
     if expect_slabs:
-        from megakernel.kernel.decode import DecodeKernel
+        from megakernel.kernel.stream import StreamPlan
 
-        k = engine.key
-        kernel = DecodeKernel(k.layout, k.lm_tiles, k.num_counters, k.max_queue_len, k.kv_strides, k.options)
-        assert kernel.slabs, f"{bench.what()}: slab_staging did not make the kernel stage in slabs"
+        plan = StreamPlan.for_config(bench.config, bench.layout.batch)
+        assert not plan.geometry(bench.config.intermediate_size).x_whole, \
+            f"{bench.what()}: DOWN's input is staged whole, not in column slabs"
     try:
         for op, instructions in [(op, run) for op in GPU_OPCODES for run in runs_for(bench, op)]:
             fill_inputs(bench, with_cache=op == Opcode.ATTN_PARTIAL)

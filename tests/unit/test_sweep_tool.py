@@ -20,10 +20,10 @@ def sweep():
 
 def test_parse_splits_kernel_options_from_engine_arguments(sweep):
     assert sweep.parse("default:") == ("default", {}, {})
-    name, opts, eng = sweep.parse("x:fold_embed=1,smem_prefix=65536,kv_splits=2,slabs=0,policy=balanced,fuse=0,lm_pool=32")
-    assert name == "x" and opts == {"smem_prefix": 65536}
+    name, opts, eng = sweep.parse("x:fold_embed=1,timeout_ns=5000,kv_splits=2,slabs=0,policy=balanced,fuse=0")
+    assert name == "x" and opts == {"timeout_ns": 5000}
     assert eng == {"fold_embed": True, "kv_splits": 2, "slab_staging": False, "policy": "balanced",
-                   "fuse_attn_reduce": False, "lm_pool_rows": 32}
+                   "fuse_attn_reduce": False}
 
 
 def test_interleaved_rounds_visit_every_variant_in_turn(sweep):
@@ -52,7 +52,7 @@ def test_help_and_missing_arguments_stop_before_any_gpu_work(sweep, monkeypatch,
     with pytest.raises(SystemExit) as done:
         sweep.main()
     assert done.value.code == 0 and "Usage: gpu_sweep.py MODEL BATCH" in capsys.readouterr().out
-    for argv in (["gpu_sweep.py"], ["gpu_sweep.py", "llama-3.2-1b"], ["gpu_sweep.py", "llama-3.2-1b", "x:unroll=2"],
+    for argv in (["gpu_sweep.py"], ["gpu_sweep.py", "llama-3.2-1b"], ["gpu_sweep.py", "llama-3.2-1b", "x:timeout_ns=2"],
                  ["gpu_sweep.py", "--no-trace", "llama-3.2-1b"]):
         monkeypatch.setattr(sweep.sys, "argv", argv)
         with pytest.raises(SystemExit, match="usage: gpu_sweep.py MODEL BATCH"):

@@ -1,0 +1,329 @@
+"""The persistent decode megakernel (core v2): one CTA per SM interprets its queue of fused-stage
+instructions with 8 consumer warps, while a producer warp streams the queue's weights ahead of them.
+
+A CTA's warps:
+  - the producer (the last warp, megakernel.kernel.stream) walks the whole queue at once and bulk-copies
+    every matvec tile into a ring of shared-memory slots, throttled only by free slots: weights never wait
+    for activations, so HBM streams through every dependency hop;
+  - the consumers (warps 0-7) run the instructions in order. Per instruction:
+      1. ATTN_PARTIAL copies its first cached token per warp by cp.async (the cache's history is an input);
+      2. thread 0 spins (ld.acquire.gpu, bounded by globaltimer) until the counter it waits on reaches its
+         epoch-relative target; a timeout writes the error word and aborts the CTA's queue;
+      3. the stage body (opcode dispatch by `if`, each body inlined once; megakernel.kernel.matvec,
+         .attention, .tokens): a matvec stages its input, then takes its weights slot by slot from the ring;
+      4. after a consumer barrier, thread 0 signals its stage counter with red.release.gpu.
+The consumers synchronise among themselves with named barrier 1 (the producer never joins it); all warps
+meet at barrier 0 only at the start and at the end. The last CTA to finish advances the epoch, so counters
+are never reset and a CUDA graph can replay steps with no host work.
+
+Trace mode (KernelOptions.trace) records per instruction: begin, counter ready, end (consumer thread 0),
+and when the producer started and finished issuing the instruction's weight slots.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Int32, Int64
+
+from ..instructions.layout import StepLayout
+from ..instructions.opcodes import Opcode
+from ..instructions.record import (W_A0, W_A1, W_A2, W_A3, W_INDEX, W_LAYER, W_OPCODE, W_SIGNAL_ID,
+                                   W_WAIT_COUNT, W_WAIT_ID, WORDS)
+from .attention import ERR_POSITION, LOG2E, AttentionStage  # noqa: F401  (error codes re-exported)
+from .matvec import MatvecStage
+from .ptx import (atomic_add_acq_rel, atomic_cas, cp_async_wait_all, globaltimer_lo, ld_i32, load_acquire,
+                  mbarrier_init, mbarrier_init_fence, red_release_add, st_i32, store_relaxed)
+from .stream import ERR_RING, SLOT_BYTES, StreamPlan, WeightStream, is_matvec, item_shape  # noqa: F401
+from .tokens import ERR_TOKEN, TokenStages  # noqa: F401
+
+# Error codes written to error[0] (the first error wins): 1 a counter wait timed out, 2 a position past the
+# cache (attention), 3 a token outside the vocabulary (tokens), 4 a weight-ring wait timed out (stream).
+ERR_TIMEOUT = 1
+
+# Kernel arguments, in order: every one a global address (Int64).
+ARG_NAMES = (
+    "queue", "lengths",
+    "w_embed", "w_qkv", "w_o", "w_gate_up", "w_down", "w_lm_head",
+    "attn_norm", "mlp_norm", "final_norm", "ones", "q_norm", "k_norm", "rope_cos", "rope_sin",
+    "tokens", "positions", "block_table",
+    "x", "h", "qkv", "attn_part_o", "attn_part_lse", "attn_out", "act",
+    "logits", "lm_max", "lm_idx", "out_tokens",
+    "counters", "sync", "error", "kv_table", "trace",
+)
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    trace: bool = False                      # record per-instruction globaltimer stamps (profiles/RESULTS.md
+                                             # has what each measured)
+    timeout_ns: int = 2_000_000_000          # bound on every spin: a step counter, a weight-ring slot
+
+OP_EMBED, OP_ATTN_PARTIAL, OP_ATTN_REDUCE = int(Opcode.EMBED), int(Opcode.ATTN_PARTIAL), int(Opcode.ATTN_REDUCE)
+OP_QKV, OP_O_PROJ, OP_GATE_UP, OP_DOWN = int(Opcode.QKV), int(Opcode.O_PROJ), int(Opcode.GATE_UP), int(Opcode.DOWN)
+OP_LM_HEAD, OP_ARGMAX = int(Opcode.LM_HEAD), int(Opcode.ARGMAX)
+SMEM_LIMIT = 227 * 1024
+
+
+class Fields:
+    """A read-only bag of named values for device code: the step's global addresses (`p`) or the CTA's
+    shared-memory scratch (`s`), so a stage takes two arguments instead of thirty."""
+
+    def __init__(self, **values):
+        self.__dict__.update(values)
+
+
+class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
+    """Compiled once per (StepLayout, options): model shape, batch bucket, KV splits and cache geometry are
+    compile-time constants; every address is a runtime argument."""
+
+    def __init__(self, layout: StepLayout, lm_tiles: int, num_counters: int, max_queue_len: int,
+                 kv_strides: tuple[int, int, int] | None = None, options: KernelOptions = KernelOptions()):
+        layout.validate()
+        if layout.lm_pool is not None:
+            raise ValueError("the streaming core has no LM head pool (lm_pool_rows=0)")
+        c = layout.config
+        self.layout, self.options = layout, options
+        self.num_sms = layout.num_sms
+        self.max_queue_len = max_queue_len
+        self.L, self.B, self.H = c.num_layers, layout.batch, c.hidden_size
+        self.F, self.V = c.intermediate_size, c.vocab_size
+        self.Hq, self.Hkv, self.D, self.G = c.num_heads, c.num_kv_heads, c.head_dim, c.gqa_group
+        self.Q, self.KV, self.QKV = c.q_size, c.kv_size, c.qkv_rows
+        self.S = layout.kv_splits
+        self.bs, self.max_blocks = layout.block_size, layout.max_blocks_per_seq
+        # element strides of (block, offset, kv head) in a layer's K or V cache; contiguous
+        # [num_blocks, block_size, Hkv, D] by default, vLLM's interleaved K|V layout when bound to it
+        self.kv_sb, self.kv_st, self.kv_sh = kv_strides or (self.bs * self.Hkv * self.D, self.Hkv * self.D, self.D)
+        self.max_seq_len = layout.max_seq_len
+        self.T = lm_tiles
+        self.num_counters = num_counters
+        self.eps = float(c.rms_norm_eps)
+        self.qk_norm = bool(c.qk_norm)
+        self.E = self.D // 32                     # head elements per lane
+        self.scale_log2 = LOG2E / math.sqrt(self.D)
+        # 16 consumer warps where their 120 registers hold a work item without spills (batch 1-4), else 8:
+        # 16 measured 7% faster than 8 at batch 1 (llama-3.2-1b) and 2% at batch 4 (profiles/RESULTS.md)
+        self.warps = 16 if self.B <= 4 else 8
+        self.cthreads = 32 * self.warps
+        self.threads = self.cthreads + 32         # + the producer warp
+        self.plan = StreamPlan.for_config(c, self.B)
+        self.item_rows, self.item_passes = item_shape(self.B)
+        free = SMEM_LIMIT - self.smem_bytes(ring_slots=0)
+        self.ring_slots = StreamPlan.ring_slots(free)
+
+    def scratch_words(self) -> dict[str, int]:
+        """32-bit words of every shared-memory buffer but the ring, in allocation order."""
+        W, G, D, B = self.warps, self.G, self.D, self.B
+        return {"ctrl": 4, "red": 8, "ired": 8, "wv": W * max(8, B), "wi": W * max(8, B), "part": self.plan.part_floats,
+                "rstd": 8, "x": self.plan.x_floats, "q": G * D, "kv": 2 * D, "m": W * G, "l": W * G,
+                "o": W * G * D, "queue": self.max_queue_len * WORDS, "pre": W * D}
+
+    def smem_bytes(self, ring_slots: int | None = None) -> int:
+        """Shared memory the kernel allocates (each buffer 16-byte aligned, the ring 128), as in `kernel`."""
+        n = self.ring_slots if ring_slots is None else ring_slots
+        scratch = sum((4 * w + 15) // 16 * 16 for w in self.scratch_words().values())
+        return scratch + 128 + n * SLOT_BYTES + 2 * n * 8 + 16
+
+    # ------------------------------------------------------------------ host entry
+    @cute.jit
+    def __call__(self, queue: Int64, lengths: Int64, w_embed: Int64, w_qkv: Int64, w_o: Int64,
+                 w_gate_up: Int64, w_down: Int64, w_lm_head: Int64, attn_norm: Int64, mlp_norm: Int64,
+                 final_norm: Int64, ones: Int64, q_norm: Int64, k_norm: Int64, rope_cos: Int64,
+                 rope_sin: Int64, tokens: Int64, positions: Int64, block_table: Int64, x: Int64, h: Int64,
+                 qkv: Int64, attn_part_o: Int64, attn_part_lse: Int64, attn_out: Int64, act: Int64,
+                 logits: Int64, lm_max: Int64, lm_idx: Int64, out_tokens: Int64, counters: Int64,
+                 sync: Int64, error: Int64, kv_table: Int64, trace: Int64,
+                 stream):
+        self.kernel(queue, lengths, w_embed, w_qkv, w_o, w_gate_up, w_down, w_lm_head, attn_norm, mlp_norm,
+                    final_norm, ones, q_norm, k_norm, rope_cos, rope_sin, tokens, positions, block_table,
+                    x, h, qkv, attn_part_o, attn_part_lse, attn_out, act, logits, lm_max, lm_idx, out_tokens,
+                    counters, sync, error, kv_table, trace).launch(
+            grid=[self.num_sms, 1, 1], block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------ device: shared helpers
+    @cute.jit
+    def consumer_sync(self):
+        """Barrier of the consumer warps alone (named barrier 1; the producer warp never waits on it)."""
+        cute.arch.barrier(barrier_id=1, number_of_threads=self.cthreads)
+
+    @cute.jit
+    def weight_tile(self, op: Int32, layer: Int32, row0: Int32, w_qkv: Int64, w_o: Int64,
+                    w_gate_up: Int64, w_down: Int64, w_lm_head: Int64):
+        """(address of the tile's first row, K) of a matvec stage; (0, 0) for other opcodes."""
+        addr = Int64(0)
+        k = Int32(0)
+        l64 = Int64(layer)
+        r64 = Int64(row0)
+        if op == OP_QKV:
+            addr = w_qkv + (l64 * self.QKV + r64) * (self.H * 2)
+            k = Int32(self.H)
+        if op == OP_O_PROJ:
+            addr = w_o + (l64 * self.H + r64) * (self.Q * 2)
+            k = Int32(self.Q)
+        if op == OP_GATE_UP:
+            addr = w_gate_up + (l64 * (2 * self.F) + r64) * (self.H * 2)
+            k = Int32(self.H)
+        if op == OP_DOWN:
+            addr = w_down + (l64 * self.H + r64) * (self.F * 2)
+            k = Int32(self.F)
+        if op == OP_LM_HEAD:
+            addr = w_lm_head + r64 * (self.H * 2)
+            k = Int32(self.H)
+        return addr, k
+
+    # ------------------------------------------------------------------ device: the interpreter
+    @cute.kernel
+    def kernel(self, queue: Int64, lengths: Int64, w_embed: Int64, w_qkv: Int64, w_o: Int64,
+               w_gate_up: Int64, w_down: Int64, w_lm_head: Int64, attn_norm: Int64, mlp_norm: Int64,
+               final_norm: Int64, ones: Int64, q_norm: Int64, k_norm: Int64, rope_cos: Int64,
+               rope_sin: Int64, tokens: Int64, positions: Int64, block_table: Int64, x: Int64, h: Int64,
+               qkv: Int64, attn_part_o: Int64, attn_part_lse: Int64, attn_out: Int64, act: Int64,
+               logits: Int64, lm_max: Int64, lm_idx: Int64, out_tokens: Int64, counters: Int64,
+               sync: Int64, error: Int64, kv_table: Int64, trace: Int64):
+        tidx, _, _ = cute.arch.thread_idx()
+        sm, _, _ = cute.arch.block_idx()
+        warp = tidx // 32
+        lane = tidx % 32
+        p = Fields(w_embed=w_embed, w_qkv=w_qkv, w_o=w_o, w_gate_up=w_gate_up, w_down=w_down,
+                   w_lm_head=w_lm_head, attn_norm=attn_norm, mlp_norm=mlp_norm, final_norm=final_norm, ones=ones,
+                   q_norm=q_norm, k_norm=k_norm, rope_cos=rope_cos, rope_sin=rope_sin, tokens=tokens,
+                   positions=positions, block_table=block_table, x=x, h=h, qkv=qkv, attn_part_o=attn_part_o,
+                   attn_part_lse=attn_part_lse, attn_out=attn_out, act=act, logits=logits, lm_max=lm_max,
+                   lm_idx=lm_idx, out_tokens=out_tokens, error=error, kv_table=kv_table)
+
+        smem = cutlass.utils.SmemAllocator()
+        types = {"wi": Int32, "ired": Int32, "ctrl": Int32, "queue": Int32, "pre": Int32}
+        bufs = {name: smem.allocate_tensor(types.get(name, cutlass.Float32), cute.make_layout((words,)),
+                                           byte_alignment=16)
+                for name, words in self.scratch_words().items()}
+        s_ring = smem.allocate_tensor(Int32, cute.make_layout((self.ring_slots * SLOT_BYTES // 4,)),
+                                      byte_alignment=128)
+        s_bar = smem.allocate_tensor(Int64, cute.make_layout((2 * self.ring_slots,)), byte_alignment=8)
+        s = Fields(x_addr=Int32(bufs["x"].iterator.toint()), pre_addr=Int32(bufs["pre"].iterator.toint()), **bufs)
+        s_ctrl, s_queue = bufs["ctrl"], bufs["queue"]        # epoch, abort, queue length, stop
+        ring = Int32(s_ring.iterator.toint())
+        full = Int32(s_bar.iterator.toint())                 # ring_slots full barriers, then the empty ones
+        empty = full + self.ring_slots * 8
+        abort_addr = Int32(s_ctrl.iterator.toint()) + 4
+
+        if tidx == 0:
+            for j in range(self.ring_slots):
+                mbarrier_init(full + j * 8, Int32(1))                # the producer's arrive + the copy bytes
+                mbarrier_init(empty + j * 8, Int32(self.warps))      # one arrival per consumer warp
+            mbarrier_init_fence()
+            s_ctrl[0] = ld_i32(sync)
+            s_ctrl[1] = Int32(0)
+            s_ctrl[3] = Int32(0)
+        n = ld_i32(lengths + Int64(sm) * 4)
+        if tidx == 0:
+            s_ctrl[2] = n        # the loop reads the queue length from here (a register less across it)
+        qbase = queue + Int64(sm) * (self.max_queue_len * WORDS * 4)
+        for wi in range(tidx, n * WORDS, self.threads):
+            s_queue[wi] = ld_i32(qbase + Int64(wi) * 4)
+        cute.arch.sync_threads()
+
+        if warp == self.warps:
+            self.produce(lane, sm, s_queue, n, ring, full, empty, abort_addr, w_qkv, w_o, w_gate_up, w_down,
+                         w_lm_head, error, trace)
+        else:
+            self.consume(tidx, warp, lane, sm, s_queue, ring, full, empty, counters, error, trace, p, s)
+        cute.arch.sync_threads()
+
+        # ---- the last CTA out advances the epoch for the next step
+        if tidx == 0:
+            done = atomic_add_acq_rel(sync + 4, Int32(1))
+            if done == self.num_sms - 1:
+                store_relaxed(sync + 4, Int32(0))
+                store_relaxed(sync, s_ctrl[0] + 1)
+
+    @cute.jit
+    def consume(self, tidx: Int32, warp: Int32, lane: Int32, sm: Int32, s_queue: cute.Tensor, ring: Int32,
+                full: Int32, empty: Int32, counters: Int64, error: Int64, trace: Int64, p, s):
+        """The consumer warps' loop over the queue (the module docstring's steps 1-4)."""
+        s_ctrl = s.ctrl
+        k_slot = Int32(0)        # weight slots this CTA's consumers have taken from the ring so far
+        i = Int32(0)
+        # Loop state in shared memory, not registers: s_ctrl[2] the queue length, s_ctrl[3] the stop flag.
+        # Thread 0 sets s_ctrl[1] on a failed wait, before the barrier after the wait, and copies it to
+        # s_ctrl[3] between that barrier and the one ending the instruction, so every consumer thread reads
+        # the same stop flag at the top of the next iteration (and the producer stops issuing).
+        while i < s_ctrl[2] and s_ctrl[3] == 0:
+            ins = i * WORDS
+            op = s_queue[ins + W_OPCODE]
+            layer = s_queue[ins + W_LAYER]
+            a0 = s_queue[ins + W_A0]
+            a1 = s_queue[ins + W_A1]
+            a2 = s_queue[ins + W_A2]
+            a3 = s_queue[ins + W_A3]
+            t_begin = Int32(0)
+            t_ready = Int32(0)
+            if cutlass.const_expr(self.options.trace):
+                t_begin = globaltimer_lo()
+            if op == OP_ATTN_PARTIAL:
+                self.attn_preload(warp, lane, layer, a0, a1, a2, a3, p, s)
+
+            # ---- wait for the producing stage (thread 0 spins, the consumer barrier broadcasts)
+            wait_id = s_queue[ins + W_WAIT_ID]
+            if tidx == 0 and wait_id >= 0:
+                target = (s_ctrl[0] + 1) * s_queue[ins + W_WAIT_COUNT]
+                caddr = counters + Int64(wait_id) * 4
+                seen = load_acquire(caddr)
+                t0 = cute.arch.globaltimer()
+                ok = Boolean(True)
+                while seen - target < 0 and ok:
+                    seen = load_acquire(caddr)
+                    if cute.arch.globaltimer() - t0 > self.options.timeout_ns:
+                        ok = Boolean(False)
+                if not ok:
+                    if atomic_cas(error, Int32(0), Int32(ERR_TIMEOUT)) == 0:
+                        store_relaxed(error + 4, s_queue[ins + W_INDEX])
+                        store_relaxed(error + 8, wait_id)
+                        store_relaxed(error + 12, seen)
+                    s_ctrl[1] = Int32(1)
+            self.consumer_sync()
+            aborted = s_ctrl[1]
+            if tidx == 0:
+                s_ctrl[3] = aborted
+            if cutlass.const_expr(self.options.trace):
+                t_ready = globaltimer_lo()
+
+            if aborted == 0:
+                if is_matvec(op):
+                    rec = Int64(0)
+                    if cutlass.const_expr(self.options.trace):
+                        rec = trace + (Int64(sm) * self.max_queue_len + Int64(i)) * 32
+                    k_slot = self.matvec(tidx, warp, lane, op, layer, a0, a1, a2, a3, k_slot, ring, full, empty,
+                                         p, s, rec)
+                else:
+                    if op == OP_EMBED:
+                        self.embed(tidx, s_queue[ins + W_INDEX], p)
+                    if op == OP_ATTN_PARTIAL:
+                        self.attn_partial(tidx, warp, lane, layer, a0, a1, a2, a3, s_queue[ins + W_INDEX], p, s)
+                    if op == OP_ATTN_REDUCE:
+                        self.attn_reduce(tidx, layer, a0, a1, a3, p)
+                    if op == OP_ARGMAX:
+                        self.argmax(tidx, warp, lane, a0, p, s)
+
+            # ---- signal: every consumer's stores precede the barrier; the release orders them
+            self.consumer_sync()
+            signal_id = s_queue[ins + W_SIGNAL_ID]
+            if tidx == 0 and s_ctrl[1] == 0 and signal_id >= 0:
+                red_release_add(counters + Int64(signal_id) * 4, Int32(1))
+            if cutlass.const_expr(self.options.trace):
+                if tidx == 0:
+                    rec = trace + (Int64(sm) * self.max_queue_len + Int64(i)) * 32
+                    st_i32(rec, s_queue[ins + W_INDEX])
+                    st_i32(rec + 4, op)
+                    st_i32(rec + 8, t_begin)
+                    st_i32(rec + 12, t_ready)
+                    st_i32(rec + 16, globaltimer_lo())
+                    if not is_matvec(op):
+                        st_i32(rec + 20, Int32(0))       # (a matvec stamps when its last slot was consumed)
+            i = i + 1
+        # no K/V copy is left in flight when the CTA exits: an instruction that aborted after its copies
+        # never waited for them
+        cp_async_wait_all()

@@ -1,0 +1,358 @@
+"""Device code of the five matvec stages (QKV, O_PROJ, GATE_UP, DOWN, LM_HEAD) on the consumer warps.
+
+The stage's record, operands and torch reference are in megakernel.instructions.matvec_stages. Here:
+  1. the input row of every sequence (x * norm weight, O_PROJ's merge of the attention splits, or layer
+     0's embedding row) is staged in shared memory as float32, whole or one column slab at a time, with
+     sum(x^2) for the RMSNorm of the stages that have one;
+  2. the tile's weight slots arrive in the ring (megakernel.kernel.stream); each slot's work items
+     (`item_shape`: rows x 256-column passes) go to the consumer warps in turn, a warp's lane reads 16
+     bytes of a row per pass from shared memory, and each item's dot products are reduced across the
+     warp into one partial per (row, segment, sequence);
+  3. per chunk of rows, one thread per output adds its partials in a fixed order (the same bits every
+     run) and runs the epilogue: store, residual add, SiLU-and-multiply, or logits + tile argmax.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Float32, Int32, Int64
+
+from ..instructions.layout import COL_PASS, ROW_GROUP
+from ..instructions.opcodes import Opcode
+from .ptx import (ex2, globaltimer_lo, ld_f32, ld_i32, ld_shared_f32x4, load_f32x4, load_shared_raw, load_weights_bf16x4,
+                  mbarrier_arrive, rsqrt, st_f32, st_i32, unpack_bf16x8, warp_max_index, warp_sum)
+from .stream import SLOT_BYTES
+
+OP_QKV, OP_O_PROJ, OP_GATE_UP = int(Opcode.QKV), int(Opcode.O_PROJ), int(Opcode.GATE_UP)
+OP_DOWN, OP_LM_HEAD = int(Opcode.DOWN), int(Opcode.LM_HEAD)
+LOG2E = 1.4426950408889634
+X_UNROLL = 4               # input quads each thread loads per round when staging it
+
+
+class MatvecStage:
+    """Consumer-side matvec (a mixin of the interpreter)."""
+
+    @cute.jit
+    def matvec(self, tidx: Int32, warp: Int32, lane: Int32, op: Int32, layer: Int32, a0: Int32, a1: Int32,
+               tile: Int32, a3: Int32, k_slot: Int32, ring: Int32, full: Int32, empty: Int32, p, s,
+               rec: Int64) -> Int32:
+        """One tile (rows a0 .. a0 + a1 - 1) of a matvec stage; k_slot is the CTA's slot count before it,
+        returned advanced by the tile's slots. `p` holds the step's global addresses (StepArgs), `s` the
+        shared-memory scratch (SharedScratch)."""
+        s_ired = s.ired; s_red = s.red
+        B, H = self.B, self.H
+        l64 = Int64(layer)
+        w_addr, _ = self.weight_tile(op, layer, a0, p.w_qkv, p.w_o, p.w_gate_up, p.w_down, p.w_lm_head)
+        K, slab, n_slab, rps, segs, chunk, whole = self.tile_geometry(op)
+        n_seg = n_slab * segs
+        # input rows (one per sequence, width K), norm weights, output rows, residual rows
+        in_addr = Int64(0)
+        norm_addr = p.ones
+        has_norm = Boolean(False)
+        out_addr = Int64(0)
+        out_w = Int32(0)
+        res_addr = Int64(0)
+        has_res = Boolean(False)
+        if op == OP_QKV:
+            in_addr = p.x + l64 * (B * H * 4)
+            norm_addr = p.attn_norm + l64 * (H * 2)
+            has_norm = Boolean(True)
+            out_addr = p.qkv + (l64 * (B * self.QKV) + Int64(a0)) * 4
+            out_w = Int32(self.QKV)
+        if op == OP_O_PROJ:
+            in_addr = p.attn_out + l64 * (B * self.Q * 4)
+            out_addr = p.h + (l64 * (B * H) + Int64(a0)) * 4
+            out_w = Int32(H)
+            res_addr = p.x + (l64 * (B * H) + Int64(a0)) * 4
+            has_res = Boolean(True)
+        if op == OP_GATE_UP:
+            in_addr = p.h + l64 * (B * H * 4)
+            norm_addr = p.mlp_norm + l64 * (H * 2)
+            has_norm = Boolean(True)
+            out_addr = p.act + (l64 * (B * self.F) + Int64(a0 // 2)) * 4
+            out_w = Int32(self.F)
+        if op == OP_DOWN:
+            in_addr = p.act + l64 * (B * self.F * 4)
+            out_addr = p.x + ((l64 + 1) * (B * H) + Int64(a0)) * 4
+            out_w = Int32(H)
+            res_addr = p.h + (l64 * (B * H) + Int64(a0)) * 4
+            has_res = Boolean(True)
+        if op == OP_LM_HEAD:
+            in_addr = p.x + Int64(self.L) * (B * H * 4)
+            norm_addr = p.final_norm
+            has_norm = Boolean(True)
+            out_addr = p.logits + Int64(a0) * 4
+            out_w = Int32(self.V)
+        is_gate_up = op == OP_GATE_UP
+        is_lm = op == OP_LM_HEAD
+        merge = op == OP_O_PROJ and a3 > 0      # O_PROJ's input is the merge of the attention splits
+        from_embed = op == OP_QKV and a3 == 1   # layer 0's QKV reads embed[token] (embed_folded layouts)
+
+        # the residual of this thread's first output (O_PROJ, DOWN), loaded now: its round trip overlaps
+        # the input's instead of ending the instruction
+        res0 = Float32(0.0)
+        n_res0 = a1 * B
+        if a1 > chunk:
+            n_res0 = chunk * B
+        if has_res and tidx < n_res0:
+            r0 = tidx // B
+            res0 = ld_f32(res_addr + (Int64(tidx - r0 * B) * Int64(H) + Int64(r0)) * 4)
+        ss = cute.make_rmem_tensor((B,), Float32)
+        for b in cutlass.range_constexpr(B):
+            ss[b] = Float32(0.0)
+        if whole == 1:
+            self.stage(tidx, layer, K, merge, from_embed, has_norm, in_addr, norm_addr, p, s, ss, Int32(0), K, K)
+            if has_norm:
+                self.rms_statistic(tidx, warp, lane, K, ss, s)
+            self.consumer_sync()
+        if is_lm and tidx < B:
+            s_red[tidx] = Float32(-math.inf)
+            s_ired[tidx] = Int32(0x7FFFFFFF)
+        x_base = s.x_addr
+        rot = Int32(0)           # work items so far in this tile, mod the warps: the next slot's first owner
+        for c0 in range(0, a1, chunk):
+            rows = a1 - c0
+            if rows > chunk:
+                rows = chunk
+            if c0 > 0:
+                self.consumer_sync()          # the last chunk's epilogue has read its partials
+            for sl in range(n_slab):
+                col0 = sl * slab          # x column of the slab's first in whole-staged inputs
+                width = K - sl * slab     # the slab's columns (the last slab may be narrower)
+                if width > slab:
+                    width = slab
+                xw = K
+                if whole == 0:
+                    self.consumer_sync()          # the previous slab is read: this one may overwrite it
+                    self.stage(tidx, layer, K, merge, from_embed, has_norm and c0 == 0, in_addr, norm_addr, p, s,
+                               ss, sl * slab, width, slab)
+                    self.consumer_sync()
+                    col0 = Int32(0)
+                    xw = slab
+                for g0 in range(0, rows, rps):
+                    nr = rows - g0
+                    if nr > rps:
+                        nr = rps
+                    slot = k_slot % self.ring_slots
+                    mb = slot * 8
+                    self.wait_full(full + mb, (k_slot // self.ring_slots) % 2, p.error)
+                    n_items = (nr // self.item_rows) * segs
+                    j0 = (warp - rot % self.warps + self.warps) % self.warps
+                    for j in range(j0, n_items, self.warps):
+                        self.consume_item(lane, j, segs, slab, width, ring + slot * SLOT_BYTES, x_base, xw, col0,
+                                          g0, n_seg, sl * segs, s)
+                    cute.arch.sync_warp()
+                    if lane == 0:
+                        mbarrier_arrive(empty + mb)
+                    rot = rot + n_items
+                    k_slot = k_slot + 1
+            if whole == 0 and c0 == 0 and has_norm:
+                self.rms_statistic(tidx, warp, lane, K, ss, s)
+            self.consumer_sync()
+            if cutlass.const_expr(self.options.trace):
+                if tidx == 0:
+                    st_i32(rec + 20, globaltimer_lo())      # every warp past the chunk's last slot (trace mode)
+            self.epilogue(tidx, warp, lane, c0, rows, n_seg, a0, tile, is_gate_up, is_lm, has_norm, has_res,
+                          res_addr, res0, out_addr, out_w, s)
+        if is_lm and tidx < B:
+            st_f32(p.lm_max + (Int64(tidx) * self.T + Int64(tile)) * 4, s_red[tidx])
+            st_i32(p.lm_idx + (Int64(tidx) * self.T + Int64(tile)) * 4, s_ired[tidx])
+        return k_slot
+
+    @cute.jit
+    def consume_item(self, lane: Int32, j: Int32, segs: Int32, slab: Int32, width: Int32, slot_addr: Int32,
+                     x_base: Int32, xw: Int32, col0: Int32, g0: Int32, n_seg: Int32, seg0: Int32, s):
+        """Work item j of a slot: item_rows rows (row group j // segs) x item_passes 256-column passes
+        (segment j % segs of the slab) against every sequence's staged input; one partial per (row,
+        sequence) into s.part at ((row * n_seg + segment) * B + b). Weights are the slot's rows of `width`
+        bf16 at row stride `slab`; x is staged at row stride xw, the slab's first column at col0. Passes past
+        the slab's width (a narrower last slab, or a width of passes no multiple of item_passes) load
+        nothing and add zeros."""
+        s_part = s.part
+        B, R, P = self.B, self.item_rows, self.item_passes
+        rg = j // segs
+        sg = j - rg * segs
+        slab_passes = width // COL_PASS
+        w = cute.make_rmem_tensor((P * R * 4,), Int32)
+        xs = cute.make_rmem_tensor((P * B * 8,), Float32)
+        for i in cutlass.range_constexpr(P * R * 4):
+            w[i] = Int32(0)
+        for i in cutlass.range_constexpr(P * B * 8):
+            xs[i] = Float32(0.0)
+        # every load of the item first (P passes, R rows, B inputs), then the arithmetic
+        for u in cutlass.range_constexpr(P):
+            ps = sg * P + u
+            if ps < slab_passes:
+                col = ps * COL_PASS + lane * 8
+                for h in cutlass.range_constexpr(R):
+                    v = load_shared_raw(slot_addr + ((rg * R + h) * slab + col) * 2)
+                    for e in cutlass.range_constexpr(4):
+                        w[(u * R + h) * 4 + e] = v[e]
+                for b in cutlass.range_constexpr(B):
+                    xa = x_base + (b * xw + col0 + col) * 4
+                    xl = ld_shared_f32x4(xa)
+                    xh = ld_shared_f32x4(xa + 16)
+                    for e in cutlass.range_constexpr(4):
+                        xs[(u * B + b) * 8 + e] = xl[e]
+                        xs[(u * B + b) * 8 + 4 + e] = xh[e]
+        acc = cute.make_rmem_tensor((R * B,), Float32)
+        for i in cutlass.range_constexpr(R * B):
+            acc[i] = Float32(0.0)
+        for u in cutlass.range_constexpr(P):
+            for h in cutlass.range_constexpr(R):
+                q = (u * R + h) * 4
+                wv = unpack_bf16x8(w[q], w[q + 1], w[q + 2], w[q + 3])
+                for b in cutlass.range_constexpr(B):
+                    a = acc[h * B + b]
+                    for e in cutlass.range_constexpr(8):
+                        a = a + wv[e] * xs[(u * B + b) * 8 + e]
+                    acc[h * B + b] = a
+        for h in cutlass.range_constexpr(R):
+            row = g0 + rg * R + h
+            for b in cutlass.range_constexpr(B):
+                dot = warp_sum(acc[h * B + b])
+                if lane == 0:
+                    s_part[((row * n_seg) + seg0 + sg) * B + b] = dot
+
+    @cute.jit
+    def epilogue(self, tidx: Int32, warp: Int32, lane: Int32, c0: Int32, rows: Int32, n_seg: Int32, a0: Int32,
+                 tile: Int32, is_gate_up: Boolean, is_lm: Boolean, has_norm: Boolean, has_res: Boolean,
+                 res_addr: Int64, res0: Float32, out_addr: Int64, out_w: Int32, s):
+        """One chunk's outputs, one thread per (row, sequence): the row's partials summed in segment order,
+        times the RMSNorm scale, then the stage's store; the LM head also reduces the chunk's (max, argmax)
+        into the tile's per sequence (ties -> lowest row). No barrier at the end: the next chunk begins
+        with one, and the instruction's signal follows one."""
+        s_ired = s.ired; s_part = s.part; s_red = s.red; s_rstd = s.rstd; s_wi = s.wi; s_wv = s.wv
+        B, H = self.B, self.H
+        n_out = rows * B
+        if is_gate_up:
+            n_out = (rows // 2) * B
+        for t in range(tidx, n_out, self.cthreads):
+            r = t // B
+            b = t - r * B
+            scale = Float32(1.0)
+            if has_norm:
+                scale = s_rstd[b]
+            ob = out_addr + Int64(b) * Int64(out_w) * 4
+            if is_gate_up:
+                # output r = (pair p, row j): gate row p*16+j, up row p*16+8+j
+                pr = r // ROW_GROUP
+                jr = r - pr * ROW_GROUP
+                gr = pr * (2 * ROW_GROUP) + jr
+                g = Float32(0.0)
+                up = Float32(0.0)
+                for sg in range(n_seg):
+                    g = g + s_part[(gr * n_seg + sg) * B + b]
+                    up = up + s_part[((gr + ROW_GROUP) * n_seg + sg) * B + b]
+                g = g * scale
+                up = up * scale
+                silu = g / (Float32(1.0) + ex2(-g * Float32(LOG2E)))
+                st_f32(ob + Int64(c0 // 2 + r) * 4, silu * up)
+            else:
+                y = Float32(0.0)
+                for sg in range(n_seg):
+                    y = y + s_part[(r * n_seg + sg) * B + b]
+                y = y * scale
+                if has_res:
+                    if c0 == 0 and t == tidx:
+                        y = y + res0
+                    else:
+                        y = y + ld_f32(res_addr + (Int64(b) * Int64(H) + Int64(c0 + r)) * 4)
+                st_f32(ob + Int64(c0 + r) * 4, y)
+                if is_lm:
+                    s_part[(r * n_seg) * B + b] = y          # keep the logit for the argmax below
+        if is_lm:
+            self.consumer_sync()
+            for b in cutlass.range_constexpr(B):
+                bv = Float32(-math.inf)
+                bi = Int32(0x7FFFFFFF)
+                for r in range(tidx, rows, self.cthreads):
+                    v = s_part[(r * n_seg) * B + b]
+                    if v > bv:
+                        bv = v
+                        bi = a0 + c0 + r
+                bv, bi = warp_max_index(bv, bi)
+                if lane == 0:
+                    s_wv[warp * B + b] = bv
+                    s_wi[warp * B + b] = bi
+            self.consumer_sync()
+            if tidx < B:
+                bv, bi = self.merge_warp_maxima(tidx, s_red[tidx], s_ired[tidx], s)
+                s_red[tidx] = bv          # (read and written by thread b alone)
+                s_ired[tidx] = bi
+
+    @cute.jit
+    def rms_statistic(self, tidx: Int32, warp: Int32, lane: Int32, K: Int32, ss: cute.Tensor, s):
+        """s_rstd[b] = rsqrt(mean(x^2) + eps) from every thread's partial sum(x^2) in ss (a barrier is
+        needed before s.rstd is read)."""
+        s_rstd = s.rstd; s_wv = s.wv
+        for b in cutlass.range_constexpr(self.B):
+            tot = warp_sum(ss[b])
+            if lane == 0:
+                s_wv[warp * self.B + b] = tot
+        self.consumer_sync()
+        if tidx < self.B:
+            tot = Float32(0.0)
+            for w in range(self.warps):
+                tot = tot + s_wv[w * self.B + tidx]
+            s_rstd[tidx] = rsqrt(tot / Float32(K) + Float32(self.eps))
+
+    @cute.jit
+    def stage(self, tidx: Int32, layer: Int32, K: Int32, merge: Boolean, from_embed: Boolean, gather: Boolean,
+              in_addr: Int64, norm_addr: Int64, p, s, ss: cute.Tensor, s0: Int32,
+              kw: Int32, stride: Int32):
+        """Columns s0 .. s0 + kw of every sequence's matvec input into s.x at row stride `stride`: O_PROJ's
+        merged attention splits where `merge`, layer 0's embedding row where `from_embed`, else the input
+        row; times the norm weight, with sum(x^2) into ss where `gather`."""
+        s_x = s.x
+        if merge:
+            self.stage_merged_attention(tidx, layer, p, s, s0, kw, stride)
+        else:
+            for b in cutlass.range_constexpr(self.B):
+                row = in_addr + Int64(b) * Int64(K) * 4
+                if cutlass.const_expr(self.layout.embed_folded):
+                    if from_embed:
+                        tok = ld_i32(p.tokens + Int64(b) * 4)
+                        if tok < 0 or tok >= self.V:
+                            tok = Int32(0)            # EMBED reports it in the error word
+                        row = p.w_embed + Int64(tok) * (self.H * 2)
+                for q0 in range(tidx, kw // 4, self.cthreads * X_UNROLL):
+                    for v in cutlass.range_constexpr(X_UNROLL):
+                        q = q0 + v * self.cthreads
+                        if q < kw // 4:
+                            k = s0 + q * 4
+                            xv = cute.make_rmem_tensor((4,), Float32)
+                            if cutlass.const_expr(self.layout.embed_folded):
+                                if from_embed:
+                                    xe = load_weights_bf16x4(row + Int64(k) * 2)
+                                    for e in cutlass.range_constexpr(4):
+                                        xv[e] = xe[e]
+                                else:
+                                    xg = load_f32x4(row + Int64(k) * 4)
+                                    for e in cutlass.range_constexpr(4):
+                                        xv[e] = xg[e]
+                            else:
+                                xg = load_f32x4(row + Int64(k) * 4)
+                                for e in cutlass.range_constexpr(4):
+                                    xv[e] = xg[e]
+                            nv = load_weights_bf16x4(norm_addr + Int64(k) * 2)
+                            for e in cutlass.range_constexpr(4):
+                                if gather:
+                                    ss[b] = ss[b] + xv[e] * xv[e]
+                                s_x[b * stride + q * 4 + e] = xv[e] * nv[e]
+
+    @cute.jit
+    def stage_merged_attention(self, tidx: Int32, layer: Int32, p, s, s0: Int32,
+                               kw: Int32, stride: Int32):
+        """O_PROJ folded with the attention merge: s.x = the merged attention output of every sequence, one
+        quad per thread at a time (each quad is 2 x splits loads)."""
+        s_x = s.x
+        for b in cutlass.range_constexpr(self.B):
+            for q in range(tidx, kw // 4, self.cthreads):
+                xv = cute.make_rmem_tensor((4,), Float32)
+                self.merge_quad(layer, b, s0 + q * 4, p.attn_part_o, p.attn_part_lse, xv)
+                for e in cutlass.range_constexpr(4):
+                    s_x[b * stride + q * 4 + e] = xv[e]

@@ -1,0 +1,278 @@
+"""The weight stream: a producer warp per CTA walks the CTA's own queue and bulk-copies the weight tiles
+of its matvec instructions into a ring of shared-memory slots, as far ahead as the ring allows.
+
+Weights never depend on activations, so the producer never waits on a step counter: while the consumer
+warps wait for the stage they read (a dependency hop, ~5 us), the ring fills with the next instructions'
+weights, across instruction and layer boundaries, and HBM stays busy.
+
+A slot is one bulk-copy unit: `rows` consecutive rows of a tile times one column slab of the matrix,
+landed row-major (`slab_cols` bf16 per row). Each slot has a `full` mbarrier (the producer arms it with
+the slot's byte count, the copy engine completes it) and an `empty` mbarrier (each consumer warp arrives
+once it is past the slot). Producer and consumers enumerate a tile's slots in the same order, chunk by
+chunk (the rows whose partial sums fit shared memory at once), slab by slab, row group by row group, so
+slot number k of the CTA is ring slot k % slots in use k // slots by both sides.
+
+`StreamPlan` is the host-side geometry (pure Python, tested on the CPU); `WeightStream` is the producer's
+device code, a mixin of the interpreter (megakernel.kernel.interpreter).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Int32, Int64
+
+from ..instructions.layout import COL_PASS, ROW_GROUP
+from ..instructions.opcodes import Opcode
+from ..instructions.record import W_A0, W_A1, W_LAYER, W_OPCODE, WORDS
+from .ptx import (atomic_cas, bulk_copy_g2s, globaltimer_lo, load_shared_volatile, mbarrier_arrive_expect_tx,
+                  mbarrier_try_wait, st_i32, store_relaxed)
+
+SLOT_BYTES = 16 * 1024      # one slot: 16 KiB of weights (1 KiB = 2 x 512-byte warp passes per lane group)
+MAX_SLOTS = 12              # ring depth cap: 192 KiB covers a ~6 us hop at the per-SM share of HBM
+MIN_SLOTS = 4
+PART_FLOATS = 4096          # partial dot products of one chunk kept in shared memory (more where one unit needs it)
+X_WHOLE_BYTES = 64 * 1024   # a matvec input (all sequences, float32) staged whole up to this size, else per slab
+
+ERR_RING = 4                # error code: a weight-ring wait timed out
+
+OP_QKV, OP_O_PROJ, OP_DOWN, OP_LM_HEAD = int(Opcode.QKV), int(Opcode.O_PROJ), int(Opcode.DOWN), int(Opcode.LM_HEAD)
+OP_ATTN_PARTIAL, OP_ATTN_REDUCE = int(Opcode.ATTN_PARTIAL), int(Opcode.ATTN_REDUCE)
+
+
+@cute.jit
+def is_matvec(op: Int32) -> Boolean:
+    """QKV, O_PROJ, GATE_UP, DOWN and LM_HEAD: the opcodes that stream a weight tile."""
+    return op >= OP_QKV and op <= OP_LM_HEAD and op != OP_ATTN_PARTIAL and op != OP_ATTN_REDUCE
+
+
+def item_shape(batch: int) -> tuple[int, int]:
+    """(rows, passes) of one consumer work item: `rows` rows share every input load (fewer shared-memory
+    reads of x per weight byte as the batch grows), `passes` 256-column passes accumulate in registers
+    before the warp's reduction (fewer shuffles per weight byte), within the registers of 8 warps."""
+    if batch <= 1:
+        return 2, 4
+    if batch <= 2:
+        return 2, 2
+    if batch <= 4:
+        return 4, 2
+    return 4, 1
+
+
+@dataclass(frozen=True)
+class SlotGeometry:
+    """How the tiles of a matrix with K columns are cut into slots, chunks and work items."""
+
+    k: int
+    slab_cols: int       # columns of a slot row, a multiple of COL_PASS (the last slab: what is left of K)
+    n_slab: int
+    rows_per_slot: int   # a multiple of the item's rows; the last slot of a chunk may hold fewer
+    segs_per_slab: int   # work items across a slab row: ceil(slab passes / item passes)
+    chunk_rows: int      # rows whose partials share memory at once: a multiple of rows_per_slot and 2 ROW_GROUPs
+    x_whole: bool        # the input's K columns are staged once per instruction (else one slab at a time)
+
+    @property
+    def n_seg(self) -> int:
+        """Partial sums per (row, sequence): the epilogue adds them in this fixed order."""
+        return self.n_slab * self.segs_per_slab
+
+    def slab_width(self, sl: int) -> int:
+        """Columns of slab sl."""
+        return min(self.slab_cols, self.k - sl * self.slab_cols)
+
+    @property
+    def x_cols(self) -> int:
+        """Columns of one sequence's input row staged at a time."""
+        return self.k if self.x_whole else self.slab_cols
+
+    def slots(self, rows: int) -> int:
+        """Slots of a tile of `rows` rows."""
+        n = 0
+        for c0 in range(0, rows, self.chunk_rows):
+            n += self.n_slab * -(-min(self.chunk_rows, rows - c0) // self.rows_per_slot)
+        return n
+
+
+def slot_geometry(k: int, batch: int) -> SlotGeometry:
+    """The slot geometry of a K-column matrix at a batch size: the fewest slabs whose item rows fit a
+    slot, slots as many rows as fit, chunks as many rows as PART_FLOATS partials allow."""
+    if k % COL_PASS:
+        raise ValueError(f"K={k} must be a multiple of {COL_PASS}")
+    rows, passes = item_shape(batch)
+    ppr = k // COL_PASS
+    # the fewest slabs whose item rows fit a slot; equal widths but the last, which may be narrower (any
+    # K, an odd or prime K / 256 too, gets slabs as wide as a slot allows)
+    per_slab = -(-ppr // max(1, -(-k * 2 * rows // SLOT_BYTES)))
+    while per_slab * COL_PASS * 2 * rows > SLOT_BYTES:
+        per_slab -= 1
+    slab = per_slab * COL_PASS
+    n_slab = -(-ppr // per_slab)
+    rows_per_slot = rows * max(1, SLOT_BYTES // (slab * 2 * rows))
+    segs = -(-(slab // COL_PASS) // passes)
+    unit = math.lcm(rows_per_slot, 2 * ROW_GROUP)
+    n_seg = n_slab * segs
+    # (at least one unit of rows: the partial buffer grows past PART_FLOATS where one unit needs more)
+    chunk = max(unit, PART_FLOATS // (n_seg * batch) // unit * unit)
+    return SlotGeometry(k=k, slab_cols=slab, n_slab=n_slab, rows_per_slot=rows_per_slot, segs_per_slab=segs,
+                        chunk_rows=chunk, x_whole=batch * k * 4 <= X_WHOLE_BYTES)
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """The slot geometry of each matrix width of a model at one batch size (K = hidden, q or
+    intermediate size), and the ring's depth once the rest of shared memory is known."""
+
+    batch: int
+    by_k: dict
+
+    @classmethod
+    def for_config(cls, config, batch: int) -> "StreamPlan":
+        ks = sorted({config.hidden_size, config.q_size, config.intermediate_size})
+        return cls(batch=batch, by_k={k: slot_geometry(k, batch) for k in ks})
+
+    def geometry(self, k: int) -> SlotGeometry:
+        return self.by_k[k]
+
+    @property
+    def part_floats(self) -> int:
+        """Floats of the partial-sum buffer: the largest chunk's (rows x segments x sequences)."""
+        return max(g.chunk_rows * g.n_seg * self.batch for g in self.by_k.values())
+
+    @property
+    def x_floats(self) -> int:
+        """Floats of the staged-input buffer: the widest staged row, all sequences."""
+        return self.batch * max(g.x_cols for g in self.by_k.values())
+
+    @staticmethod
+    def ring_slots(free_bytes: int) -> int:
+        """Slots (with their full and empty mbarriers) that fit in `free_bytes` of shared memory, up to
+        MAX_SLOTS; ValueError under MIN_SLOTS."""
+        n = min(MAX_SLOTS, free_bytes // (SLOT_BYTES + 16))
+        if n < MIN_SLOTS:
+            raise ValueError(f"only {free_bytes} bytes of shared memory are left for the weight ring; it needs "
+                             f"at least {MIN_SLOTS} slots of {SLOT_BYTES} (use fewer kv_splits or a smaller batch)")
+        return n
+
+
+class WeightStream:
+    """Device code of the producer warp (a mixin: `self` is the interpreter, which holds the plan and the
+    weight-tile geometry)."""
+
+    @cute.jit
+    def tile_geometry(self, op: Int32):
+        """(K, slab_cols, n_slab, rows_per_slot, segs_per_slab, chunk_rows, x_whole) of a matvec opcode as
+        runtime values: O_PROJ's K is q_size, DOWN's the intermediate size, the others' the hidden size."""
+        g, go, gd = self.plan.geometry(self.H), self.plan.geometry(self.Q), self.plan.geometry(self.F)
+        k, slab, n_slab, rps = Int32(g.k), Int32(g.slab_cols), Int32(g.n_slab), Int32(g.rows_per_slot)
+        segs, chunk, whole = Int32(g.segs_per_slab), Int32(g.chunk_rows), Int32(int(g.x_whole))
+        if op == OP_O_PROJ:
+            k, slab, n_slab, rps = Int32(go.k), Int32(go.slab_cols), Int32(go.n_slab), Int32(go.rows_per_slot)
+            segs, chunk, whole = Int32(go.segs_per_slab), Int32(go.chunk_rows), Int32(int(go.x_whole))
+        if op == OP_DOWN:
+            k, slab, n_slab, rps = Int32(gd.k), Int32(gd.slab_cols), Int32(gd.n_slab), Int32(gd.rows_per_slot)
+            segs, chunk, whole = Int32(gd.segs_per_slab), Int32(gd.chunk_rows), Int32(int(gd.x_whole))
+        return k, slab, n_slab, rps, segs, chunk, whole
+
+    @cute.jit
+    def produce(self, lane: Int32, sm: Int32, s_queue: cute.Tensor, n: Int32, ring: Int32, full: Int32,
+                empty: Int32, abort_addr: Int32, w_qkv: Int64, w_o: Int64, w_gate_up: Int64, w_down: Int64,
+                w_lm_head: Int64, error: Int64, trace: Int64):
+        """The producer warp's whole life: every matvec tile of the queue, slot by slot, each into the next
+        ring slot once every consumer warp has left it; then wait until every copy issued has landed (a CTA
+        must not exit with a bulk copy in flight). Stops issuing when the consumers abort (abort_addr) or a
+        slot stays occupied past the timeout (error word ERR_RING). The slot loops are the consumers' (chunk,
+        slab, row group), stepped by additions: the producer is on the critical path whenever the ring has
+        just been freed, and a slot index decoded by divisions measured 7% slower (profiles/RESULTS.md)."""
+        NS = self.ring_slots
+        k = Int32(0)
+        stop = Int32(0)
+        for i in range(n):
+            ins = i * WORDS
+            op = s_queue[ins + W_OPCODE]
+            if stop == 0:
+                stop = cute.arch.shuffle_sync(load_shared_volatile(abort_addr), 0)
+            if is_matvec(op) and stop == 0:
+                if cutlass.const_expr(self.options.trace):
+                    if lane == 0:
+                        st_i32(trace + (Int64(sm) * self.max_queue_len + Int64(i)) * 32 + 24, globaltimer_lo())
+                w_addr, _ = self.weight_tile(op, s_queue[ins + W_LAYER], s_queue[ins + W_A0], w_qkv, w_o,
+                                             w_gate_up, w_down, w_lm_head)
+                K, slab, n_slab, rps, _, chunk, _ = self.tile_geometry(op)
+                a1 = s_queue[ins + W_A1]
+                for c0 in range(0, a1, chunk):
+                    crows = a1 - c0
+                    if crows > chunk:
+                        crows = chunk
+                    for sl in range(n_slab):
+                        for g0 in range(0, crows, rps):
+                            nr = crows - g0
+                            if nr > rps:
+                                nr = rps
+                            slot = k % NS
+                            if stop == 0:
+                                stop = self.wait_slot(empty + slot * 8, ((k // NS) % 2) ^ 1, abort_addr, error)
+                            if stop == 0 and lane == 0:     # (stop is the same on every lane)
+                                dst = ring + slot * SLOT_BYTES
+                                width = K - sl * slab              # the last slab may be narrower
+                                if width > slab:
+                                    width = slab
+                                nbytes = nr * width * 2
+                                mbarrier_arrive_expect_tx(full + slot * 8, nbytes)
+                                row0 = Int64(c0 + g0)
+                                if n_slab == 1:
+                                    bulk_copy_g2s(dst, w_addr + row0 * Int64(K) * 2, nbytes, full + slot * 8)
+                                else:
+                                    # one copy per row, landed at row stride slab_cols
+                                    for r in range(nr):
+                                        bulk_copy_g2s(dst + r * slab * 2,
+                                                      w_addr + ((row0 + r) * Int64(K) + Int64(sl * slab)) * 2,
+                                                      width * 2, full + slot * 8)
+                            if stop == 0:
+                                k = k + 1
+                if cutlass.const_expr(self.options.trace):
+                    if lane == 0:
+                        st_i32(trace + (Int64(sm) * self.max_queue_len + Int64(i)) * 32 + 28, globaltimer_lo())
+        # the last use of every ring slot has landed (consumed ones long ago; after an abort, in flight)
+        for j in range(NS):
+            if j < k:
+                last = (k - 1 - j) // NS * NS + j          # the latest slot number using ring slot j
+                done = mbarrier_try_wait(full + j * 8, (last // NS) % 2)
+                while done == 0:
+                    done = mbarrier_try_wait(full + j * 8, (last // NS) % 2)
+
+    @cute.jit
+    def wait_slot(self, mbar: Int32, parity: Int32, abort_addr: Int32, error: Int64) -> Int32:
+        """Spin until the mbarrier's phase of `parity` completes; 1 if the CTA aborted meanwhile or the wait
+        ran past the timeout (then ERR_RING goes to the error word and the abort flag is raised), else 0."""
+        done = mbarrier_try_wait(mbar, parity)
+        stop = Int32(0)
+        t0 = cute.arch.globaltimer()
+        while done == 0 and stop == 0:
+            done = mbarrier_try_wait(mbar, parity)
+            if done == 0:
+                stop = load_shared_volatile(abort_addr)
+                if cute.arch.globaltimer() - t0 > self.options.timeout_ns:
+                    stop = Int32(1)
+                    if cute.arch.lane_idx() == 0:
+                        if atomic_cas(error, Int32(0), Int32(ERR_RING)) == 0:
+                            store_relaxed(error + 12, parity)
+        return cute.arch.shuffle_sync(stop, 0)          # one verdict for the warp: lane 0's
+
+    @cute.jit
+    def wait_full(self, mbar: Int32, parity: Int32, error: Int64):
+        """A consumer warp's wait for a slot's weights (bounded like every wait: past the timeout it
+        writes ERR_RING and goes on; the step's outputs are then invalid and the host raises)."""
+        done = mbarrier_try_wait(mbar, parity)
+        ok = Boolean(True)
+        t0 = cute.arch.globaltimer()
+        while done == 0 and ok:
+            done = mbarrier_try_wait(mbar, parity)
+            if cute.arch.globaltimer() - t0 > self.options.timeout_ns:
+                ok = Boolean(False)
+        if not ok:
+            if cute.arch.lane_idx() == 0:
+                if atomic_cas(error, Int32(0), Int32(ERR_RING)) == 0:
+                    store_relaxed(error + 12, parity)

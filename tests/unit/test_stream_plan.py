@@ -1,0 +1,102 @@
+"""The weight stream's geometry (megakernel/kernel/stream.py), on the CPU: for any matrix width and batch, the
+slots of a tile cover every weight of it exactly once in the order both sides walk (chunk, slab, row group),
+every (row, 256-column pass) is one consumer work item's exactly once, each work item's partial sums land in
+slots of their own, and the sizes fit the shared memory the kernel reserves for them.
+
+The walk below restates the device loops of WeightStream.produce and MatvecStage.matvec from their
+docstrings; the GPU stage tests run the device code itself on the same geometry.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from megakernel.instructions.layout import COL_PASS, ROW_GROUP
+from megakernel.kernel.stream import (PART_FLOATS, SLOT_BYTES, X_WHOLE_BYTES, StreamPlan, item_shape,
+                                      slot_geometry)
+from megakernel.model.presets import get_preset
+
+
+def walk(g, rows: int, batch: int):
+    """(slots, weights copied, items consumed, partial slots written) of one tile of `rows` rows."""
+    item_rows, item_passes = item_shape(batch)
+    copied: dict[tuple[int, int], int] = {}
+    consumed: dict[tuple[int, int], int] = {}
+    partials: dict[tuple[int, int], int] = {}
+    slots = 0
+    for c0 in range(0, rows, g.chunk_rows):
+        crows = min(g.chunk_rows, rows - c0)
+        for sl in range(g.n_slab):
+            width = g.slab_width(sl)
+            for g0 in range(0, crows, g.rows_per_slot):
+                nr = min(g.rows_per_slot, crows - g0)
+                slots += 1
+                assert nr * width * 2 <= SLOT_BYTES and nr % item_rows == 0
+                for r in range(nr):
+                    for col in range(sl * g.slab_cols, sl * g.slab_cols + width, COL_PASS):
+                        copied[(c0 + g0 + r, col)] = copied.get((c0 + g0 + r, col), 0) + 1
+                for j in range((nr // item_rows) * g.segs_per_slab):
+                    rg, sg = divmod(j, g.segs_per_slab)
+                    for h in range(item_rows):
+                        row = g0 + rg * item_rows + h                    # row within the chunk
+                        slot = row * g.n_seg + sl * g.segs_per_slab + sg
+                        assert 0 <= slot < g.chunk_rows * g.n_seg
+                        partials[(c0 + row, slot)] = partials.get((c0 + row, slot), 0) + 1
+                        for u in range(item_passes):
+                            pas = sg * item_passes + u
+                            if pas < width // COL_PASS:
+                                key = (c0 + row, sl * g.slab_cols + pas * COL_PASS)
+                                consumed[key] = consumed.get(key, 0) + 1
+    return slots, copied, consumed, partials
+
+
+@given(passes=st.integers(1, 64), batch=st.integers(1, 8), groups=st.integers(1, 200))
+def test_slots_cover_every_weight_once_and_items_every_pass_once(passes, batch, groups):
+    k = passes * COL_PASS
+    rows = groups * 2 * ROW_GROUP          # tiles are whole (gate, up) pairs of ROW_GROUP rows or more
+    g = slot_geometry(k, batch)
+    what = f"K={k} batch={batch} rows={rows}: {g}"
+    item_rows, item_passes = item_shape(batch)
+    assert g.slab_cols % COL_PASS == 0 and g.slab_cols * 2 * item_rows <= SLOT_BYTES, what
+    assert (g.n_slab - 1) * g.slab_cols < k <= g.n_slab * g.slab_cols, what
+    assert g.rows_per_slot % item_rows == 0 and g.rows_per_slot * g.slab_cols * 2 <= SLOT_BYTES, what
+    assert g.chunk_rows % g.rows_per_slot == 0 and g.chunk_rows % (2 * ROW_GROUP) == 0, what
+    assert g.segs_per_slab == -(-(g.slab_cols // COL_PASS) // item_passes), what
+    assert g.x_whole == (batch * k * 4 <= X_WHOLE_BYTES), what
+    slots, copied, consumed, partials = walk(g, rows, batch)
+    every = {(r, col) for r in range(rows) for col in range(0, k, COL_PASS)}
+    assert slots == g.slots(rows), what
+    assert set(copied) == every and set(copied.values()) == {1}, f"{what}: a weight copied twice or never"
+    assert set(consumed) == every and set(consumed.values()) == {1}, f"{what}: a pass consumed twice or never"
+    assert set(partials.values()) == {1}, f"{what}: two work items write one partial slot"
+    assert {slot % g.n_seg for _, slot in partials} == set(range(g.n_seg)), what
+
+
+@pytest.mark.parametrize("name", ("tiny-llama", "tiny-qwen3", "llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b",
+                                  "llama-2-7b"))
+@pytest.mark.parametrize("batch", range(1, 9))
+def test_preset_plans_fit_and_use_wide_slabs(name, batch):
+    """Every width of a real model: as few slabs as a slot's width allows (an odd or prime K / 256, such as
+    Llama-2-7B's 11008 = 43 x 256, too: wide slabs and a narrower last one, not 256-column slabs), and at
+    most a partial buffer of PART_FLOATS unless one chunk unit needs more."""
+    config = get_preset(name)
+    plan = StreamPlan.for_config(config, batch)
+    item_rows, _ = item_shape(batch)
+    for k, g in plan.by_k.items():
+        what = f"{name} batch={batch} K={k}: {g}"
+        widest = SLOT_BYTES // (2 * item_rows) // COL_PASS * COL_PASS
+        assert g.n_slab == -(-k // widest), f"{what}: more slabs than a slot's width needs"
+        assert g.slab_cols >= min(k, 1024), f"{what}: narrow slabs"
+        unit = max(g.rows_per_slot, 2 * ROW_GROUP)
+        assert g.chunk_rows * g.n_seg * batch <= max(PART_FLOATS, unit * g.n_seg * batch), what
+    assert plan.part_floats == max(g.chunk_rows * g.n_seg * batch for g in plan.by_k.values())
+    assert plan.x_floats == batch * max(g.x_cols for g in plan.by_k.values())
+
+
+def test_ring_depth_is_what_fits_between_the_bounds():
+    assert StreamPlan.ring_slots(200 * 1024) == 12
+    assert StreamPlan.ring_slots(5 * (SLOT_BYTES + 16)) == 5
+    with pytest.raises(ValueError, match="weight ring"):
+        StreamPlan.ring_slots(3 * (SLOT_BYTES + 16))
