@@ -213,11 +213,7 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
                    "for t in range(t0, num_tiles, step):\n" + _SCAN_BODY.replace("vi < bi", "vi > bi")),
              Patch(K_TOKENS, "for w in range(self.warps):\n" + _MERGE_BODY,
                    "for w in range(self.warps):\n" + _MERGE_BODY.replace("vi < bi", "vi > bi"))))
-    # the LM head pool is opt-in (MegakernelEngine(lm_pool_rows=...)): its tests, not the default GPU probes
-    + [Mutation("lm_pool_ticket_not_reset",
-                "the LM head pool's ticket is not reset after a step, so later steps compute no pool tile",
-                (Patch(VM_MODULE, "            sync[2] = 0 ", "            pass "),),
-                (Probe("vm-lm-pool", (f"{VM}::test_vm_with_an_lm_head_pool_gives_the_same_steps",)),)),
+    + [
        # the weight ring (megakernel/kernel/stream.py): device-only, no VM twin
        Mutation("ring_phase_flipped.kernel",
                 "consumers wait for the weight slot's full barrier with the parity of its previous use, so they read "

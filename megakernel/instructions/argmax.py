@@ -30,8 +30,7 @@ def writes(ins: Instruction, layout) -> list:
 def reference(ins: Instruction, ctx: StageContext) -> None:
     b = ctx.bufs
     vals, idx = b.lm_max[:, :ins.a0], b.lm_idx[:, :ins.a0]
-    # the largest value; among equal ones the lowest row (a slot's row need not grow with the slot
-    # where the LM head has a pool)
+    # the largest value; among equal ones the lowest row (whatever the slot that holds it)
     top = vals.max(dim=1, keepdim=True).values
     b.out_tokens.copy_(torch.where(vals == top, idx, torch.iinfo(torch.int32).max).min(dim=1).values)
     b.tokens.copy_(b.out_tokens)

@@ -28,20 +28,6 @@ SMEM_LIMIT = 227 * 1024
 SMEM_RESERVE = 24 * 1024
 
 
-# Share of the LM head's rows in the static tiles (one per SM) of a layout with an LM head pool.
-LM_POOL_STATIC = 0.75
-
-
-@dataclass(frozen=True)
-class LmPool:
-    """StepLayout.lm_pool: static tile i holds rows [i * static_rows, (i + 1) * static_rows); pool tile t
-    rows [start + t * pool_rows, ...) up to the vocabulary size."""
-    static_rows: int
-    start: int
-    pool_rows: int
-    tiles: int
-
-
 @dataclass(frozen=True)
 class StepLayout:
     """Everything static about a decode step: model shape, batch bucket, KV splits, cache geometry."""
@@ -55,7 +41,6 @@ class StepLayout:
     fuse_attn_reduce: bool | None = None   # None: wherever the matvec input is staged (stages_input)
     slab_staging: bool = False             # stage inputs wider than X_STAGE_BYTES in column slabs
     fold_embed: bool = False               # layer 0's QKV stages embed[token] itself (embed_folded)
-    lm_pool_rows: int = 0                  # rows of each LM head pool tile (lm_pool); 0: static tiles only
 
     @property
     def max_seq_len(self) -> int:
@@ -91,26 +76,6 @@ class StepLayout:
         return bool(self.fold_embed) and self.stages_input and self.input_bytes <= X_STAGE_BYTES
 
     @property
-    def lm_pool(self) -> "LmPool | None":
-        """The LM head split into a static part and a pool (lm_pool_rows > 0), or None.
-
-        The vocabulary's rows are the slowest stage to balance statically: on the H200 some SMs stream
-        their tile up to 14% slower than others (their place on the chip), and ARGMAX waits for the
-        slowest. With a pool, one tile of `static_rows` rows per SM covers about LM_POOL_STATIC of the
-        rows (preloaded before the wait, as every tile); the rest is cut into pool tiles of `pool_rows`
-        that the CTAs take from a ticket counter (sync[2]) once their own tile is done, so a faster SM
-        takes more. None where the static share would be under ROW_GROUP rows per SM."""
-        if not self.lm_pool_rows:
-            return None
-        v = self.config.vocab_size
-        static = ROW_GROUP * int(v * LM_POOL_STATIC / ROW_GROUP / self.num_sms)
-        start = static * self.num_sms
-        if static < ROW_GROUP or start >= v:
-            return None
-        return LmPool(static_rows=static, start=start, pool_rows=self.lm_pool_rows,
-                      tiles=-(-(v - start) // self.lm_pool_rows))
-
-    @property
     def fused_reduce(self) -> bool:
         """O_PROJ merges the attention splits itself (operand a3 = splits) instead of an ATTN_REDUCE stage."""
         return self.stages_input if self.fuse_attn_reduce is None else self.fuse_attn_reduce
@@ -141,8 +106,6 @@ class StepLayout:
                              f"{self.batch} x K {max(c.hidden_size, c.q_size, c.intermediate_size)} x 4 bytes "
                              f"does not fit (at most {X_STAGE_BYTES}, with the CTA's other buffers within "
                              f"{SMEM_LIMIT})")
-        if self.lm_pool_rows < 0 or self.lm_pool_rows % ROW_GROUP:
-            raise ValueError(f"lm_pool_rows={self.lm_pool_rows} must be a non-negative multiple of {ROW_GROUP}")
         if self.block_size < 1 or self.max_blocks_per_seq < 1:
             raise ValueError(f"block_size={self.block_size} and max_blocks_per_seq={self.max_blocks_per_seq} must be >= 1")
 

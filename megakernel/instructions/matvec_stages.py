@@ -15,12 +15,6 @@ is then embed[token] (float32), what EMBED writes to x[0], read from the table d
 | GATE_UP | gate_up[l]        | h[l]                     | RMSNorm mlp_norm    | act[l] = silu(y_gate) * y_up    |
 | DOWN    | down[l]           | act[l]                   | -                   | x[l+1] = h[l] + y               |
 | LM_HEAD | lm_head           | x[L]                     | RMSNorm final_norm  | logits = y; (max, argmax) tile  |
-
-LM_HEAD's a3 = 1 in a layout with an LM head pool (StepLayout.lm_pool): after its own tile the instruction
-takes pool tiles by ticket (sync[2], which the step's last CTA resets) until none is left, and its argmax
-slot a2 covers every row it computed. Each pool tile goes to exactly one instruction (the ticket is an
-atomic counter), so the static race check (schedule.verify) sees only the static tiles: no two of them
-overlap, and ARGMAX waits for every LM_HEAD instruction, hence for every pool tile.
 """
 
 from __future__ import annotations
@@ -115,26 +109,10 @@ def reference(ins: Instruction, ctx: StageContext) -> None:
         b.x[l + 1, :, lo:hi] = b.h[l, :, lo:hi] + matvec(w.down[l, lo:hi], b.act[l])
     elif op == Opcode.LM_HEAD:
         xn = rms_normalize(b.x[c.num_layers], w.final_norm, eps)
-        spans = [(lo, hi)]
-        if ins.a3:
-            # the pool (StepLayout.lm_pool): after its own tile, take the next ticket until none is left
-            pool = ctx.layout.lm_pool
-            while int(b.sync[2]) < pool.tiles:
-                r0 = pool.start + int(b.sync[2]) * pool.pool_rows
-                b.sync[2] += 1
-                spans.append((r0, min(r0 + pool.pool_rows, c.vocab_size)))
-        best = idx = None
-        for r0, r1 in spans:               # in increasing row order: a later tile wins only when larger
-            y = matvec(w.lm_head[r0:r1], xn)
-            b.logits[:, r0:r1] = y
-            m, i = y.max(dim=1)            # torch returns the first index among equal maxima
-            i = (i + r0).to(torch.int32)
-            if best is None:
-                best, idx = m, i
-            else:
-                take = m > best
-                best, idx = torch.where(take, m, best), torch.where(take, i, idx)
-        b.lm_max[:, ins.a2] = best
-        b.lm_idx[:, ins.a2] = idx
+        y = matvec(w.lm_head[lo:hi], xn)
+        b.logits[:, lo:hi] = y
+        m, i = y.max(dim=1)                # torch returns the first index among equal maxima
+        b.lm_max[:, ins.a2] = m
+        b.lm_idx[:, ins.a2] = (i + lo).to(torch.int32)
     else:
         raise ValueError(f"{op!r} is not a matvec stage")

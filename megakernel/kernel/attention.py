@@ -89,7 +89,7 @@ class AttentionStage:
     @cute.jit
     def attn_partial(self, tidx: Int32, warp: Int32, lane: Int32, layer: Int32, b: Int32, kvh: Int32,
                      split: Int32, num_splits: Int32, index: Int32, p, s):
-        s_kv = s.kv; s_l = s.l; s_m = s.m; s_o = s.o; s_q = s.q
+        s_kv, s_l, s_m, s_o, s_q = s.kv, s.l, s.m, s.o, s.q
         D, E, G, half = self.D, self.E, self.G, self.D // 2
         pos = ld_i32(p.positions + Int64(b) * 4)
         bad = pos < 0 or pos >= self.max_seq_len

@@ -70,7 +70,9 @@ SMEM_LIMIT = 227 * 1024
 
 class Fields:
     """A read-only bag of named values for device code: the step's global addresses (`p`) or the CTA's
-    shared-memory scratch (`s`), so a stage takes two arguments instead of thirty."""
+    shared-memory scratch (`s`), so a stage takes two arguments instead of thirty. (CuTe DSL takes a store
+    through `s.name[i]` inside dynamic control flow for a change of `s` itself: stage code binds the
+    tensors it writes to locals first, `s_x = s.x`.)"""
 
     def __init__(self, **values):
         self.__dict__.update(values)
@@ -83,8 +85,6 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
     def __init__(self, layout: StepLayout, lm_tiles: int, num_counters: int, max_queue_len: int,
                  kv_strides: tuple[int, int, int] | None = None, options: KernelOptions = KernelOptions()):
         layout.validate()
-        if layout.lm_pool is not None:
-            raise ValueError("the streaming core has no LM head pool (lm_pool_rows=0)")
         c = layout.config
         self.layout, self.options = layout, options
         self.num_sms = layout.num_sms

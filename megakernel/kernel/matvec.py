@@ -42,7 +42,7 @@ class MatvecStage:
         """One tile (rows a0 .. a0 + a1 - 1) of a matvec stage; k_slot is the CTA's slot count before it,
         returned advanced by the tile's slots. `p` holds the step's global addresses (StepArgs), `s` the
         shared-memory scratch (SharedScratch)."""
-        s_ired = s.ired; s_red = s.red
+        s_ired, s_red = s.ired, s.red
         B, H = self.B, self.H
         l64 = Int64(layer)
         w_addr, _ = self.weight_tile(op, layer, a0, p.w_qkv, p.w_o, p.w_gate_up, p.w_down, p.w_lm_head)
@@ -225,7 +225,7 @@ class MatvecStage:
         times the RMSNorm scale, then the stage's store; the LM head also reduces the chunk's (max, argmax)
         into the tile's per sequence (ties -> lowest row). No barrier at the end: the next chunk begins
         with one, and the instruction's signal follows one."""
-        s_ired = s.ired; s_part = s.part; s_red = s.red; s_rstd = s.rstd; s_wi = s.wi; s_wv = s.wv
+        s_ired, s_part, s_red, s_rstd, s_wi, s_wv = s.ired, s.part, s.red, s.rstd, s.wi, s.wv
         B, H = self.B, self.H
         n_out = rows * B
         if is_gate_up:
@@ -288,7 +288,7 @@ class MatvecStage:
     def rms_statistic(self, tidx: Int32, warp: Int32, lane: Int32, K: Int32, ss: cute.Tensor, s):
         """s_rstd[b] = rsqrt(mean(x^2) + eps) from every thread's partial sum(x^2) in ss (a barrier is
         needed before s.rstd is read)."""
-        s_rstd = s.rstd; s_wv = s.wv
+        s_rstd, s_wv = s.rstd, s.wv
         for b in cutlass.range_constexpr(self.B):
             tot = warp_sum(ss[b])
             if lane == 0:

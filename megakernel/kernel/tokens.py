@@ -38,7 +38,7 @@ class TokenStages:
         the next token is written and the inputs advanced. At batch 1-2 every consumer thread scans some
         tiles and the warps' results are merged with the same comparison (associative: the same token as a
         serial scan); above, one thread per sequence scans them all."""
-        s_wi = s.wi; s_wv = s.wv
+        s_wi, s_wv = s.wi, s.wv
         if cutlass.const_expr(self.B <= 2):
             for b in cutlass.range_constexpr(self.B):
                 bv, bi = self.scan_tiles(b, tidx, self.cthreads, num_tiles, p)
@@ -76,7 +76,7 @@ class TokenStages:
     def merge_warp_maxima(self, b: Int32, bv: Float32, bi: Int32, s):
         """(bv, bi) merged with every consumer warp's (max, index) of sequence b in s.wv / s.wi (slot
         warp * B + b): the larger value, the lower index among equal ones."""
-        s_wi = s.wi; s_wv = s.wv
+        s_wi, s_wv = s.wi, s.wv
         for w in range(self.warps):
             v = s_wv[w * self.B + b]
             vi = s_wi[w * self.B + b]

@@ -119,18 +119,7 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
         prev = (counter_id(l, Stage.DOWN), n)
     if not lm_head:
         return StepProgram(layout=layout, instructions=tuple(out), num_counters=num_counters(L), lm_tiles=0)
-    pool = layout.lm_pool
-    if pool is None:
-        lm_tiles = matvec_stage(Opcode.LM_HEAD, 0, prev, lm_head_counter(L))
-    else:
-        # one static tile per SM (a3 = 1: then take pool tiles until none is left), each the argmax slot
-        # of every row it covers; the cost is the static tile's (every SM takes its share of the pool)
-        k = c.hidden_size
-        lm_tiles = layout.num_sms
-        for t in range(lm_tiles):
-            add(opcode=Opcode.LM_HEAD, layer=0, a0=t * pool.static_rows, a1=pool.static_rows, a2=t, a3=1,
-                wait_id=prev[0], wait_count=prev[1], signal_id=lm_head_counter(L),
-                cost=pool.static_rows * k * elem + FIXED_COST_BYTES)
+    lm_tiles = matvec_stage(Opcode.LM_HEAD, 0, prev, lm_head_counter(L))
     add(opcode=Opcode.ARGMAX, a0=lm_tiles, wait_id=lm_head_counter(L), wait_count=lm_tiles,
         signal_id=argmax_counter(L), cost=FIXED_COST_BYTES)
     return StepProgram(layout=layout, instructions=tuple(out), num_counters=num_counters(L), lm_tiles=lm_tiles)

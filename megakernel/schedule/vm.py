@@ -57,9 +57,6 @@ class InstructionVM:
                     f"#{i.index} {i.opcode.name} waits counter {i.wait_id} for "
                     f"{(self.epoch + 1) * i.wait_count}, has {self.counters[i.wait_id]}" for i in stuck[:4]))
         self.epoch += 1
-        sync = getattr(self.ctx.bufs, "sync", None)
-        if sync is not None:
-            sync[2] = 0          # the LM head pool's ticket, as the kernel's last CTA out resets it
         return self.ctx.bufs.out_tokens
 
 
@@ -72,7 +69,7 @@ class VMDecoder:
 
     def __init__(self, weights, batch: int, max_seq_len: int, block_size: int = 16, num_sms: int = 132,
                  policy: str = "balanced", kv_splits: int | None = None, num_blocks: int | None = None,
-                 lm_head: bool = True, fold_embed: bool = False, lm_pool_rows: int = 0):
+                 lm_head: bool = True, fold_embed: bool = False):
         from ..instructions.layout import StepLayout, allocate_buffers, default_kv_splits, pack_weights
         from ..instructions.record import serialize
         from .assign import assign
@@ -83,7 +80,7 @@ class VMDecoder:
         self.layout = StepLayout(config=config, batch=batch,
                                  kv_splits=kv_splits or default_kv_splits(config, batch, num_sms, blocks_per_seq * block_size),
                                  block_size=block_size, max_blocks_per_seq=blocks_per_seq, num_sms=num_sms,
-                                 fold_embed=fold_embed, lm_pool_rows=lm_pool_rows)
+                                 fold_embed=fold_embed)
         self.program = build_program(self.layout, lm_head=lm_head)
         self.queues = assign(self.program, policy)
         table, lengths = serialize(self.queues)

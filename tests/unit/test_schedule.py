@@ -27,7 +27,7 @@ from megakernel.schedule import assign, build_program, find_races, simulate
 from megakernel.schedule.dag import StepProgram, producers
 
 TINY_PRESETS = ("tiny-llama", "tiny-qwen3")
-REAL_PRESETS = ("llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b")
+REAL_PRESETS = ("llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b", "llama-2-7b")
 BATCHES = tuple(range(1, 9))
 POLICIES = ("balanced", "round-robin")
 NUM_SMS = 132          # the H200
