@@ -18,8 +18,10 @@ ROW_GROUP = 8
 # Columns one warp covers per pass: 32 lanes x 8 bf16 (one 16-byte load each).
 COL_PASS = 256
 MAX_BATCH = 8
-# Largest matvec input (batch x widest K x float32) the kernel stages in shared memory. Layouts within
-# it also fold the attention split merge into O_PROJ's input staging (no ATTN_REDUCE stage).
+# The DAG's rule for folding the attention split merge into O_PROJ's input staging (no ATTN_REDUCE
+# stage) and the embedding into layer 0's QKV: the widest matvec input (batch x K x float32) within this,
+# or staged in slabs (slab_staging). (The kernel itself stages any input, whole or in column slabs:
+# megakernel.kernel.stream.X_WHOLE_BYTES; the rule keeps the programs every GPU test has run.)
 X_STAGE_BYTES = 160 * 1024
 # With slab_staging, a wider input is staged this many bytes (all sequences) at a time.
 SLAB_STAGE_BYTES = 128 * 1024
@@ -55,9 +57,9 @@ class StepLayout:
 
     @property
     def stages_input(self) -> bool:
-        """Whether every matvec's input row (all sequences, float32) fits the kernel's staging buffer, beside
-        what a 16-warp CTA keeps in shared memory with it: the attention scratch (a G x D output per warp)
-        and the matvec partials (at most 128 rows x K / 512 segments x batch, 32 KiB), with SMEM_RESERVE to spare."""
+        """Whether every matvec's input row (all sequences, float32) fits X_STAGE_BYTES (or SLAB_STAGE_BYTES
+        with slab_staging), beside an attention scratch (a G x D output per warp of 16) and 32 KiB of
+        partials, with SMEM_RESERVE to spare: the DAG's rule above (fused_reduce, embed_folded)."""
         c = self.config
         k_max = max(c.hidden_size, c.q_size, c.intermediate_size)
         x_bytes = self.input_bytes
