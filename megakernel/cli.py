@@ -134,8 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
         description=("Prints the GPU (name, SMs, memory) and the torch, CUDA, nvidia-cutlass-dsl and "
                      "transformers versions. With --preset: the model's shape, the bytes one decode step must "
                      "read and the read floor (measured bandwidth on a GPU, or --bandwidth)."))
-    info.add_argument("--preset", help=f"also describe this preset ({presets}; or a DeepSeek/Kimi one: "
-                                       f"{', '.join(_deepseek_presets())})")
+    info.add_argument("--preset", help=f"also describe this preset ({presets}; or a DeepSeek/Kimi-K2 one: "
+                                       f"{', '.join(_deepseek_presets())}; or a Kimi Linear one: "
+                                       f"{', '.join(_kimi_linear_presets())})")
     info.add_argument("--batch", type=int, default=1,
                       help="sequences per step for the bytes and the floor (default 1; MoE: the expected "
                            "distinct experts of this many tokens under uniform routing)")
@@ -377,6 +378,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         raise InputError(f"--batch must be >= 1 and --context >= 0, got {args.batch} and {args.context}")
     if args.preset in _deepseek_presets():
         return _info_deepseek(args, cuda)
+    if args.preset in _kimi_linear_presets():
+        return _info_kimi_linear(args, cuda)
     config = _get_config(args.preset, None)
     from megakernel.integrations.floor import floor_ms, measure_read_bandwidth
 
@@ -408,6 +411,11 @@ def _deepseek_presets() -> list[str]:
     return sorted(PRESETS)
 
 
+def _kimi_linear_presets() -> list[str]:
+    from megakernel.model.kimi_linear.presets import PRESETS
+    return sorted(PRESETS)
+
+
 def _read_bandwidth(args: argparse.Namespace, cuda: bool) -> tuple[float | None, str]:
     from megakernel.integrations.floor import measure_read_bandwidth
     if args.bandwidth is not None:
@@ -432,12 +440,36 @@ def _info_deepseek(args: argparse.Namespace, cuda: bool) -> int:
           f"{c.n_shared_experts} shared, expert ffn {c.moe_intermediate_size}, vocab {c.vocab_size}")
     parts = decode_bytes(c, args.batch, 2, args.context)
     experts = expected_distinct_experts(c.n_routed_experts, c.num_experts_per_tok, args.batch)
-    print(f"bytes read per decode step at batch {args.batch}, context {args.context} (bf16; {experts:.1f} "
+    return _print_decode_bytes(args, cuda, parts, experts, "read", floor_ms)
+
+
+def _info_kimi_linear(args: argparse.Namespace, cuda: bool) -> int:
+    """The bytes a Kimi Linear (KDA + MLA + MoE) decode step must move at a batch, part by part: the KDA
+    state counted twice (read, then written back)."""
+    from megakernel.model.kimi_linear.floor import decode_bytes, expected_distinct_experts, floor_ms
+    from megakernel.model.kimi_linear.presets import get_preset
+
+    c = get_preset(args.preset)
+    print(f"preset {args.preset}: KimiLinearForCausalLM, hidden {c.hidden_size}, {c.num_layers} layers "
+          f"({c.num_kda_layers} KDA, {c.num_mla_layers} MLA without RoPE; {c.num_layers - c.num_moe_layers} "
+          f"dense MLP), KDA {c.linear_num_heads} heads x {c.linear_head_dim}, conv {c.linear_conv_kernel_dim}, "
+          f"MLA {c.num_heads} heads kv_lora_rank {c.kv_lora_rank}, {c.n_routed_experts} routed experts "
+          f"(top-{c.num_experts_per_tok}), {c.n_shared_experts} shared, expert ffn {c.moe_intermediate_size}, "
+          f"vocab {c.vocab_size}")
+    parts = decode_bytes(c, args.batch, 2, args.context)
+    experts = expected_distinct_experts(c.n_routed_experts, c.num_experts_per_tok, args.batch)
+    return _print_decode_bytes(args, cuda, parts, experts, "moved", floor_ms)
+
+
+def _print_decode_bytes(args: argparse.Namespace, cuda: bool, parts: dict, experts: float, verb: str,
+                        floor_ms) -> int:
+    """The table of a decode step's bytes by part, then the floor at the measured or given bandwidth."""
+    print(f"bytes {verb} per decode step at batch {args.batch}, context {args.context} (bf16; {experts:.1f} "
           f"distinct routed experts per MoE layer expected under uniform routing):")
     for name, value in parts.items():
         if name != "total":
-            print(f"  {name:15s} {value / 1e9:10.3f} GB")
-    print(f"  {'total':15s} {parts['total'] / 1e9:10.3f} GB")
+            print(f"  {name:17s} {value / 1e9:10.3f} GB")
+    print(f"  {'total':17s} {parts['total'] / 1e9:10.3f} GB")
     bw, how = _read_bandwidth(args, cuda)
     if bw is None:
         print("read floor: no GPU to measure the bandwidth on (pass --bandwidth TB_PER_S to compute it)")
