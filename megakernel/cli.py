@@ -184,9 +184,14 @@ def _get_config(preset: str | None, model_dir: str | None):
         if not os.path.isfile(os.path.join(model_dir, "config.json")):
             raise InputError(f"--model-dir {model_dir}: no config.json there")
         try:
-            return ModelConfig.from_pretrained(model_dir)
+            config = ModelConfig.from_pretrained(model_dir)
         except ValueError as exc:
             raise InputError(f"--model-dir {model_dir}: {exc}") from None
+        if not any(name.endswith(".safetensors") for name in os.listdir(model_dir)):
+            raise InputError(f"--model-dir {model_dir}: config.json but no *.safetensors weights there; download "
+                             f"the checkpoint's .safetensors files (all shards, with model.safetensors.index.json) "
+                             f"next to it (.bin checkpoints are not read)")
+        return config
     try:
         return get_preset(preset)
     except (ValueError, KeyError) as exc:
@@ -335,6 +340,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
             mk_options = parse_engine_options(args.kernel_options)
         except (ValueError, TypeError) as exc:
             raise InputError(f"--kernel-options: {exc}") from None
+    if names:
+        from megakernel.integrations.backends import BackendUnavailable, check_backend
+        why = []
+        for name in names:
+            try:
+                check_backend(name, device)
+            except BackendUnavailable as exc:
+                why.append(str(exc))
+        if len(why) == len(names):      # nothing asked for can run here: say so before building weights
+            raise InputError("; ".join(why))
     if device.type != "cuda":
         _eprint(f"megakernel bench: no CUDA device: timing {', '.join(names or bench.CPU_BACKENDS)} on "
                 f"{args.preset or bench.CPU_PRESET} on the CPU; these are not GPU figures")
@@ -348,6 +363,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(report.to_json(), f, indent=2)
         _eprint(f"wrote {args.json}")
+    if not any(row.error is None for row in report.rows):
+        raise InputError("no backend ran (each row says why); on a machine without a GPU, "
+                         "--backends reference,torch-eager runs on the CPU")
     return 0
 
 

@@ -130,6 +130,9 @@ def validate_step_inputs(layout: StepLayout, tokens, positions, block_table=None
     ids outside the vocabulary, positions outside [0, max_seq_len), block ids outside the cache, a
     block table whose new-token slots alias cached ones (check_block_aliasing)."""
     tokens, positions = torch.as_tensor(tokens), torch.as_tensor(positions)
+    for name, t in (("tokens", tokens), ("positions", positions)):
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise ValueError(f"{name} must be integer ids; got dtype {t.dtype}")
     if tokens.shape != (layout.batch,) or positions.shape != (layout.batch,):
         raise ValueError(f"tokens and positions must have shape ({layout.batch},); got "
                          f"{tuple(tokens.shape)} and {tuple(positions.shape)}")

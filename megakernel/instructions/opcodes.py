@@ -31,6 +31,10 @@ class Opcode(IntEnum):
     EXPERT_GATE_UP = 20  # one (sequence, slot, row tile) of the routed expert read from the router buffer
     EXPERT_DOWN = 21     # one (sequence, slot, row tile) of that expert's down projection
     MOE_COMBINE = 22     # rows: residual + shared + sum over slots of weight * routed, in slot order
+    # Kimi Linear (KDA linear attention); stage modules in megakernel/instructions/kimi_linear/
+    KDA_PROJ = 23        # rows of the fused [q | k | v | f_a | g_a | beta] projection . rmsnorm(x[l])
+    KDA_STATE = 24       # one (sequence, head group): short conv, l2norm, decay + delta rule on the state
+    KDA_OUT_NORM = 25    # rows of Wo . (rmsnorm(o) * sigmoid(gate)) + residual
 
 
 # Counter stages, one counter per (layer, stage): a producer adds 1 per finished instruction,

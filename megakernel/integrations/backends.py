@@ -142,6 +142,10 @@ def check_backend(name: str, device: torch.device | str) -> BackendSpec:
                                  f"'torch-eager' backends run on the CPU")
     if name == "megakernel":
         megakernel_class()
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) != (9, 0):
+            raise BackendUnavailable(f"backend 'megakernel' is built for Hopper (sm_90a); {device} is sm_{major}{minor} "
+                                     f"({torch.cuda.get_device_name(device)}): the torch baselines run there")
     return spec
 
 

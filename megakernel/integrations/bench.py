@@ -105,12 +105,12 @@ def run_bench(preset: str | None = None, batches: tuple[int, ...] = (1,), steps:
     device = torch.device(device if device is not None else ("cuda" if cuda else "cpu"))
     if preset is None:
         preset = DEFAULT_PRESET if cuda else CPU_PRESET
-        if not cuda:
-            notes.append(f"no CUDA device: ran {', '.join(CPU_BACKENDS)} on the {CPU_PRESET} preset in float32 "
-                         f"on the CPU; no bandwidth floor")
     config = get_preset(preset)
     if backend_names is None:
         backend_names = GPU_BACKENDS if cuda else CPU_BACKENDS
+    if not cuda:
+        notes.append(f"no CUDA device: {', '.join(backend_names)} on the {preset} preset in float32 on the CPU "
+                     f"(the rows say which ran); no bandwidth floor")
     check_bench_args(config, batches, steps, context, backend_names)
     if megakernel_options:
         notes.append("megakernel backend built with " + ", ".join(f"{k}={v}" for k, v in megakernel_options.items()))

@@ -254,3 +254,49 @@ def test_bench_passes_kernel_options_to_the_megakernel_backend_only(monkeypatch)
     rows = {r.backend: r for r in report.rows}
     assert rows["reference"].error is None and "no GPU in this test" in rows["megakernel"].error
     assert any("fold_embed=False" in n and "timeout_ns=5000" in n for n in report.notes), report.notes
+
+
+def test_model_dir_without_safetensors_fails_before_work(capsys, no_work, tmp_path):
+    """config.json but no weights (a download that stopped half way, a .bin checkpoint): exit 2 and what to
+    do, not a traceback."""
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=1024).save_pretrained(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\0")
+    rc, _, err = _run(capsys, ["generate", "--model-dir", str(tmp_path), "--prompt-ids", "1,2"])
+    assert rc == 2 and err.startswith("megakernel: error:"), err
+    assert "no *.safetensors" in err and ".bin checkpoints are not read" in err, err
+
+
+@needs_no_cuda
+def test_bench_of_gpu_backends_only_without_a_gpu_exits_2_before_work(capsys, no_work):
+    """--backends naming only GPU backends on a machine without one: nothing could run, so exit 2 with the
+    reason before any weights are built (it used to print an empty table, exit 0 and say the CPU ran)."""
+    rc, out, err = _run(capsys, ["bench", "--backends", "megakernel,torch-graph", "--steps", "2"])
+    assert rc == 2, (out, err)
+    assert "needs a CUDA GPU" in err and "'megakernel'" in err and "'torch-graph'" in err, err
+
+
+@needs_no_cuda
+def test_bench_notes_name_the_backends_asked_for(capsys):
+    rc, out, _ = _run(capsys, ["bench", "--backends", "reference", "--steps", "2", "--context", "2"])
+    assert rc == 0, out
+    assert "no CUDA device: reference on the tiny-llama preset" in out and "torch-eager" not in out, out
+
+
+@pytest.mark.parametrize("what,tokens,positions", [
+    ("tokens", torch.tensor([1.0, 2.0]), torch.tensor([0, 0])),
+    ("positions", torch.tensor([1, 2]), torch.tensor([0.0, 3.0])),
+    ("tokens", torch.tensor([True, False]), torch.tensor([0, 0])),
+])
+def test_step_inputs_that_are_not_integer_ids_are_refused(what, tokens, positions):
+    """engine.step / set_inputs validate with validate_step_inputs: float (or bool) ids are an error, not
+    silently truncated."""
+    from megakernel.instructions.layout import StepLayout, validate_step_inputs
+
+    layout = StepLayout(config=get_preset("tiny-llama"), batch=2, kv_splits=1, block_size=16, max_blocks_per_seq=2,
+                        num_sms=4)
+    with pytest.raises(ValueError, match=f"{what} must be integer ids"):
+        validate_step_inputs(layout, tokens, positions)
+    validate_step_inputs(layout, torch.tensor([1, 2]), torch.tensor([0, 3]))

@@ -169,6 +169,35 @@ def test_rope_parameters_form_of_transformers_5():
     assert c.rope_scaling is None and c.rope_theta == 12345.0
 
 
+@pytest.mark.parametrize("fields", [("routed_scaling_factor",), ("n_shared_experts",), ("first_k_dense_replace",),
+                                    ("n_group", "topk_group"), ("q_lora_rank",)])
+def test_a_field_left_out_gets_the_value_transformers_gives_it(fields, tmp_path):
+    """config.json without the field(s): the parsed config holds what transformers' own parse of the same
+    file holds (its DeepseekV3Config default), not a default of ours (a missing n_shared_experts is 1 there,
+    not 0: reading 0 would ignore the shared-expert tensors with no warning). The base file's values differ
+    from those defaults, so each case changes something."""
+    base = {k: v for k, v in KIMI_K2_JSON.items() if k != "auto_map"} | {
+        "model_type": "deepseek_v3", "q_lora_rank": 768, "n_shared_experts": 2, "n_group": 4, "topk_group": 2}
+    d = {k: v for k, v in base.items() if k not in fields}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    hf = AutoConfig.from_pretrained(tmp_path)
+    ours = DeepseekConfig.from_hf_config(d)
+    for field in fields:
+        assert getattr(ours, field) == getattr(hf, field), f"{field} left out: ours {getattr(ours, field)!r}"
+        assert getattr(hf, field) != base[field], f"{field}: the default equals the base value"
+
+
+def test_original_max_position_embeddings_is_read_as_transformers_reads_it(tmp_path):
+    """Where config.json has one inside rope_scaling and another at the top level, the YaRN base is the one
+    transformers' parse of the file ends up with."""
+    d = {k: v for k, v in KIMI_K2_JSON.items() if k != "auto_map"} | {"model_type": "deepseek_v3",
+                                                                      "original_max_position_embeddings": 8192}
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    hf = AutoConfig.from_pretrained(tmp_path)
+    ours = DeepseekConfig.from_hf_config(d)
+    assert ours.rope_scaling.original_max_position_embeddings == hf.rope_parameters["original_max_position_embeddings"]
+
+
 @pytest.mark.parametrize(
     "field,value",
     [

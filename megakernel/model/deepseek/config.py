@@ -402,6 +402,8 @@ def _parse_rope(cfg: dict) -> tuple[float, YarnScaling | None]:
         raise ValueError(f"rope_scaling.rope_type={rope_type!r} is not supported (only 'default' and 'yarn')")
     if scaling.get("factor") is None:
         raise ValueError("rope_scaling.factor=None is not supported: give the YaRN factor explicitly")
+    # rope_scaling's own first, then a top-level one, then max_position_embeddings: what transformers' parse of
+    # the same config.json holds (tests/unit/test_deepseek_config.py checks it)
     orig = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
     if orig is None:
         orig = cfg.get("max_position_embeddings")
@@ -420,6 +422,15 @@ def _parse_rope(cfg: dict) -> tuple[float, YarnScaling | None]:
         truncate=bool(scaling.get("truncate", True)),
     )
     return float(theta), ys
+
+
+def _hf_default(cfg: dict, key: str):
+    """cfg[key], or, where config.json leaves it out, the default transformers' DeepseekV3Config gives it
+    (Kimi-K2's model_type reads the same class): a missing field never means something else here."""
+    if key in cfg:
+        return cfg[key]
+    from transformers import DeepseekV3Config
+    return getattr(DeepseekV3Config(), key)
 
 
 def _parse_hf(cfg: dict) -> dict:
@@ -459,19 +470,19 @@ def _parse_hf(cfg: dict) -> dict:
         num_heads=heads,
         vocab_size=_require(cfg, "vocab_size"),
         intermediate_size=_require(cfg, "intermediate_size"),
-        q_lora_rank=cfg.get("q_lora_rank"),
+        q_lora_rank=_hf_default(cfg, "q_lora_rank"),
         kv_lora_rank=_require(cfg, "kv_lora_rank"),
         qk_nope_head_dim=_require(cfg, "qk_nope_head_dim"),
         qk_rope_head_dim=_require(cfg, "qk_rope_head_dim"),
         v_head_dim=_require(cfg, "v_head_dim"),
         n_routed_experts=cfg["n_routed_experts"],
         num_experts_per_tok=_require(cfg, "num_experts_per_tok"),
-        n_shared_experts=cfg.get("n_shared_experts") or 0,
+        n_shared_experts=_hf_default(cfg, "n_shared_experts") or 0,
         moe_intermediate_size=_require(cfg, "moe_intermediate_size"),
-        first_k_dense_replace=cfg.get("first_k_dense_replace") or 0,
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-        n_group=cfg.get("n_group") or 1,
-        topk_group=cfg.get("topk_group") or 1,
+        first_k_dense_replace=_hf_default(cfg, "first_k_dense_replace") or 0,
+        routed_scaling_factor=float(_hf_default(cfg, "routed_scaling_factor")),
+        n_group=_hf_default(cfg, "n_group") or 1,
+        topk_group=_hf_default(cfg, "topk_group") or 1,
         norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
         scoring_func=cfg.get("scoring_func") or "sigmoid",
         moe_layer_freq=cfg.get("moe_layer_freq") or 1,
