@@ -590,3 +590,24 @@ def test_instruction_encode_decode_round_trip():
             assert len(words) == WORDS and all(-2**31 <= w < 2**31 for w in words), f"seed=11 {ins}"
             assert Instruction.decode(words) == ins, f"seed=11 {ins}"
             assert Instruction.decode(torch.tensor(words, dtype=torch.int32)) == ins, f"seed=11 {ins}"
+
+
+@pytest.mark.parametrize("vocab", [8, 1000, 32000, 50264, 128256, 151936])
+@pytest.mark.parametrize("num_sms", [1, 7, 132])
+@pytest.mark.parametrize("policy", ["balanced", "round-robin"])
+def test_lm_head_tiles_cover_every_vocabulary_row_exactly_once(vocab, num_sms, policy):
+    """Vocabularies that are multiples of 8 but of no tile size (50264 = 8 x 6283), on machines whose SM
+    count divides nothing: the LM head tiles, as assigned to the queues, cover rows 0 .. V-1 once each,
+    every tile has its own argmax slot, and ARGMAX reduces exactly those slots."""
+    config = dataclasses.replace(get_preset("tiny-llama"), vocab_size=vocab)
+    layout = StepLayout(config=config, batch=1, kv_splits=1, block_size=16, max_blocks_per_seq=2, num_sms=num_sms)
+    program = build_program(layout)
+    queued = [ins for queue in assign(program, policy) for ins in queue]
+    tiles = sorted((ins.a0, ins.a1, ins.a2) for ins in queued if ins.opcode == Opcode.LM_HEAD)
+    rows = Counter(r for a0, a1, _ in tiles for r in range(a0, a0 + a1))
+    what = f"vocab={vocab} num_sms={num_sms} policy={policy}"
+    assert set(rows) == set(range(vocab)) and set(rows.values()) == {1}, f"{what}: rows covered {len(rows)}"
+    assert sorted(t[2] for t in tiles) == list(range(program.lm_tiles)), f"{what}: argmax slots"
+    assert all(a1 % ROW_GROUP == 0 and a1 > 0 for _, a1, _ in tiles), what
+    argmax = [ins for ins in queued if ins.opcode == Opcode.ARGMAX]
+    assert len(argmax) == 1 and argmax[0].a0 == program.lm_tiles, what
