@@ -121,10 +121,17 @@ class StageCase:
     vocab_size: int
     kv_splits: int
     seed: int
+    # axes real checkpoints vary (drawn: an injected bug that only shows on one of them must show here)
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: object = None        # a model.config.RopeScaling or None
+    tie_word_embeddings: bool = False
 
     def to_config(self):
         return self.shape.to_config(architecture=self.architecture, num_layers=self.num_layers,
-                                    vocab_size=self.vocab_size)
+                                    vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
+                                    rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+                                    tie_word_embeddings=self.tie_word_embeddings)
 
     def describe(self) -> str:
         """Everything needed to rebuild the case, for failure messages."""
@@ -132,7 +139,8 @@ class StageCase:
         return (f"{self.architecture} H={s.hidden_size} F={s.intermediate_size} heads={s.num_heads}/"
                 f"{s.num_kv_heads} D={s.head_dim} V={self.vocab_size} L={self.num_layers} layer={self.layer} "
                 f"B={s.batch} kv_lens={s.kv_lens} block={s.block_size} max_seq={s.max_seq_len} "
-                f"splits={self.kv_splits} seed={self.seed}")
+                f"splits={self.kv_splits} eps={self.rms_norm_eps} theta={self.rope_theta} "
+                f"rope_scaling={self.rope_scaling} tied={self.tie_word_embeddings} seed={self.seed}")
 
 
 def _accepted_head_counts(head_dim: int, max_heads: int, col_pass: int = 256) -> list[tuple[int, int]]:
@@ -168,12 +176,20 @@ def stage_cases(draw, max_hidden: int = 4096, max_intermediate: int | None = Non
                 max_batch: int = 8, max_blocks: int = 16, max_vocab: int = 4096, max_splits: int = 8) -> StageCase:
     """A StageCase over `kernel_decode_shapes`: Llama or Qwen3 (QK-norm), 1-2 layers (the instruction in
     either), a vocabulary that is any multiple of 8 (so LM head tiles have ragged ends), 1..max_splits KV splits."""
+    from megakernel.model.config import RopeScaling
+
     shape = draw(kernel_decode_shapes(max_hidden=max_hidden, max_intermediate=max_intermediate,
                                       max_heads=max_heads, max_batch=max_batch, max_blocks=max_blocks))
     num_layers = draw(st.integers(1, 2))
+    # RoPE scaling whose bands fall inside the drawn cache (original length below max_seq_len sometimes)
+    scaling = draw(st.sampled_from([None, RopeScaling("llama3", 8.0, 1.0, 4.0, 8),
+                                    RopeScaling("llama3", 32.0, 1.0, 4.0, 8192), RopeScaling("linear", 2.0)]))
     return StageCase(shape=shape, architecture=draw(st.sampled_from(ARCHITECTURES)), num_layers=num_layers,
                      layer=draw(st.integers(0, num_layers - 1)), vocab_size=8 * draw(st.integers(1, max_vocab // 8)),
-                     kv_splits=draw(st.integers(1, max_splits)), seed=draw(seeds()))
+                     kv_splits=draw(st.integers(1, max_splits)), seed=draw(seeds()),
+                     rms_norm_eps=draw(st.sampled_from([1e-5, 1e-6, 1e-2])),
+                     rope_theta=draw(st.sampled_from([10000.0, 500000.0, 1e6])), rope_scaling=scaling,
+                     tie_word_embeddings=draw(st.booleans()))
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,13 @@ different positions. Float32 weights and caches on both sides, so only op order 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from megakernel.instructions.context import matvec, rms_normalize
+from megakernel.model.config import RopeScaling
 from megakernel.model.kv_cache import PagedKVCache, contiguous_block_table
 from megakernel.model.presets import get_preset
 from megakernel.model.reference import ReferenceDecoder
@@ -54,8 +57,32 @@ def _block_table(batch: int, max_seq_len: int, block_size: int, num_blocks: int,
 @pytest.mark.parametrize("case", VM_CASES, ids=[_ids(c) for c in VM_CASES])
 def test_vm_decoder_equals_reference_decoder(case):
     preset, policy, order, num_sms, kv_splits, block_size, shuffled = case
-    seed = 100 + VM_CASES.index(case)
-    config = get_preset(preset)
+    _check_vm_against_reference(get_preset(preset), policy, order, num_sms, kv_splits, block_size, shuffled,
+                                seed=100 + VM_CASES.index(case), label=_ids(case))
+
+
+# Axes real checkpoints vary, each away from the presets' values: an RMSNorm eps large enough to matter,
+# other RoPE bases and scalings (bands inside this test's 18 positions), tied and untied embeddings, a
+# vocabulary that is a multiple of 8 but of no tile size
+MODEL_AXES = [
+    dict(rms_norm_eps=1e-2, tie_word_embeddings=True, vocab_size=1000),
+    dict(rope_theta=500000.0, rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 8), vocab_size=1016),
+    dict(rope_theta=1e6, rope_scaling=RopeScaling("linear", 2.0), tie_word_embeddings=False, rms_norm_eps=1e-6),
+]
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("axes", MODEL_AXES, ids=[",".join(f"{k}={v}" for k, v in a.items()) for a in MODEL_AXES])
+def test_vm_equals_reference_across_model_axes(preset, axes):
+    config = dataclasses.replace(get_preset(preset), **axes)
+    _check_vm_against_reference(config, "balanced", "round-robin", 7, 2, 16, True, seed=300,
+                                label=f"{preset} {axes}")
+
+
+def _check_vm_against_reference(config, policy, order, num_sms, kv_splits, block_size, shuffled, seed, label):
+    """PROMPT_LENS prompts fed through the VM and the float32 reference decoder, then NEW_TOKENS greedy
+    steps: logits within float32 tolerance every step, the same tokens (near-tie rule), the same KV cache
+    slots written with the same values, ARGMAX advancing the step inputs in place."""
     weights = random_weights(config, seed=seed, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
     batch = len(PROMPT_LENS)
@@ -76,7 +103,7 @@ def test_vm_decoder_equals_reference_decoder(case):
     # right-aligned prompts: a shorter sequence repeats its first token at position 0 until its prompt starts
     padded = torch.tensor([[p[0]] * (longest - len(p)) + p for p in prompts]).T          # [longest, B]
     offsets = torch.tensor([longest - n for n in PROMPT_LENS])
-    what = (f"{_ids(case)} seed={seed} batch={batch} prompt_lens={PROMPT_LENS} V={config.vocab_size} "
+    what = (f"{label} seed={seed} batch={batch} prompt_lens={PROMPT_LENS} V={config.vocab_size} "
             f"splits={vm.layout.kv_splits} float32")
     generated = []
     tokens = padded[0]
