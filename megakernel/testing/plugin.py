@@ -7,6 +7,11 @@ Fixtures
     seeded_weights   factory: seeded_weights(config_or_preset, seed=0, dtype=float32, device="cpu") -> ModelWeights
     baseline_timer   timer(fn) -> median ms per call over CUDA-graph replays, timed with CUDA events
     bandwidth_floor  measured read bandwidth of the GPU, bytes/s, once per test run
+    perf_thresholds  the per-GPU ratio thresholds file (megakernel.testing.perf.PerfThresholds) named by
+                     --perf-thresholds PATH or the ini option megakernel_perf_thresholds (none: nothing enforced)
+    nvtx_range       factory: nvtx_range("label") -> a context manager around a timed region (domain megakernel)
+Options
+    --perf-thresholds PATH, ini megakernel_perf_thresholds: the TOML file of per-GPU ratio thresholds
 Hooks
     tests marked `gpu` are skipped with reason "no CUDA device" where torch sees none;
     tests marked `vllm` are skipped where vLLM is not installed.
@@ -68,6 +73,14 @@ def register_hypothesis_profiles() -> None:
 
 
 @pytest.hookimpl(tryfirst=True)   # before hypothesis' own plugin, so its --hypothesis-profile still wins
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--perf-thresholds", default=None, metavar="PATH",
+                     help="TOML file of per-GPU ratio thresholds for perf tests (megakernel.testing.perf); "
+                          "overrides the ini option megakernel_perf_thresholds")
+    parser.addini("megakernel_perf_thresholds", "TOML file of per-GPU ratio thresholds for perf tests, relative "
+                  "to the rootdir (megakernel.testing.perf)", default="")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
@@ -184,3 +197,27 @@ def bandwidth_floor():
     from megakernel.integrations.floor import measure_read_bandwidth
 
     return measure_read_bandwidth(device="cuda")
+
+
+@pytest.fixture(scope="session")
+def perf_thresholds(pytestconfig: pytest.Config):
+    """The thresholds file named by --perf-thresholds or the ini option (relative paths from the rootdir);
+    an empty PerfThresholds, which enforces nothing, where neither names one."""
+    from pathlib import Path
+
+    from .perf import PerfThresholds
+
+    path = pytestconfig.getoption("--perf-thresholds") or pytestconfig.getini("megakernel_perf_thresholds")
+    if not path:
+        return PerfThresholds()
+    path = Path(path)
+    return PerfThresholds.load(path if path.is_absolute() else pytestconfig.rootpath / path)
+
+
+@pytest.fixture
+def nvtx_range():
+    """nvtx_range("label") -> a context manager: an NVTX range (domain "megakernel") around a timed region."""
+    from .perf import nvtx_range as make
+
+    return make
+

@@ -14,7 +14,6 @@ over each baseline. The thresholds are ratios, per GPU, in thresholds.toml; an u
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import math
@@ -27,6 +26,8 @@ import torch
 from megakernel.integrations.floor import floor_ms, kv_read_bytes
 from megakernel.model.presets import get_preset
 from megakernel.model.weights import random_weights
+from megakernel.testing import perf
+from megakernel.testing.perf import load_toml
 
 CONTEXT = 32           # cached positions behind the timed step (BASELINES.md: a 32-token context)
 REPLAYS = 20           # graph replays per timed sample
@@ -43,32 +44,8 @@ CASES = [("llama-3.2-1b", 1), ("llama-3.2-1b", 4), ("llama-3.2-1b", 8), ("qwen3-
 COMPILE_BASELINE = {("llama-3.2-1b", 1), ("qwen3-0.6b", 1)}
 
 
-THRESHOLDS_FILE = Path(__file__).with_name("thresholds.toml")
+THRESHOLDS_FILE = Path(__file__).with_name("thresholds.toml")   # (pyproject.toml: megakernel_perf_thresholds)
 METRICS = ("floor_fraction", "speedup_torch_graph", "speedup_torch_compile")
-
-
-def load_thresholds(path: Path = THRESHOLDS_FILE) -> dict:
-    try:
-        import tomllib
-    except ImportError:                     # Python 3.10
-        import tomli as tomllib
-    with open(path, "rb") as f:
-        return tomllib.load(f)
-
-
-@pytest.fixture(scope="module")
-def gpu_thresholds():
-    """(GPU name, its table in thresholds.toml, or None when the GPU is not listed)."""
-    name = torch.cuda.get_device_name(0)
-    return name, load_thresholds().get(name)
-
-
-def nvtx_range(message: str):
-    try:
-        import nvtx
-    except ImportError:                 # the ranges only annotate profiles; timing does not need them
-        return contextlib.nullcontext()
-    return nvtx.annotate(message, domain="megakernel")
 
 
 @functools.lru_cache(maxsize=1)
@@ -149,7 +126,7 @@ def _time_baseline(mode: str, weights, batch: int, tokens: torch.Tensor, what: s
     timer = ReplayTimer(lambda: step.step(toks, pos))
     timer.run(WARMUP)
     timer.samples.clear()
-    with nvtx_range(f"{step.name} {what}"):
+    with perf.nvtx_range(f"{step.name} {what}"):
         timer.run(SAMPLES)
     logits = step.last_logits()
     assert logits is not None and torch.isfinite(logits).all(), f"{step.name} {what}: non-finite logits"
@@ -162,7 +139,7 @@ def _time_baseline(mode: str, weights, batch: int, tokens: torch.Tensor, what: s
 @pytest.mark.perf
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,batch", CASES, ids=[f"{n}-b{b}" for n, b in CASES])
-def test_decode_step_speed(name, batch, benchmark, bandwidth_floor, gpu_thresholds):
+def test_decode_step_speed(name, batch, benchmark, bandwidth_floor, perf_thresholds, nvtx_range):
     config = get_preset(name)
     weights = preset_weights(name)
     what = f"{name} batch={batch} context={CONTEXT} bf16 seed={SEED}"
@@ -204,21 +181,15 @@ def test_decode_step_speed(name, batch, benchmark, bandwidth_floor, gpu_threshol
         **{f"{b}_ms": ms for b, ms in baselines.items()},
         **{f"speedup_{b.replace('-', '_')}": ms / mk_ms for b, ms in baselines.items()},
     }
-    gpu, table = gpu_thresholds
+    gpu = torch.cuda.get_device_name(0)
     benchmark.extra_info.update(metrics, gpu=gpu, preset=name, batch=batch, context=CONTEXT)
     assert math.isfinite(mk_ms) and mk_ms > 0, f"{what}: {mk_ms} ms per step"
     # Faster than reading the weights once is impossible: the kernel skipped work, or the floor is wrong.
     assert metrics["floor_fraction"] < 1.1, f"{what}: {mk_ms:.4f} ms beats the {floor:.4f} ms read floor"
-    if table is None:
-        benchmark.extra_info["thresholds"] = f"none for {gpu!r} in thresholds.toml: reported only"
+    if perf_thresholds.table(gpu) is None:
+        benchmark.extra_info["thresholds"] = f"none for {gpu!r} in {perf_thresholds.path}: reported only"
         return
-    failures = []
-    for key in METRICS:
-        limit = table.get(key, {}).get(name, {}).get(str(batch))
-        if limit is not None and key in metrics and metrics[key] < limit:
-            failures.append(f"{key} {metrics[key]:.3f} < {limit}")
-    summary = ", ".join(f"{k}={v:.4g}" for k, v in metrics.items())
-    assert not failures, f"{what} on {gpu}: {'; '.join(failures)} ({summary})"
+    perf_thresholds.check(gpu, {k: metrics[k] for k in METRICS if k in metrics}, name, batch, what=what)
 
 
 @pytest.mark.gpu
@@ -255,7 +226,7 @@ def test_thresholds_file_is_well_formed():
     and a ratio in range: a fraction of the floor in (0, 1), a speedup > 0; torch-compile only where timed."""
     from megakernel.model.presets import PRESETS
 
-    table = load_thresholds()
+    table = load_toml(THRESHOLDS_FILE)
     assert table, f"{THRESHOLDS_FILE} is empty"
     for gpu, metrics in table.items():
         assert isinstance(metrics, dict) and set(metrics) <= set(METRICS), f"{gpu}: keys {sorted(metrics)}"

@@ -187,3 +187,51 @@ def test_strategy_edges():
     assert find(seeds(), lambda s: s > 2**30) > 2**30
     with pytest.raises(ValueError, match="max_seq_len"):
         kv_lengths(0)
+
+
+THRESHOLD_TESTS = '''
+import pytest
+
+def test_thresholds(perf_thresholds, nvtx_range):
+    gpu = "Some GPU"
+    assert perf_thresholds.table(gpu) == {"floor_fraction": {"model-a": {"1": 0.5, "8": 0.25}}}
+    assert perf_thresholds.limit(gpu, "floor_fraction", "model-a", 8) == 0.25
+    assert perf_thresholds.table("Other GPU") is None
+    assert perf_thresholds.failures("Other GPU", {"floor_fraction": 0.01}, "model-a", 1) == []
+    assert perf_thresholds.failures(gpu, {"floor_fraction": 0.6, "speedup_x": 0.1}, "model-a", 1) == []
+    assert perf_thresholds.failures(gpu, {"floor_fraction": 0.4}, "model-a", 1) == ["floor_fraction 0.400 < 0.5"]
+    with pytest.raises(AssertionError, match="floor_fraction 0.200 < 0.25"):
+        perf_thresholds.check(gpu, {"floor_fraction": 0.2}, "model-a", 8)
+    with nvtx_range("a timed region"):
+        pass
+'''
+
+THRESHOLDS_TOML = '["Some GPU".floor_fraction]\n"model-a" = { 1 = 0.5, 8 = 0.25 }\n'
+
+
+@pytest.mark.parametrize("how", ["ini", "option", "option over ini"])
+def test_perf_thresholds_fixture_reads_the_file_named_by_ini_or_option(pytester, keep_hypothesis_profile, how):
+    """Another project names its thresholds file in its ini (megakernel_perf_thresholds, relative to the
+    rootdir) or with --perf-thresholds PATH (which wins); the fixture checks ratios against it per GPU."""
+    pytester.makefile(".toml", thresholds=THRESHOLDS_TOML)
+    pytester.makefile(".toml", other='["Some GPU".floor_fraction]\n"model-a" = { 1 = 9.0 }\n')
+    pytester.makepyfile(test_thresholds=THRESHOLD_TESTS)
+    args = []
+    if how in ("ini", "option over ini"):
+        pytester.makeini("[pytest]\nmegakernel_perf_thresholds = " + ("other.toml" if how != "ini" else "thresholds.toml"))
+    if how != "ini":
+        args = ["--perf-thresholds", str(pytester.path / "thresholds.toml")]
+    result = pytester.runpytest(*_plugin_args(), *args)
+    result.assert_outcomes(passed=1)
+
+
+def test_perf_thresholds_without_a_file_enforce_nothing_and_a_missing_file_is_an_error(pytester,
+                                                                                      keep_hypothesis_profile):
+    pytester.makepyfile(test_none='''
+def test_none(perf_thresholds):
+    assert perf_thresholds.path is None and perf_thresholds.failures("Some GPU", {"floor_fraction": 0.0}, "m", 1) == []
+''')
+    pytester.runpytest(*_plugin_args()).assert_outcomes(passed=1)
+    result = pytester.runpytest(*_plugin_args(), "--perf-thresholds", "missing.toml")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*perf thresholds file*missing.toml does not exist*"])
