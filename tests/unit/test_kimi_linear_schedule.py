@@ -138,6 +138,15 @@ def test_vm_matches_reference_decoder(name, restart, block_size, kv_splits, head
                    kda_head_group=kda_group, tile_rows_override=tiles)
 
 
+@pytest.mark.parametrize("batch", [2, 4, 5, 6, 7])
+def test_vm_matches_reference_decoder_at_the_other_batch_sizes(batch):
+    """Batch 2 and 4-7 (1, 3 and 8 are above): three steps, one sequence restarting at step 2."""
+    name = "tiny-kimi-linear" if batch % 2 else "tiny-kimi-linear-qlora"
+    restart = [2 if b == batch - 1 else 0 for b in range(batch)]
+    _compare_steps(_weights(name), restart, 3, None, 10 + batch, f"{name} batch={batch}", block_size=4,
+                   num_sms=NUM_SMS)
+
+
 def test_vm_matches_reference_decoder_on_real_attention_shapes():
     """The 4-layer Kimi-Linear-48B slice with its real KDA (32 heads of 128, kernel 4) and MLA (32 heads,
     c = 512, r = 64, no q LoRA) shapes and hidden size, the MLPs, experts and vocabulary shrunk so that its
