@@ -448,7 +448,7 @@ def _read_bandwidth(args: argparse.Namespace, cuda: bool) -> tuple[float | None,
 
 def _info_deepseek(args: argparse.Namespace, cuda: bool) -> int:
     """The bytes a DeepSeek/Kimi (MLA + MoE) decode step must read at a batch, part by part."""
-    from megakernel.model.deepseek.floor import decode_bytes, expected_distinct_experts, floor_ms
+    from megakernel.model.deepseek.floor import decode_bytes, expected_distinct_experts
     from megakernel.model.deepseek.presets import get_preset
 
     c = get_preset(args.preset)
@@ -458,13 +458,13 @@ def _info_deepseek(args: argparse.Namespace, cuda: bool) -> int:
           f"{c.n_shared_experts} shared, expert ffn {c.moe_intermediate_size}, vocab {c.vocab_size}")
     parts = decode_bytes(c, args.batch, 2, args.context)
     experts = expected_distinct_experts(c.n_routed_experts, c.num_experts_per_tok, args.batch)
-    return _print_decode_bytes(args, cuda, parts, experts, "read", floor_ms)
+    return _print_decode_bytes(args, cuda, parts, experts, "read")
 
 
 def _info_kimi_linear(args: argparse.Namespace, cuda: bool) -> int:
     """The bytes a Kimi Linear (KDA + MLA + MoE) decode step must move at a batch, part by part: the KDA
     state counted twice (read, then written back)."""
-    from megakernel.model.kimi_linear.floor import decode_bytes, expected_distinct_experts, floor_ms
+    from megakernel.model.kimi_linear.floor import decode_bytes, expected_distinct_experts
     from megakernel.model.kimi_linear.presets import get_preset
 
     c = get_preset(args.preset)
@@ -476,12 +476,12 @@ def _info_kimi_linear(args: argparse.Namespace, cuda: bool) -> int:
           f"vocab {c.vocab_size}")
     parts = decode_bytes(c, args.batch, 2, args.context)
     experts = expected_distinct_experts(c.n_routed_experts, c.num_experts_per_tok, args.batch)
-    return _print_decode_bytes(args, cuda, parts, experts, "moved", floor_ms)
+    return _print_decode_bytes(args, cuda, parts, experts, "moved")
 
 
-def _print_decode_bytes(args: argparse.Namespace, cuda: bool, parts: dict, experts: float, verb: str,
-                        floor_ms) -> int:
+def _print_decode_bytes(args: argparse.Namespace, cuda: bool, parts: dict, experts: float, verb: str) -> int:
     """The table of a decode step's bytes by part, then the floor at the measured or given bandwidth."""
+    from megakernel.model.deepseek.floor import floor_ms
     print(f"bytes {verb} per decode step at batch {args.batch}, context {args.context} (bf16; {experts:.1f} "
           f"distinct routed experts per MoE layer expected under uniform routing):")
     for name, value in parts.items():

@@ -358,11 +358,11 @@ class MegakernelEngine:
         out = []
         for sm, n in enumerate(lengths):
             for i in range(n):
-                idx, op, begin, ready, end, _sm, s0, s1 = (int(v) for v in t[sm, i, :8])
+                idx, op, begin, ready, end, streamed, s0, s1 = (int(v) for v in t[sm, i, :8])
                 rec = {"sm": sm, "index": idx, "opcode": Opcode(op).name, "begin": (begin - base) % wrap,
                        "ready": (ready - base) % wrap, "end": (end - base) % wrap}
-                if _sm:
-                    rec["streamed"] = (_sm - base) % wrap      # a matvec's last weight slot consumed
+                if streamed:
+                    rec["streamed"] = (streamed - base) % wrap      # a matvec's last weight slot consumed
                 if s1:
                     # the producer warp: when it began and finished issuing the tile's weight slots
                     rec["stream_begin"], rec["stream_end"] = (s0 - base) % wrap, (s1 - base) % wrap
