@@ -15,8 +15,11 @@ from ..model.weights import ModelWeights
 
 # Rows a CTA's 8 consumer warps process side by side: every matvec tile is a multiple of it.
 ROW_GROUP = 8
-# Columns one warp covers per pass: 32 lanes x 8 bf16 (one 16-byte load each).
+# Columns of one consumer work item: 16 k-steps of the m16n8k16 tensor-core MMA.
 COL_PASS = 256
+# The weight matrices the kernel streams are stored in blocks of FRAG_ROWS rows x FRAG_COLS columns, each
+# 512 bytes in the order of the MMA's A-operand registers (fragment_pack).
+FRAG_ROWS, FRAG_COLS = 8, 32
 MAX_BATCH = 8
 # The DAG's rule for folding the attention split merge into O_PROJ's input staging (no ATTN_REDUCE
 # stage) and the embedding into layer 0's QKV: the widest matvec input (batch x K x float32) within this,
@@ -90,7 +93,7 @@ class StepLayout:
         for name, k in (("hidden_size", c.hidden_size), ("intermediate_size", c.intermediate_size),
                         ("num_heads*head_dim", c.q_size)):
             if k % COL_PASS:
-                raise ValueError(f"{name}={k} must be a multiple of {COL_PASS} (one 16-byte load per lane)")
+                raise ValueError(f"{name}={k} must be a multiple of {COL_PASS} (a consumer work item's columns)")
         for name, rows in (("vocab_size", c.vocab_size), ("hidden_size", c.hidden_size),
                            ("qkv rows", c.qkv_rows), ("intermediate_size", c.intermediate_size)):
             if rows % ROW_GROUP:
@@ -182,7 +185,9 @@ def check_block_aliasing(block_table: torch.Tensor, positions: torch.Tensor, blo
 
 @dataclass
 class PackedWeights:
-    """Weights stacked per matrix kind across layers, in the row order the tiles stream.
+    """Weights stacked per matrix kind across layers, in the row order the tiles stream; the five
+    streamed matrices (qkv, o_proj, gate_up, down, lm_head) in fragment order (fragment_pack: read rows of
+    them with fragment_unpack), the embedding table row-major (one row is gathered per token).
 
     ``gate_up`` interleaves groups of ROW_GROUP gate rows with the matching ROW_GROUP up rows, so a
     tile of 2*n*ROW_GROUP consecutive rows holds n complete (gate, up) pairs.
@@ -255,6 +260,31 @@ def validate_packed_weights(packed, layout: StepLayout, device=None, dtype: torc
                              f"address {t.data_ptr():#x})")
 
 
+def fragment_pack(w: torch.Tensor) -> torch.Tensor:
+    """[..., R, K] row-major -> the same shape and bytes, each block of 8 rows x 32 columns (512 bytes)
+    reordered so that lane l of a warp finds its 16 bytes of the block at offset 16 * l: row l // 4, columns
+    2t, 2t+1, 2t+8, 2t+9 (t = l % 4) of each 16-column half, which are the A-operand registers of an
+    m16n8k16 MMA for those 8 rows (the other 8 rows of the MMA are the next row block). A row block (8 rows x
+    K) stays where it was, so a tile of rows r0 .. r0 + n (multiples of 8) is the same bytes in both orders;
+    inside it the 512-byte blocks follow each other by column. R must be a multiple of 8, K of 32."""
+    *lead, r, k = w.shape
+    if r % FRAG_ROWS or k % FRAG_COLS:
+        raise ValueError(f"fragment_pack needs rows a multiple of {FRAG_ROWS} and columns of {FRAG_COLS}; "
+                         f"got {tuple(w.shape)}")
+    n = len(lead)
+    # [row block, row, column block, 16-col half kb, 8-col half h, t, e] -> [rb, cb, row, t, kb, h, e]
+    v = w.reshape(*lead, r // 8, 8, k // 32, 2, 2, 4, 2)
+    return v.permute(*range(n), n, n + 2, n + 1, n + 5, n + 3, n + 4, n + 6).reshape(*lead, r, k).contiguous()
+
+
+def fragment_unpack(p: torch.Tensor) -> torch.Tensor:
+    """The inverse of fragment_pack: rows r0 .. r0 + n (multiples of 8) of a packed matrix -> row-major."""
+    *lead, r, k = p.shape
+    n = len(lead)
+    v = p.reshape(*lead, r // 8, k // 32, 8, 4, 2, 2, 2)            # [rb, cb, row, t, kb, h, e]
+    return v.permute(*range(n), n, n + 2, n + 1, n + 4, n + 5, n + 3, n + 6).reshape(*lead, r, k)
+
+
 def interleave_gate_up(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
     """[2F, H] (gate rows then up rows) -> [2F, H] with groups of ROW_GROUP gate/up rows alternating."""
     f, h = intermediate_size, gate_up.shape[-1]
@@ -277,11 +307,11 @@ def pack_weights(weights: ModelWeights, max_seq_len: int) -> PackedWeights:
     angles = torch.arange(max_seq_len, dtype=torch.float32)[:, None] * rope_inv_freq(c).float()[None, :]
     return PackedWeights(
         embed=weights.embed,
-        qkv=torch.stack([lw.qkv for lw in layers]).contiguous(),
-        o_proj=torch.stack([lw.o_proj for lw in layers]).contiguous(),
-        gate_up=torch.stack([interleave_gate_up(lw.gate_up, c.intermediate_size) for lw in layers]).contiguous(),
-        down=torch.stack([lw.down for lw in layers]).contiguous(),
-        lm_head=weights.lm_head,
+        qkv=fragment_pack(torch.stack([lw.qkv for lw in layers])),
+        o_proj=fragment_pack(torch.stack([lw.o_proj for lw in layers])),
+        gate_up=fragment_pack(torch.stack([interleave_gate_up(lw.gate_up, c.intermediate_size) for lw in layers])),
+        down=fragment_pack(torch.stack([lw.down for lw in layers])),
+        lm_head=fragment_pack(weights.lm_head),
         attn_norm=torch.stack([lw.attn_norm for lw in layers]).contiguous(),
         mlp_norm=torch.stack([lw.mlp_norm for lw in layers]).contiguous(),
         final_norm=weights.final_norm,

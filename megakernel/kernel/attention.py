@@ -22,6 +22,7 @@ from .ptx import (atomic_cas, cp_async_shared, cp_async_wait_all, ex2, ld_bf16, 
                   load_f32x4, load_shared_b32, round_bf16, rsqrt, st_bf16, st_f32, store_relaxed, unpack_bf16x2,
                   warp_sum)
 
+MERGE_GROUP = 8            # attention splits whose partials one merge holds in registers at once
 LOG2E = 1.4426950408889634
 ERR_POSITION = 2
 
@@ -266,30 +267,36 @@ class AttentionStage:
     def merge_quad(self, layer: Int32, b: Int32, k: Int32, attn_part_o: Int64, attn_part_lse: Int64,
                    out: cute.Tensor):
         """Attention output elements k..k+3 (one head) of sequence b: the splits' partial outputs weighted by
-        exp(lse_s - max) and normalized, as ATTN_REDUCE computes them. Every split's partial loads in the
-        same round as the lse values (an empty split wrote lse = -inf and a zero partial, skipped below)."""
+        exp(lse_s - max) and normalized, as ATTN_REDUCE computes them. The lse values and the first
+        MERGE_GROUP splits' partials load in one round, the other splits' a group at a time (16 splits'
+        partials at once would not fit the registers); an empty split wrote lse = -inf and a zero partial,
+        skipped below."""
         head = k // self.D
         d = k - head * self.D
         base = ((Int64(layer) * self.B + Int64(b)) * self.Hq + Int64(head)) * self.S
         lse = cute.make_rmem_tensor((self.S,), Float32)
-        ov = cute.make_rmem_tensor((self.S * 4,), Float32)
         for sp in cutlass.range_constexpr(self.S):
             lse[sp] = ld_f32(attn_part_lse + (base + sp) * 4)
-            o4 = load_f32x4(attn_part_o + ((base + sp) * self.D + Int64(d)) * 4)
-            for e in cutlass.range_constexpr(4):
-                ov[sp * 4 + e] = o4[e]
-        mx = Float32(-math.inf)
-        for sp in cutlass.range_constexpr(self.S):
-            if lse[sp] > mx:
-                mx = lse[sp]
         tot = Float32(0.0)
         for e in cutlass.range_constexpr(4):
             out[e] = Float32(0.0)
-        for sp in cutlass.range_constexpr(self.S):
-            if lse[sp] > Float32(-math.inf):
-                f = ex2((lse[sp] - mx) * Float32(LOG2E))
-                tot = tot + f
+        mx = Float32(-math.inf)
+        for g0 in cutlass.range_constexpr(0, self.S, MERGE_GROUP):
+            n = min(MERGE_GROUP, self.S - g0)
+            ov = cute.make_rmem_tensor((n * 4,), Float32)
+            for j in cutlass.range_constexpr(n):
+                o4 = load_f32x4(attn_part_o + ((base + g0 + j) * self.D + Int64(d)) * 4)
                 for e in cutlass.range_constexpr(4):
-                    out[e] = out[e] + f * ov[sp * 4 + e]
+                    ov[j * 4 + e] = o4[e]
+            if cutlass.const_expr(g0 == 0):
+                for sp in cutlass.range_constexpr(self.S):
+                    if lse[sp] > mx:
+                        mx = lse[sp]
+            for j in cutlass.range_constexpr(n):
+                if lse[g0 + j] > Float32(-math.inf):
+                    f = ex2((lse[g0 + j] - mx) * Float32(LOG2E))
+                    tot = tot + f
+                    for e in cutlass.range_constexpr(4):
+                        out[e] = out[e] + f * ov[j * 4 + e]
         for e in cutlass.range_constexpr(4):
             out[e] = out[e] / tot

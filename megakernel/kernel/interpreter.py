@@ -1,16 +1,18 @@
 """The persistent decode megakernel (core v2): one CTA per SM interprets its queue of fused-stage
-instructions with 8 consumer warps, while a producer warp streams the queue's weights ahead of them.
+instructions with 15 consumer warps (8 at batch 5-8), while a producer warp streams the queue's weights
+ahead of them.
 
 A CTA's warps:
   - the producer (the last warp, megakernel.kernel.stream) walks the whole queue at once and bulk-copies
     every matvec tile into a ring of shared-memory slots, throttled only by free slots: weights never wait
     for activations, so HBM streams through every dependency hop;
-  - the consumers (warps 0-7) run the instructions in order. Per instruction:
+  - the consumers (warps 0 .. warps - 1) run the instructions in order. Per instruction:
       1. ATTN_PARTIAL copies its first cached token per warp by cp.async (the cache's history is an input);
       2. thread 0 spins (ld.acquire.gpu, bounded by globaltimer) until the counter it waits on reaches its
          epoch-relative target; a timeout writes the error word and aborts the CTA's queue;
       3. the stage body (opcode dispatch by `if`, each body inlined once; megakernel.kernel.matvec,
-         .attention, .tokens): a matvec stages its input, then takes its weights slot by slot from the ring;
+         .attention, .tokens): a matvec stages its input, then takes its weights slot by slot from the ring
+         and multiplies them on the tensor cores;
       4. after a consumer barrier, thread 0 signals its stage counter with red.release.gpu.
 The consumers synchronise among themselves with named barrier 1 (the producer never joins it); all warps
 meet at barrier 0 only at the start and at the end. The last CTA to finish advances the epoch, so counters
@@ -37,7 +39,7 @@ from .attention import ERR_POSITION, LOG2E, AttentionStage  # noqa: F401  (error
 from .matvec import MatvecStage
 from .ptx import (atomic_add_acq_rel, atomic_cas, cp_async_wait_all, globaltimer_lo, ld_i32, load_acquire,
                   mbarrier_init, mbarrier_init_fence, red_release_add, st_i32, store_relaxed)
-from .stream import ERR_RING, SLOT_BYTES, StreamPlan, WeightStream, is_matvec, item_shape  # noqa: F401
+from .stream import ERR_RING, SLOT_BYTES, StreamPlan, WeightStream, is_matvec  # noqa: F401
 from .tokens import ERR_TOKEN, TokenStages  # noqa: F401
 
 # Error codes written to error[0] (the first error wins): 1 a counter wait timed out, 2 a position past the
@@ -105,13 +107,13 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
         self.qk_norm = bool(c.qk_norm)
         self.E = self.D // 32                     # head elements per lane
         self.scale_log2 = LOG2E / math.sqrt(self.D)
-        # 16 consumer warps where their 120 registers hold a work item without spills (batch 1-4), else 8:
-        # 16 measured 7% faster than 8 at batch 1 (llama-3.2-1b) and 2% at batch 4 (profiles/RESULTS.md)
-        self.warps = 16 if self.B <= 4 else 8
+        # 15 consumer warps at batch 1-4: with the producer 16 warps, 4 per SM sub-partition, so 128 registers
+        # each (16 consumer warps, 17 in all, leave 96, and the kernel spills at some shapes); 8 at batch 5-8,
+        # whose staging and epilogue loops over the batch need more registers still
+        self.warps = 15 if self.B <= 4 else 8
         self.cthreads = 32 * self.warps
         self.threads = self.cthreads + 32         # + the producer warp
         self.plan = StreamPlan.for_config(c, self.B)
-        self.item_rows, self.item_passes = item_shape(self.B)
         free = SMEM_LIMIT - self.smem_bytes(ring_slots=0)
         self.ring_slots = StreamPlan.ring_slots(free)
 

@@ -5,9 +5,10 @@ The stage's record, operands and torch reference are in megakernel.instructions.
      0's embedding row) is staged in shared memory as float32, whole or one column slab at a time, with
      sum(x^2) for the RMSNorm of the stages that have one;
   2. the tile's weight slots arrive in the ring (megakernel.kernel.stream); each slot's work items
-     (`item_shape`: rows x 256-column passes) go to the consumer warps in turn, a warp's lane reads 16
-     bytes of a row per pass from shared memory, and each item's dot products are reduced across the
-     warp into one partial per (row, segment, sequence);
+     (16 rows x item_cols columns) go to the consumer warps in turn; a warp multiplies an item on the tensor
+     cores (m16n8k16 MMAs: the weights, fragment-packed at load time, are A, read 16 bytes per lane; the
+     batch, padded to 8, is B, each float32 input split into bf16 hi + lo and multiplied twice) into one
+     float32 partial per (row, segment, sequence);
   3. per chunk of rows, one thread per output adds its partials in a fixed order (the same bits every
      run) and runs the epilogue: store, residual add, SiLU-and-multiply, or logits + tile argmax.
 """
@@ -20,11 +21,14 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64
 
-from ..instructions.layout import COL_PASS, ROW_GROUP
+from ..instructions.layout import ROW_GROUP
 from ..instructions.opcodes import Opcode
-from .ptx import (ex2, globaltimer_lo, ld_f32, ld_i32, ld_shared_f32x4, load_f32x4, load_shared_raw, load_weights_bf16x4,
-                  mbarrier_arrive, rsqrt, st_f32, st_i32, unpack_bf16x8, warp_max_index, warp_sum)
-from .stream import SLOT_BYTES
+from .ptx import (ex2, globaltimer_lo, ld_f32, ld_i32, ld_shared_f32x2, load_f32x4, load_shared_raw,
+                  load_weights_bf16x4, mbarrier_arrive, mma_bf16_16816, rsqrt, split_bf16x2, st_f32, st_i32,
+                  warp_max_index, warp_sum)
+from .stream import ITEM_ROWS, SLOT_BYTES, X_PAD, item_cols
+
+LOAD_KP = 4                # 32-column blocks whose weight loads are in flight at once (8 x 16 bytes per lane)
 
 OP_QKV, OP_O_PROJ, OP_GATE_UP = int(Opcode.QKV), int(Opcode.O_PROJ), int(Opcode.GATE_UP)
 OP_DOWN, OP_LM_HEAD = int(Opcode.DOWN), int(Opcode.LM_HEAD)
@@ -46,7 +50,8 @@ class MatvecStage:
         B, H = self.B, self.H
         l64 = Int64(layer)
         w_addr, _ = self.weight_tile(op, layer, a0, p.w_qkv, p.w_o, p.w_gate_up, p.w_down, p.w_lm_head)
-        K, slab, n_slab, rps, segs, chunk, whole = self.tile_geometry(op)
+        K, slab, n_slab, rps, segs, chunk, xsl = self.tile_geometry(op)
+        whole = xsl >= n_slab
         n_seg = n_slab * segs
         # input rows (one per sequence, width K), norm weights, output rows, residual rows
         in_addr = Int64(0)
@@ -103,8 +108,9 @@ class MatvecStage:
         ss = cute.make_rmem_tensor((B,), Float32)
         for b in cutlass.range_constexpr(B):
             ss[b] = Float32(0.0)
-        if whole == 1:
-            self.stage(tidx, layer, K, merge, from_embed, has_norm, in_addr, norm_addr, p, s, ss, Int32(0), K, K)
+        if whole:
+            self.stage(tidx, layer, K, merge, from_embed, has_norm, in_addr, norm_addr, p, s, ss, Int32(0), K,
+                       K + X_PAD)
             if has_norm:
                 self.rms_statistic(tidx, warp, lane, K, ss, s)
             self.consumer_sync()
@@ -124,14 +130,19 @@ class MatvecStage:
                 width = K - sl * slab     # the slab's columns (the last slab may be narrower)
                 if width > slab:
                     width = slab
-                xw = K
-                if whole == 0:
-                    self.consumer_sync()          # the previous slab is read: this one may overwrite it
-                    self.stage(tidx, layer, K, merge, from_embed, has_norm and c0 == 0, in_addr, norm_addr, p, s,
-                               ss, sl * slab, width, slab)
-                    self.consumer_sync()
-                    col0 = Int32(0)
-                    xw = slab
+                xw = K + X_PAD            # floats between two sequences' staged rows
+                if not whole:
+                    w0 = sl - sl % xsl            # the first slab of the staged window
+                    col0 = (sl - w0) * slab
+                    xw = xsl * slab + X_PAD
+                    if sl == w0:
+                        ww = K - w0 * slab
+                        if ww > xsl * slab:
+                            ww = xsl * slab
+                        self.consumer_sync()      # the previous window is read: this one may overwrite it
+                        self.stage(tidx, layer, K, merge, from_embed, has_norm and c0 == 0, in_addr, norm_addr, p,
+                                   s, ss, w0 * slab, ww, xw)
+                        self.consumer_sync()
                 for g0 in range(0, rows, rps):
                     nr = rows - g0
                     if nr > rps:
@@ -139,17 +150,17 @@ class MatvecStage:
                     slot = k_slot % self.ring_slots
                     mb = slot * 8
                     self.wait_full(full + mb, (k_slot // self.ring_slots) % 2, p.error)
-                    n_items = (nr // self.item_rows) * segs
+                    n_items = ((nr + ITEM_ROWS - 1) // ITEM_ROWS) * segs
                     j0 = (warp - rot % self.warps + self.warps) % self.warps
                     for j in range(j0, n_items, self.warps):
                         self.consume_item(lane, j, segs, slab, width, ring + slot * SLOT_BYTES, x_base, xw, col0,
-                                          g0, n_seg, sl * segs, s)
+                                          g0, nr, n_seg, sl * segs, s)
                     cute.arch.sync_warp()
                     if lane == 0:
                         mbarrier_arrive(empty + mb)
                     rot = rot + n_items
                     k_slot = k_slot + 1
-            if whole == 0 and c0 == 0 and has_norm:
+            if not whole and c0 == 0 and has_norm:
                 self.rms_statistic(tidx, warp, lane, K, ss, s)
             self.consumer_sync()
             if cutlass.const_expr(self.options.trace):
@@ -164,58 +175,90 @@ class MatvecStage:
 
     @cute.jit
     def consume_item(self, lane: Int32, j: Int32, segs: Int32, slab: Int32, width: Int32, slot_addr: Int32,
-                     x_base: Int32, xw: Int32, col0: Int32, g0: Int32, n_seg: Int32, seg0: Int32, s):
-        """Work item j of a slot: item_rows rows (row group j // segs) x item_passes 256-column passes
-        (segment j % segs of the slab) against every sequence's staged input; one partial per (row,
-        sequence) into s.part at ((row * n_seg + segment) * B + b). Weights are the slot's rows of `width`
-        bf16 at row stride `slab`; x is staged at row stride xw, the slab's first column at col0. Passes past
-        the slab's width (a narrower last slab, or a width of passes no multiple of item_passes) load
-        nothing and add zeros."""
+                     x_base: Int32, xw: Int32, col0: Int32, g0: Int32, nr: Int32, n_seg: Int32, seg0: Int32, s):
+        """Work item j of a slot of nr rows: 16 rows (row group j // segs; its second 8-row block absent where
+        the slot ends after the first) x item_cols(B) columns (segment j % segs of the slab), against every
+        sequence's staged input; one partial per (row, sequence) into s.part at ((row * n_seg + segment) * B
+        + b).
+
+        The slot holds, per 8-row block (slab * 16 bytes apart), 512-byte blocks of 32 columns in fragment
+        order: lane l's 16 bytes of one are its A registers of two MMAs (k = 0..15 and 16..31) for those 8
+        rows. The input of sequence n = l // 4 (zero for n >= B) is staged at row stride xw, the slab's first
+        column at col0; its float32 pairs (k = 2t, 2t + 1 and 2t + 8, 2t + 9, t = l % 4) become the B
+        registers, split into bf16 hi and lo. Columns past the slab's width (a narrower last slab) load
+        nothing and add nothing."""
         s_part = s.part
-        B, R, P = self.B, self.item_rows, self.item_passes
+        B = self.B
         rg = j // segs
         sg = j - rg * segs
-        slab_passes = width // COL_PASS
-        w = cute.make_rmem_tensor((P * R * 4,), Int32)
-        xs = cute.make_rmem_tensor((P * B * 8,), Float32)
-        for i in cutlass.range_constexpr(P * R * 4):
-            w[i] = Int32(0)
-        for i in cutlass.range_constexpr(P * B * 8):
-            xs[i] = Float32(0.0)
-        # every load of the item first (P passes, R rows, B inputs), then the arithmetic
-        for u in cutlass.range_constexpr(P):
-            ps = sg * P + u
-            if ps < slab_passes:
-                col = ps * COL_PASS + lane * 8
-                for h in cutlass.range_constexpr(R):
-                    v = load_shared_raw(slot_addr + ((rg * R + h) * slab + col) * 2)
+        kp_slab = slab // 32                  # 512-byte blocks per 8-row block of the slot
+        kp_w = width // 32                    # ... that hold columns of this slab
+        IC = item_cols(B)                     # columns of a work item
+        IKP = IC // 32                        # ... in 32-column blocks
+        kp0 = sg * IKP
+        two = rg * ITEM_ROWS + 8 < nr         # the item's second 8-row block is in the slot
+        n = lane // 4
+        t = lane - n * 4
+        top = slot_addr + (2 * rg * kp_slab + kp0) * 512 + lane * 16
+        # four independent accumulator chains (hi and lo, even and odd 32-column blocks) of 8 MMAs each,
+        # summed at the end: one chain of 32 dependent MMAs would be the item's latency
+        c = cute.make_rmem_tensor((16,), Float32)
+        for i in cutlass.range_constexpr(16):
+            c[i] = Float32(0.0)
+        xa = x_base + (n * xw + col0 + sg * IC + 2 * t) * 4
+        # groups of LOAD_KP blocks (all of an item's weights would not fit the registers beside the rest):
+        # each group's weight loads, then its MMAs
+        LK = min(LOAD_KP, IKP)
+        for hf in cutlass.range_constexpr(IKP // LK):
+            a = cute.make_rmem_tensor((LK * 8,), Int32)
+            for uu in cutlass.range_constexpr(LK):
+                u = hf * LK + uu
+                for e in cutlass.range_constexpr(8):
+                    a[uu * 8 + e] = Int32(0)
+                if kp0 + u < kp_w:
+                    v = load_shared_raw(top + u * 512)
                     for e in cutlass.range_constexpr(4):
-                        w[(u * R + h) * 4 + e] = v[e]
-                for b in cutlass.range_constexpr(B):
-                    xa = x_base + (b * xw + col0 + col) * 4
-                    xl = ld_shared_f32x4(xa)
-                    xh = ld_shared_f32x4(xa + 16)
-                    for e in cutlass.range_constexpr(4):
-                        xs[(u * B + b) * 8 + e] = xl[e]
-                        xs[(u * B + b) * 8 + 4 + e] = xh[e]
-        acc = cute.make_rmem_tensor((R * B,), Float32)
-        for i in cutlass.range_constexpr(R * B):
-            acc[i] = Float32(0.0)
-        for u in cutlass.range_constexpr(P):
-            for h in cutlass.range_constexpr(R):
-                q = (u * R + h) * 4
-                wv = unpack_bf16x8(w[q], w[q + 1], w[q + 2], w[q + 3])
-                for b in cutlass.range_constexpr(B):
-                    a = acc[h * B + b]
-                    for e in cutlass.range_constexpr(8):
-                        a = a + wv[e] * xs[(u * B + b) * 8 + e]
-                    acc[h * B + b] = a
-        for h in cutlass.range_constexpr(R):
-            row = g0 + rg * R + h
-            for b in cutlass.range_constexpr(B):
-                dot = warp_sum(acc[h * B + b])
-                if lane == 0:
-                    s_part[((row * n_seg) + seg0 + sg) * B + b] = dot
+                        a[uu * 8 + e] = v[e]
+                    if two:
+                        v = load_shared_raw(top + u * 512 + kp_slab * 512)
+                        for e in cutlass.range_constexpr(4):
+                            a[uu * 8 + 4 + e] = v[e]
+            for uu in cutlass.range_constexpr(LK):
+                u = hf * LK + uu
+                if kp0 + u < kp_w:
+                    for kb in cutlass.range_constexpr(2):
+                        x0 = Float32(0.0)
+                        x1 = Float32(0.0)
+                        x8 = Float32(0.0)
+                        x9 = Float32(0.0)
+                        if n < B:
+                            lo = ld_shared_f32x2(xa + (u * 32 + kb * 16) * 4)
+                            hi = ld_shared_f32x2(xa + (u * 32 + kb * 16 + 8) * 4)
+                            x0 = lo[0]
+                            x1 = lo[1]
+                            x8 = hi[0]
+                            x9 = hi[1]
+                        b01 = split_bf16x2(x0, x1)
+                        b89 = split_bf16x2(x8, x9)
+                        q = uu * 8 + kb * 2
+                        for part in cutlass.range_constexpr(2):       # the hi halves, then the lo halves
+                            ch = (part * 2 + u % 2) * 4
+                            d = mma_bf16_16816(a[q], a[q + 4], a[q + 1], a[q + 5], b01[part], b89[part],
+                                               c[ch], c[ch + 1], c[ch + 2], c[ch + 3])
+                            for i in cutlass.range_constexpr(4):
+                                c[ch + i] = d[i]
+        for i in cutlass.range_constexpr(4):
+            c[i] = (c[i] + c[4 + i]) + (c[8 + i] + c[12 + i])
+        # C: rows n and n + 8 of the item, sequences 2t and 2t + 1
+        seg = seg0 + sg
+        row = g0 + rg * ITEM_ROWS + n
+        for e in cutlass.range_constexpr(2):
+            if 2 * t + e < B:
+                s_part[(row * n_seg + seg) * B + 2 * t + e] = c[e]
+        if two:
+            for e in cutlass.range_constexpr(2):
+                if 2 * t + e < B:
+                    s_part[((row + 8) * n_seg + seg) * B + 2 * t + e] = c[2 + e]
 
     @cute.jit
     def epilogue(self, tidx: Int32, warp: Int32, lane: Int32, c0: Int32, rows: Int32, n_seg: Int32, a0: Int32,
@@ -308,37 +351,42 @@ class MatvecStage:
         merged attention splits where `merge`, layer 0's embedding row where `from_embed`, else the input
         row; times the norm weight, with sum(x^2) into ss where `gather`."""
         s_x = s.x
+        B = self.B
         if merge:
             self.stage_merged_attention(tidx, layer, p, s, s0, kw, stride)
         else:
-            for b in cutlass.range_constexpr(self.B):
-                row = in_addr + Int64(b) * Int64(K) * 4
+            # every sequence's quad of a column in one round (B loads in flight), U columns per thread per round
+            U = max(1, X_UNROLL // B)
+            rows = cute.make_rmem_tensor((B,), Int64)
+            for b in cutlass.range_constexpr(B):
+                rows[b] = in_addr + Int64(b) * Int64(K) * 4
                 if cutlass.const_expr(self.layout.embed_folded):
                     if from_embed:
                         tok = ld_i32(p.tokens + Int64(b) * 4)
                         if tok < 0 or tok >= self.V:
                             tok = Int32(0)            # EMBED reports it in the error word
-                        row = p.w_embed + Int64(tok) * (self.H * 2)
-                for q0 in range(tidx, kw // 4, self.cthreads * X_UNROLL):
-                    for v in cutlass.range_constexpr(X_UNROLL):
-                        q = q0 + v * self.cthreads
-                        if q < kw // 4:
-                            k = s0 + q * 4
+                        rows[b] = p.w_embed + Int64(tok) * (self.H * 2)
+            for q0 in range(tidx, kw // 4, self.cthreads * U):
+                for v in cutlass.range_constexpr(U):
+                    q = q0 + v * self.cthreads
+                    if q < kw // 4:
+                        k = s0 + q * 4
+                        nv = load_weights_bf16x4(norm_addr + Int64(k) * 2)
+                        for b in cutlass.range_constexpr(B):
                             xv = cute.make_rmem_tensor((4,), Float32)
                             if cutlass.const_expr(self.layout.embed_folded):
                                 if from_embed:
-                                    xe = load_weights_bf16x4(row + Int64(k) * 2)
+                                    xe = load_weights_bf16x4(rows[b] + Int64(k) * 2)
                                     for e in cutlass.range_constexpr(4):
                                         xv[e] = xe[e]
                                 else:
-                                    xg = load_f32x4(row + Int64(k) * 4)
+                                    xg = load_f32x4(rows[b] + Int64(k) * 4)
                                     for e in cutlass.range_constexpr(4):
                                         xv[e] = xg[e]
                             else:
-                                xg = load_f32x4(row + Int64(k) * 4)
+                                xg = load_f32x4(rows[b] + Int64(k) * 4)
                                 for e in cutlass.range_constexpr(4):
                                     xv[e] = xg[e]
-                            nv = load_weights_bf16x4(norm_addr + Int64(k) * 2)
                             for e in cutlass.range_constexpr(4):
                                 if gather:
                                     ss[b] = ss[b] + xv[e] * xv[e]
@@ -350,8 +398,8 @@ class MatvecStage:
         """O_PROJ folded with the attention merge: s.x = the merged attention output of every sequence, one
         quad per thread at a time (each quad is 2 x splits loads)."""
         s_x = s.x
-        for b in cutlass.range_constexpr(self.B):
-            for q in range(tidx, kw // 4, self.cthreads):
+        for q in range(tidx, kw // 4, self.cthreads):
+            for b in cutlass.range_constexpr(self.B):         # the sequences' merges in one round
                 xv = cute.make_rmem_tensor((4,), Float32)
                 self.merge_quad(layer, b, s0 + q * 4, p.attn_part_o, p.attn_part_lse, xv)
                 for e in cutlass.range_constexpr(4):

@@ -26,6 +26,19 @@ def load_weights_bf16x8(addr: Int64):
 
 
 @cute.jit
+def load_bf16x8(addr: Int64):
+    """8 bf16 at a 16-byte aligned address (read-only path, e.g. an embedding row) -> 8 float32."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 t0, t1, t2, t3;\n"
+        "ld.global.nc.v4.b32 {t0, t1, t2, t3}, [{$r0}];\n"
+        "shl.b32 {$w0}, t0, 16; and.b32 {$w1}, t0, 0xffff0000;\n"
+        "shl.b32 {$w2}, t1, 16; and.b32 {$w3}, t1, 0xffff0000;\n"
+        "shl.b32 {$w4}, t2, 16; and.b32 {$w5}, t2, 0xffff0000;\n"
+        "shl.b32 {$w6}, t3, 16; and.b32 {$w7}, t3, 0xffff0000; }",
+        write_only_types=[Float32] * 8, read_only_args=[addr])
+
+
+@cute.jit
 def load_weights_raw(addr: Int64):
     """16 bytes of weights (8 bf16) at a 16-byte aligned address, as 4 raw 32-bit words: the same
     read-only, L1-bypassing load as load_weights_bf16x8, for loads issued long before their use
@@ -51,6 +64,38 @@ def unpack_bf16x2(w: Int32):
     """One word of packed bf16 (low half first) -> 2 float32, as unpack_bf16x8 does for four."""
     return cute.arch.inline_ptx("shl.b32 {$w0}, {$r0}, 16; and.b32 {$w1}, {$r0}, 0xffff0000;",
                                 write_only_types=[Float32] * 2, read_only_args=[w])
+
+
+@cute.jit
+def mma_bf16_16816(a0: Int32, a1: Int32, a2: Int32, a3: Int32, b0: Int32, b1: Int32,
+                   c0: Float32, c1: Float32, c2: Float32, c3: Float32):
+    """One warp-wide m16n8k16 tensor-core MMA, D = A B + C: bf16 A (16 x 16, four packed-pair registers in
+    the order fragment_pack lays weights out), bf16 B (16 x 8, two registers), float32 C and D (16 x 8,
+    four registers: rows lane // 4 and + 8, columns 2 (lane % 4) and + 1). Written as PTX because its
+    operands come straight from 16-byte shared-memory loads in that order, not from CuTe fragments."""
+    return cute.arch.inline_ptx(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
+        "{{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
+        write_only_types=[Float32] * 4, read_only_args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3])
+
+
+@cute.jit
+def split_bf16x2(x0: Float32, x1: Float32):
+    """Two float32 -> (hi, lo): packed bf16 pairs (x0 in the low half) with hi + lo = x to about 16
+    significant bits, so that two bf16 MMAs (hi, then lo) multiply by float32 activations."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 h0, h1, r0, r1;\n"
+        "cvt.rn.bf16x2.f32 {$w0}, {$r1}, {$r0};\n"
+        "shl.b32 h0, {$w0}, 16; and.b32 h1, {$w0}, 0xffff0000;\n"
+        "sub.f32 r0, {$r0}, h0; sub.f32 r1, {$r1}, h1;\n"
+        "cvt.rn.bf16x2.f32 {$w1}, r1, r0; }",
+        write_only_types=[Int32] * 2, read_only_args=[x0, x1])
+
+
+@cute.jit
+def ld_shared_f32x2(addr: Int32):
+    return cute.arch.inline_ptx("ld.shared.v2.f32 {{$w0}, {$w1}}, [{$r0}];",
+                                write_only_types=[Float32] * 2, read_only_args=[addr])
 
 
 @cute.jit

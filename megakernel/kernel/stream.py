@@ -5,8 +5,9 @@ Weights never depend on activations, so the producer never waits on a step count
 warps wait for the stage they read (a dependency hop, ~5 us), the ring fills with the next instructions'
 weights, across instruction and layer boundaries, and HBM stays busy.
 
-A slot is one bulk-copy unit: `rows` consecutive rows of a tile times one column slab of the matrix,
-landed row-major (`slab_cols` bf16 per row). Each slot has a `full` mbarrier (the producer arms it with
+A slot is one bulk-copy unit: `rows` consecutive rows of a tile times one column slab of the matrix, in
+the fragment order of the packed weights (megakernel.instructions.layout.fragment_pack): per 8-row block,
+the slab's 512-byte blocks of 32 columns, row blocks `slab_cols * 16` bytes apart. Each slot has a `full` mbarrier (the producer arms it with
 the slot's byte count, the copy engine completes it) and an `empty` mbarrier (each consumer warp arrives
 once it is past the slot). Producer and consumers enumerate a tile's slots in the same order, chunk by
 chunk (the rows whose partial sums fit shared memory at once), slab by slab, row group by row group, so
@@ -18,14 +19,13 @@ device code, a mixin of the interpreter (megakernel.kernel.interpreter).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Int32, Int64
 
-from ..instructions.layout import COL_PASS, ROW_GROUP
+from ..instructions.layout import COL_PASS
 from ..instructions.opcodes import Opcode
 from ..instructions.record import W_A0, W_A1, W_LAYER, W_OPCODE, WORDS
 from .ptx import (atomic_cas, bulk_copy_g2s, globaltimer_lo, load_shared_volatile, mbarrier_arrive_expect_tx,
@@ -35,7 +35,8 @@ SLOT_BYTES = 16 * 1024      # one slot: 16 KiB of weights (1 KiB = 2 x 512-byte 
 MAX_SLOTS = 12              # ring depth cap: 192 KiB covers a ~6 us hop at the per-SM share of HBM
 MIN_SLOTS = 4
 PART_FLOATS = 4096          # partial dot products of one chunk kept in shared memory (more where one unit needs it)
-X_WHOLE_BYTES = 64 * 1024   # a matvec input (all sequences, float32) staged whole up to this size, else per slab
+X_WHOLE_BYTES = 64 * 1024   # a matvec input (all sequences, float32) staged whole up to this size, else as many
+                            # slabs at a time as fit it
 
 ERR_RING = 4                # error code: a weight-ring wait timed out
 
@@ -49,17 +50,16 @@ def is_matvec(op: Int32) -> Boolean:
     return op >= OP_QKV and op <= OP_LM_HEAD and op != OP_ATTN_PARTIAL and op != OP_ATTN_REDUCE
 
 
-def item_shape(batch: int) -> tuple[int, int]:
-    """(rows, passes) of one consumer work item: `rows` rows share every input load (fewer shared-memory
-    reads of x per weight byte as the batch grows), `passes` 256-column passes accumulate in registers
-    before the warp's reduction (fewer shuffles per weight byte), within the registers of 8 warps."""
-    if batch <= 1:
-        return 2, 4
-    if batch <= 2:
-        return 2, 2
-    if batch <= 4:
-        return 4, 2
-    return 4, 1
+ITEM_ROWS = 16              # rows of a consumer work item: the M of one m16n8k16 MMA, two 8-row fragment blocks
+X_PAD = 8                   # floats between the staged input rows of two sequences (conflict-free B loads)
+
+
+def item_cols(batch: int) -> int:
+    """Columns of a consumer work item: 128 at batch 1 (twice the items: more warps on a tile whose weights
+    are already in the ring; measured 1-6% faster than 256 on llama-3.2-1b, qwen3-0.6b and llama-3.1-8b, and
+    than 64 on llama-3.2-1b, not on qwen3-0.6b), 256 above (half the partial sums; 3% faster at batch 8 on
+    llama-3.2-1b). profiles/RESULTS.md, 2026-12-01 (tensor cores)."""
+    return 128 if batch == 1 else COL_PASS
 
 
 @dataclass(frozen=True)
@@ -69,10 +69,10 @@ class SlotGeometry:
     k: int
     slab_cols: int       # columns of a slot row, a multiple of COL_PASS (the last slab: what is left of K)
     n_slab: int
-    rows_per_slot: int   # a multiple of the item's rows; the last slot of a chunk may hold fewer
-    segs_per_slab: int   # work items across a slab row: ceil(slab passes / item passes)
-    chunk_rows: int      # rows whose partials share memory at once: a multiple of rows_per_slot and 2 ROW_GROUPs
-    x_whole: bool        # the input's K columns are staged once per instruction (else one slab at a time)
+    rows_per_slot: int   # a multiple of ITEM_ROWS; the last slot of a tile may hold fewer (a multiple of 8)
+    segs_per_slab: int   # work items across a slab row: slab_cols / item_cols(batch)
+    chunk_rows: int      # rows whose partials share memory at once: a multiple of rows_per_slot
+    x_slabs: int         # slabs of the input staged at a time (n_slab: the whole input, once per instruction)
 
     @property
     def n_seg(self) -> int:
@@ -84,9 +84,20 @@ class SlotGeometry:
         return min(self.slab_cols, self.k - sl * self.slab_cols)
 
     @property
+    def x_whole(self) -> bool:
+        """Whether the input's K columns are staged once per instruction (else x_slabs slabs at a time,
+        once per chunk)."""
+        return self.x_slabs >= self.n_slab
+
+    @property
     def x_cols(self) -> int:
         """Columns of one sequence's input row staged at a time."""
-        return self.k if self.x_whole else self.slab_cols
+        return min(self.k, self.x_slabs * self.slab_cols)
+
+    @property
+    def x_stride(self) -> int:
+        """Floats from one sequence's staged input row to the next's."""
+        return self.x_cols + X_PAD
 
     def slots(self, rows: int) -> int:
         """Slots of a tile of `rows` rows."""
@@ -97,27 +108,26 @@ class SlotGeometry:
 
 
 def slot_geometry(k: int, batch: int) -> SlotGeometry:
-    """The slot geometry of a K-column matrix at a batch size: the fewest slabs whose item rows fit a
+    """The slot geometry of a K-column matrix at a batch size: the fewest slabs whose ITEM_ROWS rows fit a
     slot, slots as many rows as fit, chunks as many rows as PART_FLOATS partials allow."""
     if k % COL_PASS:
         raise ValueError(f"K={k} must be a multiple of {COL_PASS}")
-    rows, passes = item_shape(batch)
     ppr = k // COL_PASS
     # the fewest slabs whose item rows fit a slot; equal widths but the last, which may be narrower (any
     # K, an odd or prime K / 256 too, gets slabs as wide as a slot allows)
-    per_slab = -(-ppr // max(1, -(-k * 2 * rows // SLOT_BYTES)))
-    while per_slab * COL_PASS * 2 * rows > SLOT_BYTES:
+    per_slab = -(-ppr // max(1, -(-k * 2 * ITEM_ROWS // SLOT_BYTES)))
+    while per_slab * COL_PASS * 2 * ITEM_ROWS > SLOT_BYTES:
         per_slab -= 1
     slab = per_slab * COL_PASS
     n_slab = -(-ppr // per_slab)
-    rows_per_slot = rows * max(1, SLOT_BYTES // (slab * 2 * rows))
-    segs = -(-(slab // COL_PASS) // passes)
-    unit = math.lcm(rows_per_slot, 2 * ROW_GROUP)
+    rows_per_slot = ITEM_ROWS * max(1, SLOT_BYTES // (slab * 2 * ITEM_ROWS))
+    segs = slab // item_cols(batch)
     n_seg = n_slab * segs
-    # (at least one unit of rows: the partial buffer grows past PART_FLOATS where one unit needs more)
-    chunk = max(unit, PART_FLOATS // (n_seg * batch) // unit * unit)
+    # (at least one slot of rows: the partial buffer grows past PART_FLOATS where one needs more)
+    chunk = max(rows_per_slot, PART_FLOATS // (n_seg * batch) // rows_per_slot * rows_per_slot)
     return SlotGeometry(k=k, slab_cols=slab, n_slab=n_slab, rows_per_slot=rows_per_slot, segs_per_slab=segs,
-                        chunk_rows=chunk, x_whole=batch * k * 4 <= X_WHOLE_BYTES)
+                        chunk_rows=chunk, x_slabs=n_slab if batch * k * 4 <= X_WHOLE_BYTES
+                        else max(1, X_WHOLE_BYTES // (batch * 4 * slab)))
 
 
 @dataclass(frozen=True)
@@ -144,7 +154,7 @@ class StreamPlan:
     @property
     def x_floats(self) -> int:
         """Floats of the staged-input buffer: the widest staged row, all sequences."""
-        return self.batch * max(g.x_cols for g in self.by_k.values())
+        return self.batch * max(g.x_stride for g in self.by_k.values())
 
     @staticmethod
     def ring_slots(free_bytes: int) -> int:
@@ -163,17 +173,17 @@ class WeightStream:
 
     @cute.jit
     def tile_geometry(self, op: Int32):
-        """(K, slab_cols, n_slab, rows_per_slot, segs_per_slab, chunk_rows, x_whole) of a matvec opcode as
+        """(K, slab_cols, n_slab, rows_per_slot, segs_per_slab, chunk_rows, x_slabs) of a matvec opcode as
         runtime values: O_PROJ's K is q_size, DOWN's the intermediate size, the others' the hidden size."""
         g, go, gd = self.plan.geometry(self.H), self.plan.geometry(self.Q), self.plan.geometry(self.F)
         k, slab, n_slab, rps = Int32(g.k), Int32(g.slab_cols), Int32(g.n_slab), Int32(g.rows_per_slot)
-        segs, chunk, whole = Int32(g.segs_per_slab), Int32(g.chunk_rows), Int32(int(g.x_whole))
+        segs, chunk, whole = Int32(g.segs_per_slab), Int32(g.chunk_rows), Int32(g.x_slabs)
         if op == OP_O_PROJ:
             k, slab, n_slab, rps = Int32(go.k), Int32(go.slab_cols), Int32(go.n_slab), Int32(go.rows_per_slot)
-            segs, chunk, whole = Int32(go.segs_per_slab), Int32(go.chunk_rows), Int32(int(go.x_whole))
+            segs, chunk, whole = Int32(go.segs_per_slab), Int32(go.chunk_rows), Int32(go.x_slabs)
         if op == OP_DOWN:
             k, slab, n_slab, rps = Int32(gd.k), Int32(gd.slab_cols), Int32(gd.n_slab), Int32(gd.rows_per_slot)
-            segs, chunk, whole = Int32(gd.segs_per_slab), Int32(gd.chunk_rows), Int32(int(gd.x_whole))
+            segs, chunk, whole = Int32(gd.segs_per_slab), Int32(gd.chunk_rows), Int32(gd.x_slabs)
         return k, slab, n_slab, rps, segs, chunk, whole
 
     @cute.jit
@@ -225,11 +235,12 @@ class WeightStream:
                                 if n_slab == 1:
                                     bulk_copy_g2s(dst, w_addr + row0 * Int64(K) * 2, nbytes, full + slot * 8)
                                 else:
-                                    # one copy per row, landed at row stride slab_cols
-                                    for r in range(nr):
-                                        bulk_copy_g2s(dst + r * slab * 2,
-                                                      w_addr + ((row0 + r) * Int64(K) + Int64(sl * slab)) * 2,
-                                                      width * 2, full + slot * 8)
+                                    # one copy per 8-row block (its slab's 512-byte blocks are contiguous),
+                                    # landed slab_cols * 16 bytes apart
+                                    for rb in range(nr // 8):
+                                        bulk_copy_g2s(dst + rb * slab * 16,
+                                                      w_addr + ((row0 + rb * 8) * Int64(K) + Int64(sl * slab) * 8) * 2,
+                                                      width * 16, full + slot * 8)
                             if stop == 0:
                                 k = k + 1
                 if cutlass.const_expr(self.options.trace):

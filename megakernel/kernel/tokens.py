@@ -10,9 +10,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from .ptx import atomic_cas, ld_bf16, ld_f32, ld_i32, st_f32, st_i32, store_relaxed, warp_max_index
+from .ptx import atomic_cas, ld_f32, ld_i32, load_bf16x8, st_f32, st_i32, store_relaxed, warp_max_index
 
 ERR_TOKEN = 3
+EMBED_UNROLL = 2           # rounds of EMBED's loads in flight per thread
 
 
 class TokenStages:
@@ -20,44 +21,43 @@ class TokenStages:
 
     @cute.jit
     def embed(self, tidx: Int32, index: Int32, p):
-        for t in range(tidx, self.B * self.H, self.cthreads):
-            b = t // self.H
-            k = t - b * self.H
-            tok = ld_i32(p.tokens + Int64(b) * 4)
-            if tok < 0 or tok >= self.V:
-                if k == 0:
-                    if atomic_cas(p.error, Int32(0), Int32(ERR_TOKEN)) == 0:
-                        store_relaxed(p.error + 4, index)
-                        store_relaxed(p.error + 12, tok)
-                tok = Int32(0)
-            st_f32(p.x + Int64(t) * 4, ld_bf16(p.w_embed + (Int64(tok) * self.H + Int64(k)) * 2))
+        """x[0][b] = embed[token b] (float32), 8 columns per thread per round, EMBED_UNROLL rounds in flight;
+        a token outside the vocabulary reads row 0 and is reported in the error word."""
+        n8 = self.H // 8
+        for t0 in range(tidx, self.B * n8, self.cthreads * EMBED_UNROLL):
+            for v in cutlass.range_constexpr(EMBED_UNROLL):
+                t = t0 + v * self.cthreads
+                if t < self.B * n8:
+                    b = t // n8
+                    k = (t - b * n8) * 8
+                    tok = ld_i32(p.tokens + Int64(b) * 4)
+                    if tok < 0 or tok >= self.V:
+                        if k == 0:
+                            if atomic_cas(p.error, Int32(0), Int32(ERR_TOKEN)) == 0:
+                                store_relaxed(p.error + 4, index)
+                                store_relaxed(p.error + 12, tok)
+                        tok = Int32(0)
+                    w8 = load_bf16x8(p.w_embed + (Int64(tok) * self.H + Int64(k)) * 2)
+                    for e in cutlass.range_constexpr(8):
+                        st_f32(p.x + (Int64(b) * self.H + Int64(k + e)) * 4, w8[e])
 
     @cute.jit
     def argmax(self, tidx: Int32, warp: Int32, lane: Int32, num_tiles: Int32, p, s):
         """Per sequence, the (max, lowest index among equal maxima) over the LM head tiles' results, then
-        the next token is written and the inputs advanced. At batch 1-2 every consumer thread scans some
-        tiles and the warps' results are merged with the same comparison (associative: the same token as a
-        serial scan); above, one thread per sequence scans them all."""
+        the next token is written and the inputs advanced. Every consumer thread scans some tiles of every
+        sequence and the warps' results are merged with the same comparison (associative: the same token as
+        a serial scan)."""
         s_wi, s_wv = s.wi, s.wv
-        if cutlass.const_expr(self.B <= 2):
-            for b in cutlass.range_constexpr(self.B):
-                bv, bi = self.scan_tiles(b, tidx, self.cthreads, num_tiles, p)
-                bv, bi = warp_max_index(bv, bi)
-                if lane == 0:
-                    s_wv[warp * self.B + b] = bv
-                    s_wi[warp * self.B + b] = bi
-            self.consumer_sync()
-            if tidx < self.B:
-                _, ci = self.merge_warp_maxima(tidx, Float32(-math.inf), Int32(0x7FFFFFFF), s)
-                self.emit_token(tidx, ci, p)
-        else:
-            if tidx < self.B:
-                self.argmax_serial(tidx, num_tiles, p)
-
-    @cute.jit
-    def argmax_serial(self, b: Int32, num_tiles: Int32, p):
-        _, bi = self.scan_tiles(b, Int32(0), 1, num_tiles, p)
-        self.emit_token(b, bi, p)
+        for b in cutlass.range_constexpr(self.B):
+            bv, bi = self.scan_tiles(b, tidx, self.cthreads, num_tiles, p)
+            bv, bi = warp_max_index(bv, bi)
+            if lane == 0:
+                s_wv[warp * self.B + b] = bv
+                s_wi[warp * self.B + b] = bi
+        self.consumer_sync()
+        if tidx < self.B:
+            _, ci = self.merge_warp_maxima(tidx, Float32(-math.inf), Int32(0x7FFFFFFF), s)
+            self.emit_token(tidx, ci, p)
 
     @cute.jit
     def scan_tiles(self, b: Int32, t0: Int32, step: int, num_tiles: Int32, p):

@@ -19,6 +19,7 @@ from megakernel.instructions.record import serialize
 from megakernel.kernel.compile import (KernelKey, compile_decode_kernel, nvdisasm_path, resource_usage, sass,
                                        spill_instructions)
 from megakernel.kernel.interpreter import DecodeKernel, KernelOptions
+from megakernel.kernel.stream import item_cols
 from megakernel.model.presets import get_preset
 from megakernel.schedule import assign, build_program
 
@@ -100,6 +101,18 @@ def test_weights_stream_through_bulk_copies_into_shared_memory(name, batch):
         f"{what}: {dk.ring_slots} ring slots, {dk.smem_bytes()} bytes of shared memory"
 
 
+@pytest.mark.parametrize("name,batch", CASES)
+def test_matvecs_multiply_on_the_tensor_cores(name, batch):
+    """Every matvec work item is m16n8k16 bf16 MMAs with float32 accumulation (SASS HMMA.16816.F32.BF16),
+    its weights read from the landed slots by the 128-bit shared loads checked above."""
+    art = compiled(name, batch)
+    what = _what(name, batch, art)
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in art["ptx"], f"{what}: no bf16 MMA in the PTX"
+    hmma = re.findall(r"\bHMMA\.16816\.F32\.BF16\b", art["sass"])
+    want = item_cols(batch) // 16 * 2       # an item: its 16-column steps x (hi, lo)
+    assert len(hmma) >= want, f"{what}: {len(hmma)} HMMA.16816.F32.BF16 in the SASS, expected a work item's {want}"
+
+
 @pytest.mark.parametrize("name,batch", REAL_CASES)
 def test_no_local_memory_spills_on_real_presets(name, batch):
     art = compiled(name, batch)
@@ -136,6 +149,6 @@ def test_slab_staging_compiles_without_spills(name, batch):
     down = plan.geometry(config.intermediate_size)
     what = _what(name, batch, art) + f" DOWN slabs {down.n_slab} x {down.slab_cols}"
     assert not down.x_whole and down.n_slab > 1, f"{what}: the kernel stages DOWN's input whole"
-    assert plan.x_floats == batch * max(g.x_cols for g in plan.by_k.values()) < batch * config.intermediate_size, what
+    assert plan.x_floats == batch * max(g.x_stride for g in plan.by_k.values()) < batch * config.intermediate_size, what
     assert art["spills"] == 0 and art["usage"].get("frame_bytes", 0) == 0, \
         f"{what}: local-memory loads/stores in the SASS"

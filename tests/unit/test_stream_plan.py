@@ -1,6 +1,7 @@
 """The weight stream's geometry (megakernel/kernel/stream.py), on the CPU: for any matrix width and batch, the
 slots of a tile cover every weight of it exactly once in the order both sides walk (chunk, slab, row group),
-every (row, 256-column pass) is one consumer work item's exactly once, each work item's partial sums land in
+every (row, 256-column pass) is one consumer work item's exactly once (items are 16 rows, the M of one MMA;
+a tile of an odd number of 8-row blocks ends with a half item), each work item's partial sums land in
 slots of their own, and the sizes fit the shared memory the kernel reserves for them.
 
 The walk below restates the device loops of WeightStream.produce and MatvecStage.matvec from their
@@ -14,14 +15,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from megakernel.instructions.layout import COL_PASS, ROW_GROUP
-from megakernel.kernel.stream import (PART_FLOATS, SLOT_BYTES, X_WHOLE_BYTES, StreamPlan, item_shape,
-                                      slot_geometry)
+from megakernel.kernel.stream import (ITEM_ROWS, PART_FLOATS, SLOT_BYTES, X_PAD, X_WHOLE_BYTES, StreamPlan,
+                                      item_cols, slot_geometry)
 from megakernel.model.presets import get_preset
 
 
 def walk(g, rows: int, batch: int):
-    """(slots, weights copied, items consumed, partial slots written) of one tile of `rows` rows."""
-    item_rows, item_passes = item_shape(batch)
+    """(slots, weights copied, items consumed, partial slots written) of one tile of `rows` rows, per
+    (row, item_cols(batch)-column segment)."""
+    ic = item_cols(batch)
     copied: dict[tuple[int, int], int] = {}
     consumed: dict[tuple[int, int], int] = {}
     partials: dict[tuple[int, int], int] = {}
@@ -33,45 +35,48 @@ def walk(g, rows: int, batch: int):
             for g0 in range(0, crows, g.rows_per_slot):
                 nr = min(g.rows_per_slot, crows - g0)
                 slots += 1
-                assert nr * width * 2 <= SLOT_BYTES and nr % item_rows == 0
-                for r in range(nr):
-                    for col in range(sl * g.slab_cols, sl * g.slab_cols + width, COL_PASS):
-                        copied[(c0 + g0 + r, col)] = copied.get((c0 + g0 + r, col), 0) + 1
-                for j in range((nr // item_rows) * g.segs_per_slab):
+                assert nr * width * 2 <= SLOT_BYTES and nr % ROW_GROUP == 0
+                for rb in range(nr // 8):            # one bulk copy per 8-row block (or one for the slot)
+                    for r in range(8):
+                        for col in range(sl * g.slab_cols, sl * g.slab_cols + width, COL_PASS):
+                            key = (c0 + g0 + 8 * rb + r, col)
+                            copied[key] = copied.get(key, 0) + 1
+                for j in range(-(-nr // ITEM_ROWS) * g.segs_per_slab):
                     rg, sg = divmod(j, g.segs_per_slab)
-                    for h in range(item_rows):
-                        row = g0 + rg * item_rows + h                    # row within the chunk
+                    two = rg * ITEM_ROWS + 8 < nr     # the item's second 8-row block is in the slot
+                    for h in range(16 if two else 8):
+                        row = g0 + rg * ITEM_ROWS + h                    # row within the chunk
                         slot = row * g.n_seg + sl * g.segs_per_slab + sg
                         assert 0 <= slot < g.chunk_rows * g.n_seg
                         partials[(c0 + row, slot)] = partials.get((c0 + row, slot), 0) + 1
-                        for u in range(item_passes):
-                            pas = sg * item_passes + u
-                            if pas < width // COL_PASS:
-                                key = (c0 + row, sl * g.slab_cols + pas * COL_PASS)
-                                consumed[key] = consumed.get(key, 0) + 1
+                        if sg < width // ic:
+                            key = (c0 + row, sl * g.slab_cols + sg * ic)
+                            consumed[key] = consumed.get(key, 0) + 1
     return slots, copied, consumed, partials
 
 
-@given(passes=st.integers(1, 64), batch=st.integers(1, 8), groups=st.integers(1, 200))
-def test_slots_cover_every_weight_once_and_items_every_pass_once(passes, batch, groups):
+@given(passes=st.integers(1, 64), batch=st.integers(1, 8), blocks=st.integers(1, 400))
+def test_slots_cover_every_weight_once_and_items_every_pass_once(passes, batch, blocks):
     k = passes * COL_PASS
-    rows = groups * 2 * ROW_GROUP          # tiles are whole (gate, up) pairs of ROW_GROUP rows or more
+    rows = blocks * ROW_GROUP          # tiles are whole 8-row blocks (GATE_UP's whole pairs of them)
     g = slot_geometry(k, batch)
     what = f"K={k} batch={batch} rows={rows}: {g}"
-    item_rows, item_passes = item_shape(batch)
-    assert g.slab_cols % COL_PASS == 0 and g.slab_cols * 2 * item_rows <= SLOT_BYTES, what
+    assert g.slab_cols % COL_PASS == 0 and g.slab_cols * 2 * ITEM_ROWS <= SLOT_BYTES, what
     assert (g.n_slab - 1) * g.slab_cols < k <= g.n_slab * g.slab_cols, what
-    assert g.rows_per_slot % item_rows == 0 and g.rows_per_slot * g.slab_cols * 2 <= SLOT_BYTES, what
-    assert g.chunk_rows % g.rows_per_slot == 0 and g.chunk_rows % (2 * ROW_GROUP) == 0, what
-    assert g.segs_per_slab == -(-(g.slab_cols // COL_PASS) // item_passes), what
+    assert g.rows_per_slot % ITEM_ROWS == 0 and g.rows_per_slot * g.slab_cols * 2 <= SLOT_BYTES, what
+    assert g.chunk_rows % g.rows_per_slot == 0, what
+    assert g.segs_per_slab == g.slab_cols // item_cols(batch), what
     assert g.x_whole == (batch * k * 4 <= X_WHOLE_BYTES), what
+    assert g.x_stride == g.x_cols + X_PAD and (g.x_stride * 4) % 128 == 32, what   # conflict-free B loads
     slots, copied, consumed, partials = walk(g, rows, batch)
     every = {(r, col) for r in range(rows) for col in range(0, k, COL_PASS)}
+    items = {(r, col) for r in range(rows) for col in range(0, k, item_cols(batch))}
     assert slots == g.slots(rows), what
     assert set(copied) == every and set(copied.values()) == {1}, f"{what}: a weight copied twice or never"
-    assert set(consumed) == every and set(consumed.values()) == {1}, f"{what}: a pass consumed twice or never"
+    assert set(consumed) == items and set(consumed.values()) == {1}, f"{what}: a segment consumed twice or never"
     assert set(partials.values()) == {1}, f"{what}: two work items write one partial slot"
     assert {slot % g.n_seg for _, slot in partials} == set(range(g.n_seg)), what
+    assert {(r, slot % g.n_seg) for r, slot in partials} == {(r, s) for r in range(rows) for s in range(g.n_seg)}
 
 
 @pytest.mark.parametrize("name", ("tiny-llama", "tiny-qwen3", "llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b",
@@ -83,16 +88,14 @@ def test_preset_plans_fit_and_use_wide_slabs(name, batch):
     most a partial buffer of PART_FLOATS unless one chunk unit needs more."""
     config = get_preset(name)
     plan = StreamPlan.for_config(config, batch)
-    item_rows, _ = item_shape(batch)
     for k, g in plan.by_k.items():
         what = f"{name} batch={batch} K={k}: {g}"
-        widest = SLOT_BYTES // (2 * item_rows) // COL_PASS * COL_PASS
+        widest = SLOT_BYTES // (2 * ITEM_ROWS) // COL_PASS * COL_PASS
         assert g.n_slab == -(-k // widest), f"{what}: more slabs than a slot's width needs"
-        assert g.slab_cols >= min(k, 1024), f"{what}: narrow slabs"
-        unit = max(g.rows_per_slot, 2 * ROW_GROUP)
-        assert g.chunk_rows * g.n_seg * batch <= max(PART_FLOATS, unit * g.n_seg * batch), what
+        assert g.slab_cols >= min(k, widest), f"{what}: narrow slabs"
+        assert g.chunk_rows * g.n_seg * batch <= max(PART_FLOATS, g.rows_per_slot * g.n_seg * batch), what
     assert plan.part_floats == max(g.chunk_rows * g.n_seg * batch for g in plan.by_k.values())
-    assert plan.x_floats == batch * max(g.x_cols for g in plan.by_k.values())
+    assert plan.x_floats == batch * max(g.x_stride for g in plan.by_k.values())
 
 
 def test_ring_depth_is_what_fits_between_the_bounds():

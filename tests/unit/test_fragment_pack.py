@@ -1,0 +1,76 @@
+"""The fragment order of the streamed weights (megakernel.instructions.layout.fragment_pack), on the CPU.
+
+The consumer warps read each 512-byte block of 8 rows x 32 columns as 16 bytes per lane and hand the words
+to m16n8k16 MMAs as A registers without any shuffle: word kb * 2 + h of lane l must be the pair of columns
+16 kb + 8 h + 2 (l % 4) (+1) of row l // 4 (megakernel.kernel.matvec.consume_item). Rebuilding each MMA's A
+operand from the packed bytes the way the PTX ISA defines the m16n8k16 A fragment, and multiplying, must
+give W @ x; and the packing must be a row-block-local permutation (a tile's rows are the same bytes).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from megakernel.instructions.layout import fragment_pack, fragment_unpack
+
+
+def a_operand(packed_rows: torch.Tensor, kp: int, kb: int) -> torch.Tensor:
+    """The 16 x 16 A matrix of the MMA for 32-column block kp, half kb, of 16 packed rows, assembled from
+    what each lane loads: lane l's 16 bytes at 16 l of each row block's 512-byte block kp, words
+    (R0, R2) from the first row block and (R1, R3) from the second (PTX: a0,a1 row g col 2t+e; a2,a3 row
+    g+8; a4,a5 row g col 2t+8+e; a6,a7 row g+8 col 2t+8+e)."""
+    k = packed_rows.shape[1]
+    blocks = [packed_rows[8 * i:8 * i + 8].reshape(-1)[kp * 256:(kp + 1) * 256].reshape(32, 4, 2)
+              for i in range(2)]                    # [lane, word, half of the word]
+    a = torch.full((16, 16), float("nan"), dtype=packed_rows.dtype)
+    assert k % 32 == 0
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for e in range(2):
+            a[g, 2 * t + e] = blocks[0][lane, kb * 2 + 0, e]        # R0
+            a[g + 8, 2 * t + e] = blocks[1][lane, kb * 2 + 0, e]    # R1
+            a[g, 2 * t + 8 + e] = blocks[0][lane, kb * 2 + 1, e]    # R2
+            a[g + 8, 2 * t + 8 + e] = blocks[1][lane, kb * 2 + 1, e]  # R3
+    return a
+
+
+@given(groups=st.integers(1, 4), kps=st.integers(1, 6), layers=st.integers(1, 2), seed=st.integers(0, 2**31 - 1))
+def test_packed_blocks_are_the_mma_a_operands(groups, kps, layers, seed):
+    g = torch.Generator().manual_seed(seed)
+    rows, k = 16 * groups, 32 * kps
+    w = torch.randn(layers, rows, k, generator=g).to(torch.bfloat16)
+    p = fragment_pack(w)
+    assert p.shape == w.shape and p.is_contiguous() and p.dtype == w.dtype
+    assert torch.equal(fragment_unpack(p), w)
+    x = torch.randn(k, 3, generator=g, dtype=torch.float64)
+    for layer in range(layers):
+        y = torch.zeros(rows, 3, dtype=torch.float64)
+        for rg in range(groups):
+            for kp in range(kps):
+                for kb in range(2):
+                    a = a_operand(p[layer, 16 * rg:16 * rg + 16], kp, kb).double()
+                    assert not a.isnan().any()
+                    c0 = 32 * kp + 16 * kb
+                    y[16 * rg:16 * rg + 16] += a @ x[c0:c0 + 16]
+        torch.testing.assert_close(y, w[layer].double() @ x, rtol=1e-12, atol=1e-12)
+
+
+@given(blocks=st.integers(1, 6), kps=st.integers(1, 4), lo=st.integers(0, 5), seed=st.integers(0, 2**31 - 1))
+def test_a_tile_of_whole_row_blocks_is_the_same_bytes(blocks, kps, lo, seed):
+    """Rows r0 .. r0 + n (multiples of 8) of the packed matrix unpack to the same rows of the original: the
+    tiles the producer copies and the rows the VM reads are row-block ranges."""
+    w = torch.randn(8 * blocks, 32 * kps, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    p = fragment_pack(w)
+    lo = min(lo, blocks - 1)
+    assert torch.equal(fragment_unpack(p[8 * lo:]), w[8 * lo:])
+    assert torch.equal(torch.sort(p[8 * lo:8 * lo + 8].reshape(-1).float())[0],
+                       torch.sort(w[8 * lo:8 * lo + 8].reshape(-1).float())[0])
+
+
+@pytest.mark.parametrize("shape", [(12, 32), (16, 48), (8, 16)])
+def test_shapes_off_the_block_grid_are_refused(shape):
+    with pytest.raises(ValueError, match="fragment_pack needs rows a multiple of 8 and columns of 32"):
+        fragment_pack(torch.zeros(shape))
