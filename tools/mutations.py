@@ -155,8 +155,8 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
                  "sn = ld_f32(p.rope_sin + (Int64(pos + 1) * half + Int64(fi)) * 4)")))
     + _pair("o_proj_residual_dropped",
             "O_PROJ writes h = Wo . attn without adding the residual x",
-            (Patch(MATVEC, "b.h[l, :, lo:hi] = b.x[l, :, lo:hi] + matvec(fragment_unpack(w.o_proj[l, lo:hi]), inp)",
-                   "b.h[l, :, lo:hi] = matvec(fragment_unpack(w.o_proj[l, lo:hi]), inp)"),),
+            (Patch(MATVEC, "b.h[l, :, lo:hi] = b.x[l, :, lo:hi] + matvec(streamed_rows(w, w.o_proj[l, lo:hi]), inp)",
+                   "b.h[l, :, lo:hi] = matvec(streamed_rows(w, w.o_proj[l, lo:hi]), inp)"),),
             (stage_probe("test_o_proj_stage"), VM_PROBE, E2E_CPU_PROBE),
             (Patch(K_MATVEC, "res_addr = p.x + (l64 * (B * H) + Int64(a0)) * 4\n            has_res = Boolean(True)",
                    "res_addr = p.x + (l64 * (B * H) + Int64(a0)) * 4\n            has_res = Boolean(False)"),))

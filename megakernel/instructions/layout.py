@@ -285,6 +285,13 @@ def fragment_unpack(p: torch.Tensor) -> torch.Tensor:
     return v.permute(*range(n), n, n + 2, n + 1, n + 4, n + 5, n + 3, n + 6).reshape(*lead, r, k)
 
 
+def streamed_rows(weights, rows: torch.Tensor) -> torch.Tensor:
+    """Row-major rows (a multiple of 8) of one of the streamed matrices of `weights`: PackedWeights holds
+    them in fragment order (the dense kernel's layout); the DeepSeek and Kimi Linear packs, which have no
+    device code yet, hold them row-major."""
+    return fragment_unpack(rows) if isinstance(weights, PackedWeights) else rows
+
+
 def interleave_gate_up(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
     """[2F, H] (gate rows then up rows) -> [2F, H] with groups of ROW_GROUP gate/up rows alternating."""
     f, h = intermediate_size, gate_up.shape[-1]

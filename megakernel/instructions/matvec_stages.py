@@ -23,7 +23,7 @@ import torch
 
 from .attention import merge_splits
 from .context import StageContext, f32, matvec, rms_normalize
-from .layout import ROW_GROUP, fragment_unpack
+from .layout import ROW_GROUP, streamed_rows
 from .opcodes import Opcode
 from .record import Instruction
 
@@ -93,23 +93,23 @@ def reference(ins: Instruction, ctx: StageContext) -> None:
     eps = c.rms_norm_eps
     if op == Opcode.QKV:
         inp = f32(w.embed[b.tokens.long()]) if ins.a3 == 1 else b.x[l]
-        b.qkv[l, :, lo:hi] = matvec(fragment_unpack(w.qkv[l, lo:hi]), rms_normalize(inp, w.attn_norm[l], eps))
+        b.qkv[l, :, lo:hi] = matvec(streamed_rows(w, w.qkv[l, lo:hi]), rms_normalize(inp, w.attn_norm[l], eps))
     elif op == Opcode.O_PROJ:
         if ins.a3 > 0:
             inp = merge_splits(b.attn_part_lse[l], b.attn_part_o[l]).reshape(b.h.shape[1], -1)
         else:
             inp = b.attn_out[l]
-        b.h[l, :, lo:hi] = b.x[l, :, lo:hi] + matvec(fragment_unpack(w.o_proj[l, lo:hi]), inp)
+        b.h[l, :, lo:hi] = b.x[l, :, lo:hi] + matvec(streamed_rows(w, w.o_proj[l, lo:hi]), inp)
     elif op == Opcode.GATE_UP:
-        y = matvec(fragment_unpack(w.gate_up[l, lo:hi]), rms_normalize(b.h[l], w.mlp_norm[l], eps))
+        y = matvec(streamed_rows(w, w.gate_up[l, lo:hi]), rms_normalize(b.h[l], w.mlp_norm[l], eps))
         y = y.view(y.shape[0], -1, 2, ROW_GROUP)          # [B, pairs, gate|up, ROW_GROUP]
         act = torch.nn.functional.silu(y[:, :, 0]) * y[:, :, 1]
         b.act[l, :, lo // 2:hi // 2] = act.reshape(y.shape[0], -1)
     elif op == Opcode.DOWN:
-        b.x[l + 1, :, lo:hi] = b.h[l, :, lo:hi] + matvec(fragment_unpack(w.down[l, lo:hi]), b.act[l])
+        b.x[l + 1, :, lo:hi] = b.h[l, :, lo:hi] + matvec(streamed_rows(w, w.down[l, lo:hi]), b.act[l])
     elif op == Opcode.LM_HEAD:
         xn = rms_normalize(b.x[c.num_layers], w.final_norm, eps)
-        y = matvec(fragment_unpack(w.lm_head[lo:hi]), xn)
+        y = matvec(streamed_rows(w, w.lm_head[lo:hi]), xn)
         b.logits[:, lo:hi] = y
         m, i = y.max(dim=1)                # torch returns the first index among equal maxima
         b.lm_max[:, ins.a2] = m
