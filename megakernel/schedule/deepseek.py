@@ -155,7 +155,7 @@ class DeepseekStepLayout:
 
 # ---- packed weights -------------------------------------------------------------------------------
 
-def _interleave_experts(gate_up: torch.Tensor, f: int) -> torch.Tensor:
+def interleave_experts(gate_up: torch.Tensor, f: int) -> torch.Tensor:
     """[E, 2F, H] (gate rows then up rows per expert) -> groups of ROW_GROUP gate/up rows alternating."""
     e, _, h = gate_up.shape
     gate = gate_up[:, :f].reshape(e, f // ROW_GROUP, ROW_GROUP, h)
@@ -233,7 +233,7 @@ def pack_weights(weights: DeepseekWeights, max_seq_len: int) -> DeepseekPackedWe
         down=stack([lw.down for lw in dense], (H, F)),
         router=stack([lw.router for lw in moe], (E, H), ROUTER_DTYPE),
         router_bias=stack([lw.router_bias for lw in moe], (E,), ROUTER_DTYPE),
-        experts_gate_up=stack([_interleave_experts(lw.experts_gate_up, Fe) for lw in moe], (E, 2 * Fe, H)),
+        experts_gate_up=stack([interleave_experts(lw.experts_gate_up, Fe) for lw in moe], (E, 2 * Fe, H)),
         experts_down=stack([lw.experts_down for lw in moe], (E, H, Fe)),
         shared_gate_up=(stack([interleave_gate_up(lw.shared_gate_up, Fs) for lw in moe], (2 * Fs, H))
                         if c.n_shared_experts else None),
@@ -359,123 +359,154 @@ def _per_item_rows(rows: int, items: int, num_sms: int, group: int = ROW_GROUP) 
     return min(rows, group * math.ceil(rows // group / per_item))
 
 
-def build_program(layout: DeepseekStepLayout, tile_rows_override: dict | None = None) -> DeepseekStepProgram:
-    """The step's instructions in a global topological order. `tile_rows_override` maps an opcode to its
-    rows per tile (a multiple of ROW_GROUP; of 2 * ROW_GROUP for the gate/up stages, whose tiles hold
-    whole gate/up pairs; per-head and per-slot stages clip it to one head or one expert)."""
-    layout.validate()
-    paired = (Opcode.GATE_UP, Opcode.SHARED_GATE_UP, Opcode.EXPERT_GATE_UP)
-    for op, rows in (tile_rows_override or {}).items():
-        group = 2 * ROW_GROUP if op in paired else ROW_GROUP
-        if rows < group or rows % group:
-            raise ValueError(f"tile_rows_override[{Opcode(op).name}]={rows} must be a positive multiple of {group}")
-    c = layout.config
-    L, B, S, sms = c.num_layers, layout.batch, layout.kv_splits, layout.num_sms
-    n, lat, nope, v, K = c.num_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.v_head_dim, c.num_experts_per_tok
-    H, E = c.hidden_size, c.n_routed_experts
-    elem, f32_bytes = 2, 4          # bf16 weights; float32 router and activations
-    out: list[Instruction] = []
-    names: list[str] = []
+PAIRED = (Opcode.GATE_UP, Opcode.SHARED_GATE_UP, Opcode.EXPERT_GATE_UP)   # tiles of whole gate/up pairs
 
-    def counter(name: str) -> int:
-        names.append(name)
-        return len(names) - 1
 
-    def add(**kw) -> None:
-        out.append(Instruction(index=len(out), **kw))
+class ProgramBuilder:
+    """A step's instructions as they are added, in a global topological order, with the blocks the DeepSeek
+    and Kimi Linear families share: EMBED, an MLA attention block, a dense FFN or MoE block, the LM head and
+    ARGMAX. `tile_rows_override` maps an opcode to its rows per tile (a multiple of ROW_GROUP; of
+    2 * ROW_GROUP for the gate/up stages, whose tiles hold whole gate/up pairs; per-head and per-slot stages
+    clip it to one head or one expert). The layout's config needs the MLA and MoE fields of DeepseekConfig."""
 
-    def rows_per_tile(op: Opcode, rows: int, group: int = ROW_GROUP) -> int:
-        return (tile_rows_override or {}).get(op) or tile_rows(rows, sms, group)
+    ELEM, F32 = 2, 4                 # bf16 weights; float32 router and activations
 
-    def matvec_stage(op: Opcode, layer: int, rows: int, k: int, wait: tuple[int, int], signal: int,
-                     group: int = ROW_GROUP, bytes_per_elem: int = elem) -> int:
-        tiles = _tiles(rows, rows_per_tile(op, rows, group))
+    def __init__(self, layout, tile_rows_override: dict | None = None):
+        layout.validate()
+        for op, rows in (tile_rows_override or {}).items():
+            group = 2 * ROW_GROUP if op in PAIRED else ROW_GROUP
+            if rows < group or rows % group:
+                raise ValueError(f"tile_rows_override[{Opcode(op).name}]={rows} must be a positive multiple of {group}")
+        self.layout, self.c, self.override = layout, layout.config, tile_rows_override or {}
+        self.out: list[Instruction] = []
+        self.names: list[str] = []
+
+    def counter(self, name: str) -> int:
+        self.names.append(name)
+        return len(self.names) - 1
+
+    def cid(self, layer: int, stage: str) -> int:
+        return self.counter(f"layer {layer} {stage}")
+
+    def add(self, **kw) -> None:
+        self.out.append(Instruction(index=len(self.out), **kw))
+
+    def rows_per_tile(self, op: Opcode, rows: int, group: int = ROW_GROUP) -> int:
+        return self.override.get(op) or tile_rows(rows, self.layout.num_sms, group)
+
+    def matvec_stage(self, op: Opcode, layer: int, rows: int, k: int, wait: tuple[int, int], signal: int,
+                     group: int = ROW_GROUP, bytes_per_elem: int = ELEM, extra_cost: int = 0) -> int:
+        tiles = _tiles(rows, self.rows_per_tile(op, rows, group))
         for t, (lo, cnt) in enumerate(tiles):
-            add(opcode=op, layer=layer, a0=lo, a1=cnt, a2=t, wait_id=wait[0], wait_count=wait[1],
-                signal_id=signal, cost=cnt * k * bytes_per_elem + FIXED_COST_BYTES)
+            self.add(opcode=op, layer=layer, a0=lo, a1=cnt, a2=t, wait_id=wait[0], wait_count=wait[1],
+                     signal_id=signal, cost=cnt * k * bytes_per_elem + extra_cost + FIXED_COST_BYTES)
         return len(tiles)
 
-    def per_head_stage(op: Opcode, layer: int, width: int, k: int, wait: tuple[int, int], signal: int,
+    def per_head_stage(self, op: Opcode, layer: int, width: int, k: int, wait: tuple[int, int], signal: int,
                        extra_cost: int) -> int:
-        per = (tile_rows_override or {}).get(op) or _per_item_rows(width, n, sms)
+        n = self.c.num_heads
+        per = self.override.get(op) or _per_item_rows(width, n, self.layout.num_sms)
         tiles = [t for h in range(n) for t in _tiles(width, min(per, width), base=h * width)]
         for t, (lo, cnt) in enumerate(tiles):
-            add(opcode=op, layer=layer, a0=lo, a1=cnt, a2=t, wait_id=wait[0], wait_count=wait[1],
-                signal_id=signal, cost=cnt * k * elem + extra_cost + FIXED_COST_BYTES)
+            self.add(opcode=op, layer=layer, a0=lo, a1=cnt, a2=t, wait_id=wait[0], wait_count=wait[1],
+                     signal_id=signal, cost=cnt * k * self.ELEM + extra_cost + FIXED_COST_BYTES)
         return len(tiles)
 
-    def per_slot_stage(op: Opcode, layer: int, rows: int, k: int, wait: tuple[int, int], signal: int,
+    def per_slot_stage(self, op: Opcode, layer: int, rows: int, k: int, wait: tuple[int, int], signal: int,
                        group: int) -> int:
-        per = (tile_rows_override or {}).get(op) or _per_item_rows(rows, B * K, sms, group)
+        B, K = self.layout.batch, self.c.num_experts_per_tok
+        per = self.override.get(op) or _per_item_rows(rows, B * K, self.layout.num_sms, group)
         count = 0
         for b in range(B):
             for slot in range(K):
                 for lo, cnt in _tiles(rows, per):
-                    add(opcode=op, layer=layer, a0=b, a1=slot, a2=lo, a3=cnt, wait_id=wait[0], wait_count=wait[1],
-                        signal_id=signal, cost=cnt * k * elem + FIXED_COST_BYTES)
+                    self.add(opcode=op, layer=layer, a0=b, a1=slot, a2=lo, a3=cnt, wait_id=wait[0],
+                             wait_count=wait[1], signal_id=signal, cost=cnt * k * self.ELEM + FIXED_COST_BYTES)
                     count += 1
         return count
 
-    embed_c = counter("embed")
-    add(opcode=Opcode.EMBED, signal_id=embed_c, cost=B * H * elem + FIXED_COST_BYTES)
-    prev = (embed_c, 1)
-    latent_bytes_per_split = c.latent_dim * elem * max(1, -(-layout.max_seq_len // S))
-    for l in range(L):
+    def embed(self) -> tuple[int, int]:
+        """EMBED; -> the (counter, count) the first layer waits for."""
+        c_embed = self.counter("embed")
+        self.add(opcode=Opcode.EMBED, signal_id=c_embed,
+                 cost=self.layout.batch * self.c.hidden_size * self.ELEM + FIXED_COST_BYTES)
+        return c_embed, 1
 
-        def cid(stage: str, l: int = l) -> int:
-            return counter(f"layer {l} {stage}")
-
-        c_qkv = cid("MLA_QKV_A")
-        n_qkv = matvec_stage(Opcode.MLA_QKV_A, l, c.qkv_a_rows, H, prev, c_qkv)
-        q_ready = (c_qkv, n_qkv)
+    def mla(self, l: int, prev: tuple[int, int], o_name: str) -> tuple[int, int]:
+        """Layer l's MLA attention (the QKV down-projection, Q up-projection, absorb, split partials, reduce,
+        O projection) after `prev`; -> its O projection's (counter, count), the counter named o_name."""
+        c, layout = self.c, self.layout
+        B, S, H = layout.batch, layout.kv_splits, c.hidden_size
+        lat, nope, v = c.kv_lora_rank, c.qk_nope_head_dim, c.v_head_dim
+        c_qkv = self.cid(l, "MLA_QKV_A")
+        q_ready = (c_qkv, self.matvec_stage(Opcode.MLA_QKV_A, l, c.qkv_a_rows, H, prev, c_qkv))
         if c.q_lora_rank is not None:
-            c_qb = cid("MLA_Q_B")
-            q_ready = (c_qb, matvec_stage(Opcode.MLA_Q_B, l, c.q_size, c.q_lora_rank, q_ready, c_qb))
-        c_abs = cid("MLA_ABSORB")
-        n_abs = per_head_stage(Opcode.MLA_ABSORB, l, lat, nope, q_ready, c_abs, 0)
-        c_part = cid("MLA_PARTIAL")
+            c_qb = self.cid(l, "MLA_Q_B")
+            q_ready = (c_qb, self.matvec_stage(Opcode.MLA_Q_B, l, c.q_size, c.q_lora_rank, q_ready, c_qb))
+        c_abs = self.cid(l, "MLA_ABSORB")
+        n_abs = self.per_head_stage(Opcode.MLA_ABSORB, l, lat, nope, q_ready, c_abs, 0)
+        c_part = self.cid(l, "MLA_PARTIAL")
+        latent_bytes_per_split = c.latent_dim * self.ELEM * max(1, -(-layout.max_seq_len // S))
         for b in range(B):
             for g in range(layout.num_head_groups):
                 for s in range(S):
-                    add(opcode=Opcode.MLA_PARTIAL, layer=l, a0=b, a1=g, a2=s, a3=S, wait_id=c_abs, wait_count=n_abs,
-                        signal_id=c_part, cost=latent_bytes_per_split + FIXED_COST_BYTES)
+                    self.add(opcode=Opcode.MLA_PARTIAL, layer=l, a0=b, a1=g, a2=s, a3=S, wait_id=c_abs,
+                             wait_count=n_abs, signal_id=c_part, cost=latent_bytes_per_split + FIXED_COST_BYTES)
         n_part = B * layout.num_head_groups * S
-        c_red = cid("MLA_REDUCE")
-        n_red = per_head_stage(Opcode.MLA_REDUCE, l, v, lat, (c_part, n_part), c_red, B * S * lat * f32_bytes)
-        c_o = cid("MLA_O_PROJ")
-        n_o = matvec_stage(Opcode.MLA_O_PROJ, l, H, c.o_proj_cols, (c_red, n_red), c_o)
+        c_red = self.cid(l, "MLA_REDUCE")
+        n_red = self.per_head_stage(Opcode.MLA_REDUCE, l, v, lat, (c_part, n_part), c_red, B * S * lat * self.F32)
+        c_o = self.cid(l, o_name)
+        return c_o, self.matvec_stage(Opcode.MLA_O_PROJ, l, H, c.o_proj_cols, (c_red, n_red), c_o)
+
+    def ffn(self, l: int, o_ready: tuple[int, int]) -> tuple[int, int]:
+        """Layer l's dense FFN (GATE_UP, DOWN) or MoE (router, top-k, shared and routed experts, combine)
+        after its attention output `o_ready`; -> the (counter, count) the next layer waits for."""
+        c, B, H = self.c, self.layout.batch, self.c.hidden_size
         if not c.is_moe_layer(l):
             F = c.intermediate_size
-            c_gu, c_dn = cid("GATE_UP"), cid("DOWN")
-            n_gu = matvec_stage(Opcode.GATE_UP, l, 2 * F, H, (c_o, n_o), c_gu, group=2 * ROW_GROUP)
-            prev = (c_dn, matvec_stage(Opcode.DOWN, l, H, F, (c_gu, n_gu), c_dn))
-            continue
+            c_gu, c_dn = self.cid(l, "GATE_UP"), self.cid(l, "DOWN")
+            n_gu = self.matvec_stage(Opcode.GATE_UP, l, 2 * F, H, o_ready, c_gu, group=2 * ROW_GROUP)
+            return c_dn, self.matvec_stage(Opcode.DOWN, l, H, F, (c_gu, n_gu), c_dn)
+        E, K = c.n_routed_experts, c.num_experts_per_tok
         Fe, Fs = c.moe_intermediate_size, c.shared_intermediate_size
-        c_router, c_topk, c_egu, c_out, c_comb = (cid("ROUTER"), cid("ROUTER_TOPK"), cid("EXPERT_GATE_UP"),
-                                                  cid("MOE_OUT"), cid("MOE_COMBINE"))
-        n_router = matvec_stage(Opcode.ROUTER, l, E, H, (c_o, n_o), c_router, bytes_per_elem=f32_bytes)
+        c_router, c_topk, c_egu, c_out, c_comb = (self.cid(l, "ROUTER"), self.cid(l, "ROUTER_TOPK"),
+                                                  self.cid(l, "EXPERT_GATE_UP"), self.cid(l, "MOE_OUT"),
+                                                  self.cid(l, "MOE_COMBINE"))
+        n_router = self.matvec_stage(Opcode.ROUTER, l, E, H, o_ready, c_router, bytes_per_elem=self.F32)
         if c.n_shared_experts:
-            c_sgu = cid("SHARED_GATE_UP")
-            n_sgu = matvec_stage(Opcode.SHARED_GATE_UP, l, 2 * Fs, H, (c_o, n_o), c_sgu, group=2 * ROW_GROUP)
-        add(opcode=Opcode.ROUTER_TOPK, layer=l, wait_id=c_router, wait_count=n_router, signal_id=c_topk,
-            cost=B * E * f32_bytes + FIXED_COST_BYTES)
+            c_sgu = self.cid(l, "SHARED_GATE_UP")
+            n_sgu = self.matvec_stage(Opcode.SHARED_GATE_UP, l, 2 * Fs, H, o_ready, c_sgu, group=2 * ROW_GROUP)
+        self.add(opcode=Opcode.ROUTER_TOPK, layer=l, wait_id=c_router, wait_count=n_router, signal_id=c_topk,
+                 cost=B * E * self.F32 + FIXED_COST_BYTES)
         n_out = 0
         if c.n_shared_experts:
-            n_out += matvec_stage(Opcode.SHARED_DOWN, l, H, Fs, (c_sgu, n_sgu), c_out)
-        n_egu = per_slot_stage(Opcode.EXPERT_GATE_UP, l, 2 * Fe, H, (c_topk, 1), c_egu, 2 * ROW_GROUP)
-        n_out += per_slot_stage(Opcode.EXPERT_DOWN, l, H, Fe, (c_egu, n_egu), c_out, ROW_GROUP)
+            n_out += self.matvec_stage(Opcode.SHARED_DOWN, l, H, Fs, (c_sgu, n_sgu), c_out)
+        n_egu = self.per_slot_stage(Opcode.EXPERT_GATE_UP, l, 2 * Fe, H, (c_topk, 1), c_egu, 2 * ROW_GROUP)
+        n_out += self.per_slot_stage(Opcode.EXPERT_DOWN, l, H, Fe, (c_egu, n_egu), c_out, ROW_GROUP)
         n_comb = 0
-        for t, (lo, cnt) in enumerate(_tiles(H, rows_per_tile(Opcode.MOE_COMBINE, H))):
-            add(opcode=Opcode.MOE_COMBINE, layer=l, a0=lo, a1=cnt, a2=t, wait_id=c_out, wait_count=n_out,
-                signal_id=c_comb, cost=B * (K + 2) * cnt * f32_bytes + FIXED_COST_BYTES)
+        for t, (lo, cnt) in enumerate(_tiles(H, self.rows_per_tile(Opcode.MOE_COMBINE, H))):
+            self.add(opcode=Opcode.MOE_COMBINE, layer=l, a0=lo, a1=cnt, a2=t, wait_id=c_out, wait_count=n_out,
+                     signal_id=c_comb, cost=B * (K + 2) * cnt * self.F32 + FIXED_COST_BYTES)
             n_comb += 1
-        prev = (c_comb, n_comb)
-    c_lm, c_arg = counter("LM_HEAD"), counter("ARGMAX")
-    lm_tiles = matvec_stage(Opcode.LM_HEAD, 0, c.vocab_size, H, prev, c_lm)
-    add(opcode=Opcode.ARGMAX, a0=lm_tiles, wait_id=c_lm, wait_count=lm_tiles, signal_id=c_arg,
-        cost=FIXED_COST_BYTES)
-    return DeepseekStepProgram(layout=layout, instructions=tuple(out), num_counters=len(names), lm_tiles=lm_tiles,
-                               counter_names=tuple(names))
+        return c_comb, n_comb
+
+    def finish(self, prev: tuple[int, int], program_cls):
+        """LM_HEAD and ARGMAX after `prev`; -> the program (a program_cls)."""
+        c_lm, c_arg = self.counter("LM_HEAD"), self.counter("ARGMAX")
+        lm_tiles = self.matvec_stage(Opcode.LM_HEAD, 0, self.c.vocab_size, self.c.hidden_size, prev, c_lm)
+        self.add(opcode=Opcode.ARGMAX, a0=lm_tiles, wait_id=c_lm, wait_count=lm_tiles, signal_id=c_arg,
+                 cost=FIXED_COST_BYTES)
+        return program_cls(layout=self.layout, instructions=tuple(self.out), num_counters=len(self.names),
+                           lm_tiles=lm_tiles, counter_names=tuple(self.names))
+
+
+def build_program(layout: DeepseekStepLayout, tile_rows_override: dict | None = None) -> DeepseekStepProgram:
+    """The step's instructions in a global topological order (ProgramBuilder: `tile_rows_override`)."""
+    b = ProgramBuilder(layout, tile_rows_override)
+    prev = b.embed()
+    for l in range(layout.config.num_layers):
+        prev = b.ffn(l, b.mla(l, prev, "MLA_O_PROJ"))
+    return b.finish(prev, DeepseekStepProgram)
 
 
 # ---- the CPU decoder ------------------------------------------------------------------------------

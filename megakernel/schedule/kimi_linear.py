@@ -54,14 +54,14 @@ import torch
 from ..instructions.kimi_linear.common import kda_offsets, kda_proj_rows
 from ..instructions.layout import MAX_BATCH, ROW_GROUP, interleave_gate_up
 from ..instructions.opcodes import Opcode
-from ..instructions.record import Instruction, serialize
+from ..instructions.record import serialize
 from ..model.kimi_linear.config import KimiLinearConfig
 from ..model.kimi_linear.reference import KimiLinearCache
 from ..model.kimi_linear.weights import KimiLinearWeights
 from .assign import assign, simulate
-from .dag import FIXED_COST_BYTES, tile_rows
-from .deepseek import (DeepseekStepProgram, _interleave_experts, _per_item_rows, _tiles, check_program,
-                       default_head_group, default_kv_splits, find_races)
+from .dag import FIXED_COST_BYTES
+from .deepseek import (DeepseekStepProgram, ProgramBuilder, check_program, default_head_group, default_kv_splits,
+                       find_races, interleave_experts)
 from .vm import InstructionVM, run_vm_step
 
 __all__ = ["KimiLinearStageConfig", "LayerRows", "KimiLinearStepLayout", "KimiLinearPackedWeights", "pack_weights",
@@ -349,7 +349,7 @@ def pack_weights(weights: KimiLinearWeights, max_seq_len: int) -> KimiLinearPack
         down=rows("dense", lambda lw: lw.down, (H, F)),
         router=rows("moe", lambda lw: lw.router.float(), (E, H), f32),
         router_bias=rows("moe", lambda lw: lw.router_bias.float(), (E,), f32),
-        experts_gate_up=rows("moe", lambda lw: _interleave_experts(lw.experts_gate_up, Fe), (E, 2 * Fe, H)),
+        experts_gate_up=rows("moe", lambda lw: interleave_experts(lw.experts_gate_up, Fe), (E, 2 * Fe, H)),
         experts_down=rows("moe", lambda lw: lw.experts_down, (E, H, Fe)),
         shared_gate_up=(rows("moe", lambda lw: interleave_gate_up(lw.shared_gate_up, Fs), (2 * Fs, H))
                         if c.n_shared_experts else None),
@@ -487,139 +487,32 @@ class KimiLinearStepProgram(DeepseekStepProgram):
     """A StepProgram with counter names (deepseek.check_program and deepseek.find_races apply)."""
 
 
-PAIRED = (Opcode.GATE_UP, Opcode.SHARED_GATE_UP, Opcode.EXPERT_GATE_UP)
-
-
 def build_program(layout: KimiLinearStepLayout, tile_rows_override: dict | None = None) -> KimiLinearStepProgram:
-    """The step's instructions in a global topological order. `tile_rows_override` maps an opcode to its
-    rows per tile (a multiple of ROW_GROUP; of 2 * ROW_GROUP for the gate/up stages; per-head and
-    per-slot stages clip it to one head or one expert)."""
-    layout.validate()
-    for op, rows in (tile_rows_override or {}).items():
-        group = 2 * ROW_GROUP if op in PAIRED else ROW_GROUP
-        if rows < group or rows % group:
-            raise ValueError(f"tile_rows_override[{Opcode(op).name}]={rows} must be a positive multiple of {group}")
+    """The step's instructions in a global topological order (deepseek.ProgramBuilder: `tile_rows_override`):
+    per layer a KDA block (KDA_PROJ, KDA_STATE per sequence and head group, KDA_OUT_NORM) or the MLA block,
+    then the dense FFN or the MoE block."""
+    b = ProgramBuilder(layout, tile_rows_override)
     c = layout.config
-    L, B, S, sms = c.num_layers, layout.batch, layout.kv_splits, layout.num_sms
-    n, lat, nope, v, K = c.num_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.v_head_dim, c.num_experts_per_tok
-    H, E, D, dk = c.hidden_size, c.n_routed_experts, c.kda_dim, c.linear_head_dim
-    elem, f32_bytes = 2, 4
-    out: list[Instruction] = []
-    names: list[str] = []
-
-    def counter(name: str) -> int:
-        names.append(name)
-        return len(names) - 1
-
-    def add(**kw) -> None:
-        out.append(Instruction(index=len(out), **kw))
-
-    def rows_per_tile(op: Opcode, rows: int, group: int = ROW_GROUP) -> int:
-        return (tile_rows_override or {}).get(op) or tile_rows(rows, sms, group)
-
-    def matvec_stage(op: Opcode, layer: int, rows: int, k: int, wait: tuple[int, int], signal: int,
-                     group: int = ROW_GROUP, bytes_per_elem: int = elem, extra_cost: int = 0) -> int:
-        tiles = _tiles(rows, rows_per_tile(op, rows, group))
-        for t, (lo, cnt) in enumerate(tiles):
-            add(opcode=op, layer=layer, a0=lo, a1=cnt, a2=t, wait_id=wait[0], wait_count=wait[1],
-                signal_id=signal, cost=cnt * k * bytes_per_elem + extra_cost + FIXED_COST_BYTES)
-        return len(tiles)
-
-    def per_head_stage(op: Opcode, layer: int, width: int, k: int, wait: tuple[int, int], signal: int,
-                       extra_cost: int) -> int:
-        per = (tile_rows_override or {}).get(op) or _per_item_rows(width, n, sms)
-        tiles = [t for h in range(n) for t in _tiles(width, min(per, width), base=h * width)]
-        for t, (lo, cnt) in enumerate(tiles):
-            add(opcode=op, layer=layer, a0=lo, a1=cnt, a2=t, wait_id=wait[0], wait_count=wait[1],
-                signal_id=signal, cost=cnt * k * elem + extra_cost + FIXED_COST_BYTES)
-        return len(tiles)
-
-    def per_slot_stage(op: Opcode, layer: int, rows: int, k: int, wait: tuple[int, int], signal: int,
-                       group: int) -> int:
-        per = (tile_rows_override or {}).get(op) or _per_item_rows(rows, B * K, sms, group)
-        count = 0
-        for b in range(B):
-            for slot in range(K):
-                for lo, cnt in _tiles(rows, per):
-                    add(opcode=op, layer=layer, a0=b, a1=slot, a2=lo, a3=cnt, wait_id=wait[0],
-                        wait_count=wait[1], signal_id=signal, cost=cnt * k * elem + FIXED_COST_BYTES)
-                    count += 1
-        return count
-
-    embed_c = counter("embed")
-    add(opcode=Opcode.EMBED, signal_id=embed_c, cost=B * H * elem + FIXED_COST_BYTES)
-    prev = (embed_c, 1)
-    latent_bytes_per_split = c.latent_dim * elem * max(1, -(-layout.max_seq_len // S))
+    B, H, D, dk = layout.batch, c.hidden_size, c.kda_dim, c.linear_head_dim
     g_kda = layout.kda_head_group
-    state_bytes = 2 * g_kda * dk * dk * f32_bytes + 2 * g_kda * dk * dk * elem \
-        + 2 * 3 * g_kda * dk * c.linear_conv_kernel_dim * f32_bytes
-    for l in range(L):
-
-        def cid(stage: str, l: int = l) -> int:
-            return counter(f"layer {l} {stage}")
-
+    state_bytes = 2 * g_kda * dk * dk * b.F32 + 2 * g_kda * dk * dk * b.ELEM \
+        + 2 * 3 * g_kda * dk * c.linear_conv_kernel_dim * b.F32
+    prev = b.embed()
+    for l in range(c.num_layers):
         if c.is_kda_layer(l):
-            c_proj, c_state, c_o = cid("KDA_PROJ"), cid("KDA_STATE"), cid("O_PROJ")
-            n_proj = matvec_stage(Opcode.KDA_PROJ, l, kda_proj_rows(c), H, prev, c_proj)
-            for b in range(B):
+            c_proj, c_state, c_o = b.cid(l, "KDA_PROJ"), b.cid(l, "KDA_STATE"), b.cid(l, "O_PROJ")
+            n_proj = b.matvec_stage(Opcode.KDA_PROJ, l, kda_proj_rows(c), H, prev, c_proj)
+            for s in range(B):
                 for g in range(layout.num_kda_head_groups):
-                    add(opcode=Opcode.KDA_STATE, layer=l, a0=b, a1=g, wait_id=c_proj, wait_count=n_proj,
-                        signal_id=c_state, cost=state_bytes + FIXED_COST_BYTES)
+                    b.add(opcode=Opcode.KDA_STATE, layer=l, a0=s, a1=g, wait_id=c_proj, wait_count=n_proj,
+                          signal_id=c_state, cost=state_bytes + FIXED_COST_BYTES)
             n_state = B * layout.num_kda_head_groups
-            n_o = matvec_stage(Opcode.KDA_OUT_NORM, l, H, D, (c_state, n_state), c_o,
-                               extra_cost=2 * B * D * f32_bytes)
+            o_ready = (c_o, b.matvec_stage(Opcode.KDA_OUT_NORM, l, H, D, (c_state, n_state), c_o,
+                                           extra_cost=2 * B * D * b.F32))
         else:
-            c_qkv = cid("MLA_QKV_A")
-            n_qkv = matvec_stage(Opcode.MLA_QKV_A, l, c.qkv_a_rows, H, prev, c_qkv)
-            q_ready = (c_qkv, n_qkv)
-            if c.q_lora_rank is not None:
-                c_qb = cid("MLA_Q_B")
-                q_ready = (c_qb, matvec_stage(Opcode.MLA_Q_B, l, c.q_size, c.q_lora_rank, q_ready, c_qb))
-            c_abs = cid("MLA_ABSORB")
-            n_abs = per_head_stage(Opcode.MLA_ABSORB, l, lat, nope, q_ready, c_abs, 0)
-            c_part = cid("MLA_PARTIAL")
-            for b in range(B):
-                for g in range(layout.num_head_groups):
-                    for s in range(S):
-                        add(opcode=Opcode.MLA_PARTIAL, layer=l, a0=b, a1=g, a2=s, a3=S, wait_id=c_abs,
-                            wait_count=n_abs, signal_id=c_part, cost=latent_bytes_per_split + FIXED_COST_BYTES)
-            n_part = B * layout.num_head_groups * S
-            c_red = cid("MLA_REDUCE")
-            n_red = per_head_stage(Opcode.MLA_REDUCE, l, v, lat, (c_part, n_part), c_red, B * S * lat * f32_bytes)
-            c_o = cid("O_PROJ")
-            n_o = matvec_stage(Opcode.MLA_O_PROJ, l, H, c.o_proj_cols, (c_red, n_red), c_o)
-        if not c.is_moe_layer(l):
-            F = c.intermediate_size
-            c_gu, c_dn = cid("GATE_UP"), cid("DOWN")
-            n_gu = matvec_stage(Opcode.GATE_UP, l, 2 * F, H, (c_o, n_o), c_gu, group=2 * ROW_GROUP)
-            prev = (c_dn, matvec_stage(Opcode.DOWN, l, H, F, (c_gu, n_gu), c_dn))
-            continue
-        Fe, Fs = c.moe_intermediate_size, c.shared_intermediate_size
-        c_router, c_topk, c_egu, c_out, c_comb = (cid("ROUTER"), cid("ROUTER_TOPK"), cid("EXPERT_GATE_UP"),
-                                                  cid("MOE_OUT"), cid("MOE_COMBINE"))
-        n_router = matvec_stage(Opcode.ROUTER, l, E, H, (c_o, n_o), c_router, bytes_per_elem=f32_bytes)
-        if c.n_shared_experts:
-            c_sgu = cid("SHARED_GATE_UP")
-            n_sgu = matvec_stage(Opcode.SHARED_GATE_UP, l, 2 * Fs, H, (c_o, n_o), c_sgu, group=2 * ROW_GROUP)
-        add(opcode=Opcode.ROUTER_TOPK, layer=l, wait_id=c_router, wait_count=n_router, signal_id=c_topk,
-            cost=B * E * f32_bytes + FIXED_COST_BYTES)
-        n_out = 0
-        if c.n_shared_experts:
-            n_out += matvec_stage(Opcode.SHARED_DOWN, l, H, Fs, (c_sgu, n_sgu), c_out)
-        n_egu = per_slot_stage(Opcode.EXPERT_GATE_UP, l, 2 * Fe, H, (c_topk, 1), c_egu, 2 * ROW_GROUP)
-        n_out += per_slot_stage(Opcode.EXPERT_DOWN, l, H, Fe, (c_egu, n_egu), c_out, ROW_GROUP)
-        n_comb = 0
-        for t, (lo, cnt) in enumerate(_tiles(H, rows_per_tile(Opcode.MOE_COMBINE, H))):
-            add(opcode=Opcode.MOE_COMBINE, layer=l, a0=lo, a1=cnt, a2=t, wait_id=c_out, wait_count=n_out,
-                signal_id=c_comb, cost=B * (K + 2) * cnt * f32_bytes + FIXED_COST_BYTES)
-            n_comb += 1
-        prev = (c_comb, n_comb)
-    c_lm, c_arg = counter("LM_HEAD"), counter("ARGMAX")
-    lm_tiles = matvec_stage(Opcode.LM_HEAD, 0, c.vocab_size, H, prev, c_lm)
-    add(opcode=Opcode.ARGMAX, a0=lm_tiles, wait_id=c_lm, wait_count=lm_tiles, signal_id=c_arg,
-        cost=FIXED_COST_BYTES)
-    return KimiLinearStepProgram(layout=layout, instructions=tuple(out), num_counters=len(names),
-                                 lm_tiles=lm_tiles, counter_names=tuple(names))
+            o_ready = b.mla(l, prev, "O_PROJ")
+        prev = b.ffn(l, o_ready)
+    return b.finish(prev, KimiLinearStepProgram)
 
 
 # ---- the CPU decoder ------------------------------------------------------------------------------
