@@ -31,7 +31,7 @@ from ..instructions.record import W_A0, W_A1, W_LAYER, W_OPCODE, WORDS
 from .ptx import (atomic_cas, bulk_copy_g2s, globaltimer_lo, load_shared_volatile, mbarrier_arrive_expect_tx,
                   mbarrier_try_wait, st_i32, store_relaxed)
 
-SLOT_BYTES = 16 * 1024      # one slot: 16 KiB of weights (1 KiB = 2 x 512-byte warp passes per lane group)
+SLOT_BYTES = 16 * 1024      # one slot: 16 KiB of weights (16 rows x 512 columns: 32 fragment blocks of 512 bytes)
 MAX_SLOTS = 12              # ring depth cap: 192 KiB covers a ~6 us hop at the per-SM share of HBM
 MIN_SLOTS = 4
 PART_FLOATS = 4096          # partial dot products of one chunk kept in shared memory (more where one unit needs it)
