@@ -1,28 +1,12 @@
-"""Small device helpers over raw global addresses (Int64), written as inline PTX where CuTe DSL has
-no wrapper: read-only weight loads that skip L1, activation loads, bulk L2 prefetch, the bf16
-unpack, and the counter primitives of the step's dependency protocol."""
+"""Small device helpers over raw global and shared addresses, written as inline PTX where CuTe DSL has
+no wrapper: activation and embedding loads, bulk copies and mbarriers, the m16n8k16 MMA on registers
+loaded in the packed weight order and the bf16 hi/lo split, the bf16 unpack, and the counter
+primitives of the step's dependency protocol."""
 
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
-
-
-@cute.jit
-def load_weights_bf16x8(addr: Int64):
-    """8 bf16 weights at a 16-byte aligned address -> 8 float32. Weights never change during a step,
-    so the load takes the read-only path, does not allocate in L1 (each weight is read once) and
-    asks L2 for 256-byte sectors."""
-    r = cute.arch.inline_ptx(
-        "{ .reg .b32 t0, t1, t2, t3;\n"
-        "ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {t0, t1, t2, t3}, [{$r0}];\n"
-        "shl.b32 {$w0}, t0, 16; and.b32 {$w1}, t0, 0xffff0000;\n"
-        "shl.b32 {$w2}, t1, 16; and.b32 {$w3}, t1, 0xffff0000;\n"
-        "shl.b32 {$w4}, t2, 16; and.b32 {$w5}, t2, 0xffff0000;\n"
-        "shl.b32 {$w6}, t3, 16; and.b32 {$w7}, t3, 0xffff0000; }",
-        write_only_types=[Float32] * 8, read_only_args=[addr])
-    return r
 
 
 @cute.jit
@@ -36,27 +20,6 @@ def load_bf16x8(addr: Int64):
         "shl.b32 {$w4}, t2, 16; and.b32 {$w5}, t2, 0xffff0000;\n"
         "shl.b32 {$w6}, t3, 16; and.b32 {$w7}, t3, 0xffff0000; }",
         write_only_types=[Float32] * 8, read_only_args=[addr])
-
-
-@cute.jit
-def load_weights_raw(addr: Int64):
-    """16 bytes of weights (8 bf16) at a 16-byte aligned address, as 4 raw 32-bit words: the same
-    read-only, L1-bypassing load as load_weights_bf16x8, for loads issued long before their use
-    (unpack_bf16x8 converts them then)."""
-    return cute.arch.inline_ptx(
-        "ld.global.nc.L1::no_allocate.L2::256B.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-        write_only_types=[Int32] * 4, read_only_args=[addr])
-
-
-@cute.jit
-def unpack_bf16x8(w0: Int32, w1: Int32, w2: Int32, w3: Int32):
-    """4 words of packed bf16 pairs (low half first) -> 8 float32."""
-    return cute.arch.inline_ptx(
-        "shl.b32 {$w0}, {$r0}, 16; and.b32 {$w1}, {$r0}, 0xffff0000;\n"
-        "shl.b32 {$w2}, {$r1}, 16; and.b32 {$w3}, {$r1}, 0xffff0000;\n"
-        "shl.b32 {$w4}, {$r2}, 16; and.b32 {$w5}, {$r2}, 0xffff0000;\n"
-        "shl.b32 {$w6}, {$r3}, 16; and.b32 {$w7}, {$r3}, 0xffff0000;",
-        write_only_types=[Float32] * 8, read_only_args=[w0, w1, w2, w3])
 
 
 @cute.jit
@@ -107,12 +70,6 @@ def load_f32x4(addr: Int64):
 
 
 @cute.jit
-def prefetch_l2(addr: Int64, nbytes: Int32):
-    """Ask the copy engine to stream `nbytes` (multiple of 16) at `addr` into L2, without waiting."""
-    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};", read_only_args=[addr, nbytes])
-
-
-@cute.jit
 def mbarrier_init(mbar: Int32, count: Int32):
     """Initialise a shared-memory mbarrier (8 bytes at shared address `mbar`) for `count` arrivals."""
     cute.arch.inline_ptx("mbarrier.init.shared::cta.b64 [{$r0}], {$r1};", read_only_args=[mbar, count])
@@ -122,13 +79,6 @@ def mbarrier_init(mbar: Int32, count: Int32):
 def mbarrier_init_fence():
     """Make initialised mbarriers visible to the async proxy (the bulk copy engine)."""
     cute.arch.inline_ptx("fence.mbarrier_init.release.cluster;")
-
-
-@cute.jit
-def fence_proxy_async_shared():
-    """Order this CTA's earlier generic-proxy shared-memory accesses (made visible to this thread by a
-    barrier) before the async-proxy writes of a bulk copy issued next into the same bytes."""
-    cute.arch.inline_ptx("fence.proxy.async.shared::cta;")
 
 
 @cute.jit
@@ -195,13 +145,6 @@ def red_release_add(addr: Int64, value: Int32):
 @cute.jit
 def atomic_add_acq_rel(addr: Int64, value: Int32) -> Int32:
     return cute.arch.inline_ptx("atom.acq_rel.gpu.global.add.s32 {$w0}, [{$r0}], {$r1};",
-                                write_only_types=[Int32], read_only_args=[addr, value])
-
-
-@cute.jit
-def atomic_add_relaxed(addr: Int64, value: Int32) -> Int32:
-    """Old value of a relaxed gpu-scope atomic add (a ticket: orders nothing else)."""
-    return cute.arch.inline_ptx("atom.relaxed.gpu.global.add.s32 {$w0}, [{$r0}], {$r1};",
                                 write_only_types=[Int32], read_only_args=[addr, value])
 
 
@@ -291,12 +234,6 @@ def lg2(v: Float32) -> Float32:
 @cute.jit
 def rsqrt(v: Float32) -> Float32:
     return cute.arch.inline_ptx("rsqrt.approx.ftz.f32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[v])
-
-
-@cute.jit
-def ld_shared_f32x4(addr: Int32):
-    return cute.arch.inline_ptx("ld.shared.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-                                write_only_types=[Float32] * 4, read_only_args=[addr])
 
 
 @cute.jit

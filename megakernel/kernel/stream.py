@@ -7,11 +7,12 @@ weights, across instruction and layer boundaries, and HBM stays busy.
 
 A slot is one bulk-copy unit: `rows` consecutive rows of a tile times one column slab of the matrix, in
 the fragment order of the packed weights (megakernel.instructions.layout.fragment_pack): per 8-row block,
-the slab's 512-byte blocks of 32 columns, row blocks `slab_cols * 16` bytes apart. Each slot has a `full` mbarrier (the producer arms it with
-the slot's byte count, the copy engine completes it) and an `empty` mbarrier (each consumer warp arrives
-once it is past the slot). Producer and consumers enumerate a tile's slots in the same order, chunk by
-chunk (the rows whose partial sums fit shared memory at once), slab by slab, row group by row group, so
-slot number k of the CTA is ring slot k % slots in use k // slots by both sides.
+the slab's 512-byte blocks of 32 columns, row blocks `slab_cols * 16` bytes apart. Each slot has a `full`
+mbarrier (the producer arms it with the slot's byte count, the copy engine completes it) and an `empty`
+mbarrier (each consumer warp arrives once it is past the slot). Producer and consumers enumerate a tile's
+slots in the same order, chunk by chunk (the rows whose partial sums fit shared memory at once), slab by
+slab, row group by row group, so slot number k of the CTA is ring slot k % slots in use k // slots by
+both sides.
 
 `StreamPlan` is the host-side geometry (pure Python, tested on the CPU); `WeightStream` is the producer's
 device code, a mixin of the interpreter (megakernel.kernel.interpreter).
@@ -177,14 +178,14 @@ class WeightStream:
         runtime values: O_PROJ's K is q_size, DOWN's the intermediate size, the others' the hidden size."""
         g, go, gd = self.plan.geometry(self.H), self.plan.geometry(self.Q), self.plan.geometry(self.F)
         k, slab, n_slab, rps = Int32(g.k), Int32(g.slab_cols), Int32(g.n_slab), Int32(g.rows_per_slot)
-        segs, chunk, whole = Int32(g.segs_per_slab), Int32(g.chunk_rows), Int32(g.x_slabs)
+        segs, chunk, xsl = Int32(g.segs_per_slab), Int32(g.chunk_rows), Int32(g.x_slabs)
         if op == OP_O_PROJ:
             k, slab, n_slab, rps = Int32(go.k), Int32(go.slab_cols), Int32(go.n_slab), Int32(go.rows_per_slot)
-            segs, chunk, whole = Int32(go.segs_per_slab), Int32(go.chunk_rows), Int32(go.x_slabs)
+            segs, chunk, xsl = Int32(go.segs_per_slab), Int32(go.chunk_rows), Int32(go.x_slabs)
         if op == OP_DOWN:
             k, slab, n_slab, rps = Int32(gd.k), Int32(gd.slab_cols), Int32(gd.n_slab), Int32(gd.rows_per_slot)
-            segs, chunk, whole = Int32(gd.segs_per_slab), Int32(gd.chunk_rows), Int32(gd.x_slabs)
-        return k, slab, n_slab, rps, segs, chunk, whole
+            segs, chunk, xsl = Int32(gd.segs_per_slab), Int32(gd.chunk_rows), Int32(gd.x_slabs)
+        return k, slab, n_slab, rps, segs, chunk, xsl
 
     @cute.jit
     def produce(self, lane: Int32, sm: Int32, s_queue: cute.Tensor, n: Int32, ring: Int32, full: Int32,
