@@ -1,6 +1,6 @@
 """Time kernel variants on one set of weights, then trace the first variant: per-stage wait and work
-times. Usage: gpu_sweep.py MODEL BATCH 'name:key=val,key=val' ... [--no-trace] [--trace=NAME] [--rounds=N]
-(the trace is of the first variant, or of variant NAME)
+times. Usage: gpu_sweep.py MODEL BATCH 'name:key=val,key=val' ... [--no-trace] [--trace=NAME,...] [--rounds=N]
+(the trace is of the first variant, or of each variant named)
 
 Every variant is built first (one packed copy of the weights shared by all), its logits checked
 against the first variant's, and one step captured in a CUDA graph; then the graphs are timed in
@@ -116,11 +116,19 @@ def trace(eng, start=32):
             ahead = statistics.mean(r["ready"] - r["stream_end"] for r in st)
             issue = statistics.mean(r["stream_end"] - r["stream_begin"] for r in st)
             stream = f"  issued {ahead/1e3:7.2f} us before ready, issuing took {issue/1e3:6.2f} us"
+        sg = [r for r in rs if "staged" in r]
+        if sg:
+            stream += f"  (ready->staged {statistics.mean(r['staged'] - r['ready'] for r in sg)/1e3:5.2f} us)"
         sd = [r for r in rs if "streamed" in r]
         if sd:
             slots = statistics.mean(r["streamed"] - r["ready"] for r in sd)
             tail = statistics.mean(r["end"] - r["streamed"] for r in sd)
             stream += f"  (ready->last slot {slots/1e3:6.2f} us, epilogue {tail/1e3:5.2f} us)"
+        ld = [r for r in rs if "landed_last" in r]
+        if ld:
+            first = statistics.mean(r["landed_first"] - r["ready"] for r in ld)
+            last = statistics.mean(r["landed_last"] - r["ready"] for r in ld)
+            stream += f"  (ready->slots landed {first/1e3:5.2f} .. {last/1e3:5.2f} us)"
         print(f"    {op:13s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us{phase}{stream}")
 
 def main():
@@ -135,8 +143,8 @@ def main():
     print(f"{model} B={B}: read bw {bw/1e12:.2f} TB/s, floor {floor:.3f} ms")
     rounds = int(next((a.split("=")[1] for a in sys.argv if a.startswith("--rounds=")), ROUNDS))
     packed = pack_weights(w, 512).to("cuda")   # one copy for every variant (the 8B shape: 16 GB)
-    first = None
-    traced = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--trace=")), None)
+    to_trace = []
+    traced = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--trace=")), None)
     ref_logits = None
     built = {}
     for spec in specs:
@@ -149,8 +157,8 @@ def main():
             err = ((logits - ref_logits).norm() / ref_logits.norm()).item()
             agree = f"rel err {err:.1e} vs {specs[0].partition(':')[0]}" + ("" if err < 1e-3 else "  MISMATCH")
         built[name] = (eng, capture(eng), agree)
-        if first is None or name == traced:
-            first = (opts, eng_kw)
+        if (traced is None and not to_trace) or (traced and name in traced):
+            to_trace.append((name, opts, eng_kw))
     times = interleaved({name: (lambda g=g: replay_ms(g)) for name, (_, g, _) in built.items()}, rounds)
     for name, (eng, _, agree) in built.items():
         eng.check()
@@ -159,9 +167,10 @@ def main():
               f"(kv_splits {eng.layout.kv_splits})  {agree}", flush=True)
     del built
     if "--no-trace" not in sys.argv:
-        opts, eng_kw = first
-        trace(MegakernelEngine(w, B, 512, options=KernelOptions(trace=True, **opts), packed_weights=packed,
-                               **eng_kw))
+        for name, opts, eng_kw in to_trace:
+            print(f"  {name}:")
+            trace(MegakernelEngine(w, B, 512, options=KernelOptions(trace=True, **opts), packed_weights=packed,
+                                   **eng_kw))
 
 
 if __name__ == "__main__":

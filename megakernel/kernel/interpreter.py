@@ -18,8 +18,9 @@ The consumers synchronise among themselves with named barrier 1 (the producer ne
 meet at barrier 0 only at the start and at the end. The last CTA to finish advances the epoch, so counters
 are never reset and a CUDA graph can replay steps with no host work.
 
-Trace mode (KernelOptions.trace) records per instruction: begin, counter ready, end (consumer thread 0),
-and when the producer started and finished issuing the instruction's weight slots.
+Trace mode (KernelOptions.trace) records per instruction (stream.TRACE_WORDS): begin, counter ready, end
+(consumer thread 0); for a matvec when its input was staged, when consumer warp 0 got its first and last
+weight slot and when the consumers were past the last; when the producer started and finished issuing them.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from .attention import ERR_POSITION, LOG2E, AttentionStage  # noqa: F401  (error
 from .matvec import MatvecStage
 from .ptx import (atomic_add_acq_rel, atomic_cas, cp_async_wait_all, globaltimer_lo, ld_i32, load_acquire,
                   mbarrier_init, mbarrier_init_fence, red_release_add, st_i32, store_relaxed)
-from .stream import ERR_RING, SLOT_BYTES, StreamPlan, WeightStream, is_matvec  # noqa: F401
+from .stream import ERR_RING, SLOT_BYTES, TRACE_WORDS, StreamPlan, WeightStream, is_matvec  # noqa: F401
 from .tokens import ERR_TOKEN, TokenStages  # noqa: F401
 
 # Error codes written to error[0] (the first error wins): 1 a counter wait timed out, 2 a position past the
@@ -117,17 +118,25 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
         free = SMEM_LIMIT - self.smem_bytes(ring_slots=0)
         self.ring_slots = StreamPlan.ring_slots(free)
 
-    def scratch_words(self) -> dict[str, int]:
-        """32-bit words of every shared-memory buffer but the ring, in allocation order."""
+    def scratch_words(self) -> dict[str, dict[str, int]]:
+        """32-bit words of every shared-memory buffer but the ring, in allocation order, in three groups: the
+        ones every stage may use, the matvec stages' and the attention stage's. The last two share one region
+        (no instruction uses both, and a barrier ends every instruction), so the ring gets what either leaves."""
         W, G, D, B = self.warps, self.G, self.D, self.B
-        return {"ctrl": 4, "red": 8, "ired": 8, "wv": W * max(8, B), "wi": W * max(8, B), "part": self.plan.part_floats,
-                "rstd": 8, "x": self.plan.x_floats, "q": G * D, "kv": 2 * D, "m": W * G, "l": W * G,
-                "o": W * G * D, "queue": self.max_queue_len * WORDS, "pre": W * D}
+        return {"common": {"ctrl": 4, "red": 8, "ired": 8, "wv": W * max(8, B), "wi": W * max(8, B), "rstd": 8,
+                           "queue": self.max_queue_len * WORDS},
+                "matvec": {"part": self.plan.part_floats, "x": self.plan.x_floats},
+                "attention": {"q": G * D, "kv": 2 * D, "m": W * G, "l": W * G, "o": W * G * D, "pre": W * D}}
+
+    @staticmethod
+    def _bytes(words: dict[str, int]) -> int:
+        return sum((4 * w + 15) // 16 * 16 for w in words.values())
 
     def smem_bytes(self, ring_slots: int | None = None) -> int:
         """Shared memory the kernel allocates (each buffer 16-byte aligned, the ring 128), as in `kernel`."""
         n = self.ring_slots if ring_slots is None else ring_slots
-        scratch = sum((4 * w + 15) // 16 * 16 for w in self.scratch_words().values())
+        g = self.scratch_words()
+        scratch = self._bytes(g["common"]) + max(self._bytes(g["matvec"]), self._bytes(g["attention"]))
         return scratch + 128 + n * SLOT_BYTES + 2 * n * 8 + 16
 
     # ------------------------------------------------------------------ host entry
@@ -198,10 +207,19 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
                    lm_idx=lm_idx, out_tokens=out_tokens, error=error, kv_table=kv_table)
 
         smem = cutlass.utils.SmemAllocator()
-        types = {"wi": Int32, "ired": Int32, "ctrl": Int32, "queue": Int32, "pre": Int32}
+        types = {"wi": Int32, "ired": Int32, "ctrl": Int32, "queue": Int32}
+        groups = self.scratch_words()
         bufs = {name: smem.allocate_tensor(types.get(name, cutlass.Float32), cute.make_layout((words,)),
                                            byte_alignment=16)
-                for name, words in self.scratch_words().items()}
+                for name, words in groups["common"].items()}
+        # the matvec and attention buffers: one region, carved twice
+        union = max(self._bytes(groups["matvec"]), self._bytes(groups["attention"]))
+        region = smem.allocate_tensor(cutlass.Float32, cute.make_layout((union // 4,)), byte_alignment=16)
+        for group in ("matvec", "attention"):
+            off = 0
+            for name, words in groups[group].items():
+                bufs[name] = cute.make_tensor(region.iterator + off, cute.make_layout((words,)))
+                off += (4 * words + 15) // 16 * 4
         s_ring = smem.allocate_tensor(Int32, cute.make_layout((self.ring_slots * SLOT_BYTES // 4,)),
                                       byte_alignment=128)
         s_bar = smem.allocate_tensor(Int64, cute.make_layout((2 * self.ring_slots,)), byte_alignment=8)
@@ -297,7 +315,7 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
                 if is_matvec(op):
                     rec = Int64(0)
                     if cutlass.const_expr(self.options.trace):
-                        rec = trace + (Int64(sm) * self.max_queue_len + Int64(i)) * 32
+                        rec = self.trace_record(trace, sm, i)
                     k_slot = self.matvec(tidx, warp, lane, op, layer, a0, a1, a2, a3, k_slot, ring, full, empty,
                                          p, s, rec)
                 else:
@@ -317,14 +335,16 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
                 red_release_add(counters + Int64(signal_id) * 4, Int32(1))
             if cutlass.const_expr(self.options.trace):
                 if tidx == 0:
-                    rec = trace + (Int64(sm) * self.max_queue_len + Int64(i)) * 32
-                    st_i32(rec, s_queue[ins + W_INDEX])
-                    st_i32(rec + 4, op)
+                    rec = self.trace_record(trace, sm, i)
+                    st_i32(rec, s_queue[ins + W_INDEX] * 256 + op)
                     st_i32(rec + 8, t_begin)
                     st_i32(rec + 12, t_ready)
                     st_i32(rec + 16, globaltimer_lo())
                     if not is_matvec(op):
-                        st_i32(rec + 20, Int32(0))       # (a matvec stamps when its last slot was consumed)
+                        st_i32(rec + 4, Int32(0))        # (a matvec stamps when its input was staged,
+                        st_i32(rec + 20, Int32(0))       #  its last slot consumed, its first and last
+                        st_i32(rec + 32, Int32(0))       #  slots landed)
+                        st_i32(rec + 36, Int32(0))
             i = i + 1
         # no K/V copy is left in flight when the CTA exits: an instruction that aborted after its copies
         # never waited for them

@@ -33,7 +33,9 @@ LOAD_KP = 4                # 32-column blocks whose weight loads are in flight a
 OP_QKV, OP_O_PROJ, OP_GATE_UP = int(Opcode.QKV), int(Opcode.O_PROJ), int(Opcode.GATE_UP)
 OP_DOWN, OP_LM_HEAD = int(Opcode.DOWN), int(Opcode.LM_HEAD)
 LOG2E = 1.4426950408889634
-X_UNROLL = 4               # input quads each thread loads per round when staging it
+X_LOADS = 8                # input quads (of all sequences) each thread loads per round when staging, at most
+MERGE_PAIRS = 16           # O_PROJ's merge: (sequence, split) pairs whose lse and partial quad load in one round
+                           # (half that with 15 consumer warps, whose 128 registers would spill)
 
 
 class MatvecStage:
@@ -114,6 +116,9 @@ class MatvecStage:
             if has_norm:
                 self.rms_statistic(tidx, warp, lane, K, ss, s)
             self.consumer_sync()
+            if cutlass.const_expr(self.options.trace):
+                if tidx == 0:
+                    st_i32(rec + 4, globaltimer_lo())       # the input staged (trace mode)
         if is_lm and tidx < B:
             s_red[tidx] = Float32(-math.inf)
             s_ired[tidx] = Int32(0x7FFFFFFF)
@@ -143,6 +148,9 @@ class MatvecStage:
                         self.stage(tidx, layer, K, merge, from_embed, has_norm and c0 == 0, in_addr, norm_addr, p,
                                    s, ss, w0 * slab, ww, xw)
                         self.consumer_sync()
+                        if cutlass.const_expr(self.options.trace):
+                            if tidx == 0 and c0 == 0 and sl == 0:
+                                st_i32(rec + 4, globaltimer_lo())       # the first window staged (trace mode)
                 for g0 in range(0, rows, rps):
                     nr = rows - g0
                     if nr > rps:
@@ -150,6 +158,11 @@ class MatvecStage:
                     slot = k_slot % self.ring_slots
                     mb = slot * 8
                     self.wait_full(full + mb, (k_slot // self.ring_slots) % 2, p.error)
+                    if cutlass.const_expr(self.options.trace):
+                        if tidx == 0:
+                            if c0 == 0 and sl == 0 and g0 == 0:
+                                st_i32(rec + 32, globaltimer_lo())      # the first slot landed (trace mode)
+                            st_i32(rec + 36, globaltimer_lo())          # ... the last (the latest stamp wins)
                     n_items = ((nr + ITEM_ROWS - 1) // ITEM_ROWS) * segs
                     j0 = (warp - rot % self.warps + self.warps) % self.warps
                     for j in range(j0, n_items, self.warps):
@@ -327,6 +340,12 @@ class MatvecStage:
                 s_red[tidx] = bv          # (read and written by thread b alone)
                 s_ired[tidx] = bi
 
+    def x_unroll(self) -> int:
+        """Input quads per thread per staging round: enough that the widest staged row is one round, at most
+        X_LOADS loads (quads of every sequence) in flight per thread."""
+        widest = max(g.x_cols for g in self.plan.by_k.values())
+        return max(1, min(X_LOADS // self.B, -(-widest // (4 * self.cthreads))))
+
     @cute.jit
     def rms_statistic(self, tidx: Int32, warp: Int32, lane: Int32, K: Int32, ss: cute.Tensor, s):
         """s_rstd[b] = rsqrt(mean(x^2) + eps) from every thread's partial sum(x^2) in ss (a barrier is
@@ -356,7 +375,7 @@ class MatvecStage:
             self.stage_merged_attention(tidx, layer, p, s, s0, kw, stride)
         else:
             # every sequence's quad of a column in one round (B loads in flight), U columns per thread per round
-            U = max(1, X_UNROLL // B)
+            U = self.x_unroll()
             rows = cute.make_rmem_tensor((B,), Int64)
             for b in cutlass.range_constexpr(B):
                 rows[b] = in_addr + Int64(b) * Int64(K) * 4
@@ -396,11 +415,48 @@ class MatvecStage:
     def stage_merged_attention(self, tidx: Int32, layer: Int32, p, s, s0: Int32,
                                kw: Int32, stride: Int32):
         """O_PROJ folded with the attention merge: s.x = the merged attention output of every sequence, one
-        quad per thread at a time (each quad is 2 x splits loads)."""
+        quad per thread at a time. Up to MERGE_PAIRS splits: the lse values and partials of as many sequences
+        as fit MERGE_PAIRS (sequence, split) pairs load in one round, then merge without a branch (an empty
+        split's lse is -inf, its weight ex2(-inf) = 0; a sequence has at least one token, so the maximum is
+        finite); more splits: one sequence at a time (merge_quad)."""
         s_x = s.x
+        S, D = self.S, self.D
+        GB = (MERGE_PAIRS if self.warps <= 8 else MERGE_PAIRS // 2) // S   # sequences per round (0: more splits
+                                                                            # than a round holds)
         for q in range(tidx, kw // 4, self.cthreads):
-            for b in cutlass.range_constexpr(self.B):         # the sequences' merges in one round
-                xv = cute.make_rmem_tensor((4,), Float32)
-                self.merge_quad(layer, b, s0 + q * 4, p.attn_part_o, p.attn_part_lse, xv)
-                for e in cutlass.range_constexpr(4):
-                    s_x[b * stride + q * 4 + e] = xv[e]
+            k = s0 + q * 4
+            if cutlass.const_expr(GB == 0):
+                for b in cutlass.range_constexpr(self.B):
+                    xv = cute.make_rmem_tensor((4,), Float32)
+                    self.merge_quad(layer, b, k, p.attn_part_o, p.attn_part_lse, xv)
+                    for e in cutlass.range_constexpr(4):
+                        s_x[b * stride + q * 4 + e] = xv[e]
+            else:
+                head = k // D
+                d = k - head * D
+                for b0 in cutlass.range_constexpr(0, self.B, GB):
+                    nb = min(GB, self.B - b0)
+                    lse = cute.make_rmem_tensor((nb * S,), Float32)
+                    ov = cute.make_rmem_tensor((nb * S * 4,), Float32)
+                    for bb in cutlass.range_constexpr(nb):
+                        base = ((Int64(layer) * self.B + Int64(b0 + bb)) * self.Hq + Int64(head)) * S
+                        for sp in cutlass.range_constexpr(S):
+                            lse[bb * S + sp] = ld_f32(p.attn_part_lse + (base + sp) * 4)
+                            o4 = load_f32x4(p.attn_part_o + ((base + sp) * D + Int64(d)) * 4)
+                            for e in cutlass.range_constexpr(4):
+                                ov[(bb * S + sp) * 4 + e] = o4[e]
+                    for bb in cutlass.range_constexpr(nb):
+                        mx = lse[bb * S]
+                        for sp in cutlass.range_constexpr(1, S):
+                            mx = cute.arch.fmax(mx, lse[bb * S + sp])
+                        tot = Float32(0.0)
+                        acc = cute.make_rmem_tensor((4,), Float32)
+                        for e in cutlass.range_constexpr(4):
+                            acc[e] = Float32(0.0)
+                        for sp in cutlass.range_constexpr(S):
+                            f = ex2((lse[bb * S + sp] - mx) * Float32(LOG2E))
+                            tot = tot + f
+                            for e in cutlass.range_constexpr(4):
+                                acc[e] = acc[e] + f * ov[(bb * S + sp) * 4 + e]
+                        for e in cutlass.range_constexpr(4):
+                            s_x[(b0 + bb) * stride + q * 4 + e] = acc[e] / tot

@@ -39,7 +39,8 @@ from ..instructions.layout import (MAX_BATCH, PackedWeights, StepLayout, allocat
                                    pack_weights, validate_packed_weights, validate_step_inputs)
 from ..instructions.opcodes import Opcode
 from ..instructions.record import serialize
-from ..kernel.interpreter import ARG_NAMES, ERR_POSITION, ERR_RING, ERR_TIMEOUT, ERR_TOKEN, KernelOptions
+from ..kernel.interpreter import (ARG_NAMES, ERR_POSITION, ERR_RING, ERR_TIMEOUT, ERR_TOKEN, TRACE_WORDS,
+                                 KernelOptions)
 from ..model.kv_cache import contiguous_block_table
 from ..model.weights import ModelWeights
 from ..schedule import assign, build_program, simulate
@@ -137,7 +138,7 @@ class MegakernelEngine:
         self.bufs = allocate_buffers(self.layout, self.program.lm_tiles, self.program.num_counters, self.device)
         # the kernel reads each layer's K and V base address from this table: int64 [L, 2]
         self.kv_table = torch.zeros(c.num_layers, 2, dtype=torch.int64, device=self.device)
-        self.trace_buf = torch.zeros(num_sms, table.shape[1], 8, dtype=torch.int32, device=self.device)
+        self.trace_buf = torch.zeros(num_sms, table.shape[1], TRACE_WORDS, dtype=torch.int32, device=self.device)
         self.options = options
         self.steps = 0
         self.compiled = None
@@ -346,8 +347,9 @@ class MegakernelEngine:
 
     def trace_records(self) -> list[dict]:
         """Per-instruction (sm, index, opcode, begin, ready, end) of the last launch (trace mode), and for a
-        matvec (stream_begin, stream_end): when its weight slots began and finished
-        being issued to the copy engine. Nanoseconds from the step's earliest begin."""
+        matvec `staged` (its input staged), `streamed` (its last slot consumed), (landed_first, landed_last)
+        (consumer warp 0 past its first and last slot's wait) and (stream_begin, stream_end): when its weight
+        slots began and finished being issued to the copy engine. Nanoseconds from the step's earliest begin."""
         if not self.options.trace:
             raise RuntimeError("trace records need KernelOptions(trace=True)")
         t = self.trace_buf.cpu()
@@ -358,11 +360,17 @@ class MegakernelEngine:
         out = []
         for sm, n in enumerate(lengths):
             for i in range(n):
-                idx, op, begin, ready, end, streamed, s0, s1 = (int(v) for v in t[sm, i, :8])
+                word0, staged, begin, ready, end, streamed, s0, s1, land0, land1 = (int(v) for v in t[sm, i, :10])
+                idx, op = word0 >> 8, word0 & 255
                 rec = {"sm": sm, "index": idx, "opcode": Opcode(op).name, "begin": (begin - base) % wrap,
                        "ready": (ready - base) % wrap, "end": (end - base) % wrap}
+                if staged:
+                    rec["staged"] = (staged - base) % wrap          # a matvec's input staged (its first window)
                 if streamed:
                     rec["streamed"] = (streamed - base) % wrap      # a matvec's last weight slot consumed
+                if land1:
+                    # consumer warp 0 past the wait for the tile's first and last weight slots
+                    rec["landed_first"], rec["landed_last"] = (land0 - base) % wrap, (land1 - base) % wrap
                 if s1:
                     # the producer warp: when it began and finished issuing the tile's weight slots
                     rec["stream_begin"], rec["stream_end"] = (s0 - base) % wrap, (s1 - base) % wrap

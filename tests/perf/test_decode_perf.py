@@ -4,8 +4,8 @@ in the same run; and the structure of a step (one kernel launch, no copies).
 Timing: every contender is a CUDA-graph replay (the megakernel: engine.launch captured in a graph; the torch
 baselines: their own captured step), timed with CUDA events over REPLAYS back-to-back replays, median of
 SAMPLES such samples, inside an NVTX range of the domain "megakernel" (visible in nsys). The megakernel
-advances tokens and positions itself on every replay, so its positions are reset to CONTEXT before each
-sample (outside the timed events) and the cache holds MAX_SEQ_LEN > CONTEXT + REPLAYS positions.
+advances tokens and positions itself on every replay, so its positions are reset to the context before each
+sample (outside the timed events) and the cache holds context + HEADROOM > context + REPLAYS positions.
 
 Reported through pytest-benchmark (the megakernel's samples are the benchmark rounds; everything else in
 extra_info): ms per step (= ms per token of each sequence), tokens/s, GB/s, fraction of the floor, speedup
@@ -30,16 +30,19 @@ from megakernel.testing import perf
 from megakernel.testing.perf import load_toml
 
 CONTEXT = 32           # cached positions behind the timed step (BASELINES.md: a 32-token context)
+LONG_CONTEXT = 8192    # ... of the long-context cases
 REPLAYS = 20           # graph replays per timed sample
 SAMPLES = 15           # timed samples; the median is the figure
 WARMUP = 3             # launches before capture, samples before timing
-MAX_SEQ_LEN = 256      # > CONTEXT + WARMUP + REPLAYS
+HEADROOM = 224         # cache positions past the context: > WARMUP + REPLAYS
 SEED = 0
 
-# Grouped by preset: one preset's weights live on the GPU at a time.
-CASES = [("llama-3.2-1b", 1), ("llama-3.2-1b", 4), ("llama-3.2-1b", 8), ("qwen3-0.6b", 1), ("qwen3-0.6b", 4),
-         ("qwen3-0.6b", 8), ("llama-3.1-8b", 1), ("llama-3.1-8b", 4), ("llama-3.1-8b", 8),
-         ("llama-2-7b", 1)]      # an FFN of 11008 = 43 x 256 columns: a prime number of 256-column passes
+# (preset, batch, context), grouped by preset: one preset's weights live on the GPU at a time.
+CASES = [("llama-3.2-1b", 1, CONTEXT), ("llama-3.2-1b", 4, CONTEXT), ("llama-3.2-1b", 8, CONTEXT),
+         ("llama-3.2-1b", 1, LONG_CONTEXT), ("llama-3.2-1b", 4, LONG_CONTEXT),
+         ("qwen3-0.6b", 1, CONTEXT), ("qwen3-0.6b", 4, CONTEXT), ("qwen3-0.6b", 8, CONTEXT),
+         ("llama-3.1-8b", 1, CONTEXT), ("llama-3.1-8b", 4, CONTEXT), ("llama-3.1-8b", 8, CONTEXT),
+         ("llama-2-7b", 1, CONTEXT)]      # an FFN of 11008 = 43 x 256 columns: a prime number of 256-column passes
 # torch.compile takes tens of seconds per shape: its baseline is timed at batch 1 of the two small presets.
 COMPILE_BASELINE = {("llama-3.2-1b", 1), ("qwen3-0.6b", 1)}
 
@@ -104,7 +107,12 @@ def megakernel_graph(engine, tokens: torch.Tensor, positions: torch.Tensor):
     return graph, reset
 
 
-def _engine(weights, batch: int, max_seq_len: int = MAX_SEQ_LEN):
+def case_id(name: str, batch: int, context: int) -> str:
+    """The test id and the thresholds' case: 'llama-3.2-1b-b1', 'llama-3.2-1b-b1-ctx8192' (context != CONTEXT)."""
+    return f"{name}-b{batch}" + ("" if context == CONTEXT else f"-ctx{context}")
+
+
+def _engine(weights, batch: int, max_seq_len: int):
     from megakernel.runtime.engine import MegakernelEngine
 
     engine = MegakernelEngine(weights, batch, max_seq_len, device="cuda")
@@ -115,13 +123,13 @@ def _engine(weights, batch: int, max_seq_len: int = MAX_SEQ_LEN):
     return engine
 
 
-def _time_baseline(mode: str, weights, batch: int, tokens: torch.Tensor, what: str) -> float:
+def _time_baseline(mode: str, weights, batch: int, context: int, tokens: torch.Tensor, what: str) -> float:
     from megakernel.integrations.torch_baselines import TorchDecodeStep
 
     step = TorchDecodeStep(weights, "cuda", mode=mode)
-    step.reset(batch, MAX_SEQ_LEN)              # captures its CUDA graph (and compiles, for "compile")
+    step.reset(batch, context + HEADROOM)       # captures its CUDA graph (and compiles, for "compile")
     toks = tokens.to("cuda", torch.long)
-    pos = torch.full((batch,), CONTEXT, dtype=torch.long, device="cuda")
+    pos = torch.full((batch,), context, dtype=torch.long, device="cuda")
     # one replay = the step's two static-input copies + its graph replay (a few microseconds of the copies)
     timer = ReplayTimer(lambda: step.step(toks, pos))
     timer.run(WARMUP)
@@ -138,17 +146,17 @@ def _time_baseline(mode: str, weights, batch: int, tokens: torch.Tensor, what: s
 
 @pytest.mark.perf
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,batch", CASES, ids=[f"{n}-b{b}" for n, b in CASES])
-def test_decode_step_speed(name, batch, benchmark, bandwidth_floor, perf_thresholds, nvtx_range):
+@pytest.mark.parametrize("name,batch,context", CASES, ids=[case_id(*c) for c in CASES])
+def test_decode_step_speed(name, batch, context, benchmark, bandwidth_floor, perf_thresholds, nvtx_range):
     config = get_preset(name)
     weights = preset_weights(name)
-    what = f"{name} batch={batch} context={CONTEXT} bf16 seed={SEED}"
+    what = f"{name} batch={batch} context={context} bf16 seed={SEED}"
     gen = torch.Generator().manual_seed(SEED + batch)
     tokens = torch.randint(0, config.vocab_size, (batch,), generator=gen)
 
-    engine = _engine(weights, batch)
+    engine = _engine(weights, batch, context + HEADROOM)
     graph, reset = megakernel_graph(engine, tokens.to("cuda", torch.int32),
-                                    torch.full((batch,), CONTEXT, dtype=torch.int32, device="cuda"))
+                                    torch.full((batch,), context, dtype=torch.int32, device="cuda"))
     timer = ReplayTimer(graph.replay, reset)
     timer.run(WARMUP)
     timer.samples.clear()
@@ -164,12 +172,12 @@ def test_decode_step_speed(name, batch, benchmark, bandwidth_floor, perf_thresho
     gc.collect()
     torch.cuda.empty_cache()
 
-    baselines = {"torch-graph": _time_baseline("graph", weights, batch, tokens, what)}
-    if (name, batch) in COMPILE_BASELINE:
-        baselines["torch-compile"] = _time_baseline("compile", weights, batch, tokens, what)
+    baselines = {"torch-graph": _time_baseline("graph", weights, batch, context, tokens, what)}
+    if (name, batch) in COMPILE_BASELINE and context == CONTEXT:
+        baselines["torch-compile"] = _time_baseline("compile", weights, batch, context, tokens, what)
 
-    floor = floor_ms(config, batch, bandwidth_floor, context_len=CONTEXT)
-    nbytes = config.weight_bytes() + kv_read_bytes(config, batch, CONTEXT)
+    floor = floor_ms(config, batch, bandwidth_floor, context_len=context)
+    nbytes = config.weight_bytes() + kv_read_bytes(config, batch, context)
     metrics = {
         "ms_per_step": mk_ms,
         "ms_per_token": mk_ms,                    # every sequence gets one token per step
@@ -182,14 +190,16 @@ def test_decode_step_speed(name, batch, benchmark, bandwidth_floor, perf_thresho
         **{f"speedup_{b.replace('-', '_')}": ms / mk_ms for b, ms in baselines.items()},
     }
     gpu = torch.cuda.get_device_name(0)
-    benchmark.extra_info.update(metrics, gpu=gpu, preset=name, batch=batch, context=CONTEXT)
+    benchmark.extra_info.update(metrics, gpu=gpu, preset=name, batch=batch, context=context)
     assert math.isfinite(mk_ms) and mk_ms > 0, f"{what}: {mk_ms} ms per step"
     # Faster than reading the weights once is impossible: the kernel skipped work, or the floor is wrong.
     assert metrics["floor_fraction"] < 1.1, f"{what}: {mk_ms:.4f} ms beats the {floor:.4f} ms read floor"
     if perf_thresholds.table(gpu) is None:
         benchmark.extra_info["thresholds"] = f"none for {gpu!r} in {perf_thresholds.path}: reported only"
         return
-    perf_thresholds.check(gpu, {k: metrics[k] for k in METRICS if k in metrics}, name, batch, what=what)
+    # thresholds: [gpu.metric] preset = { batch = ... }, a long context's under "preset@context"
+    case = name if context == CONTEXT else f"{name}@{context}"
+    perf_thresholds.check(gpu, {k: metrics[k] for k in METRICS if k in metrics}, case, batch, what=what)
 
 
 @pytest.mark.gpu
@@ -222,8 +232,9 @@ def test_graph_replay_is_one_kernel_launch_and_no_copy():
 
 
 def test_thresholds_file_is_well_formed():
-    """Every threshold names a known GPU metric, a preset and batch this file times (else it is never used),
-    and a ratio in range: a fraction of the floor in (0, 1), a speedup > 0; torch-compile only where timed."""
+    """Every threshold names a known GPU metric, a preset, batch and context this file times (else it is never
+    used), and a ratio in range: a fraction of the floor in (0, 1), a speedup > 0; torch-compile only where
+    timed."""
     from megakernel.model.presets import PRESETS
 
     table = load_toml(THRESHOLDS_FILE)
@@ -231,11 +242,13 @@ def test_thresholds_file_is_well_formed():
     for gpu, metrics in table.items():
         assert isinstance(metrics, dict) and set(metrics) <= set(METRICS), f"{gpu}: keys {sorted(metrics)}"
         for metric, presets in metrics.items():
-            for preset, by_batch in presets.items():
+            for case, by_batch in presets.items():
+                preset, _, context = case.partition("@")       # "preset" or "preset@context"
+                context = int(context) if context else CONTEXT
                 assert preset in PRESETS, f"{gpu}.{metric}: unknown preset {preset!r}"
                 for batch, value in by_batch.items():
-                    where = f"{gpu}.{metric}.{preset}.{batch} = {value!r}"
-                    assert (preset, int(batch)) in CASES, f"{where}: this (preset, batch) is not timed"
+                    where = f"{gpu}.{metric}.{case}.{batch} = {value!r}"
+                    assert (preset, int(batch), context) in CASES, f"{where}: this case is not timed"
                     if metric == "speedup_torch_compile":
                         assert (preset, int(batch)) in COMPILE_BASELINE, f"{where}: torch-compile is not timed there"
                     assert isinstance(value, float) and value > 0, where
