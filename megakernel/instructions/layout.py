@@ -116,14 +116,15 @@ class StepLayout:
 
 
 def default_kv_splits(config: ModelConfig, batch: int, num_sms: int, max_seq_len: int = 4096) -> int:
-    """KV splits per (sequence, kv head): at most enough items to give every SM one, and no more than
-    a split per 256 cached positions (at least 4): each split is a serial pass over its positions,
-    each extra split one more partial for ATTN_REDUCE to merge. (Measured on the H200, llama-3.2-1b
-    shape, batch 1, 512-token cache: 4 splits 1.29 ms/step, 2 splits 1.32, 17 splits 1.47.)"""
+    """KV splits per (sequence, kv head): as many items as fit the SMs one each (more would give some SMs
+    two splits in a row, the attention stage's time twice), and no more than a split per 256 cached
+    positions (at least 4): each split is a serial pass over its positions, each extra split one more
+    partial to merge. (Measured on the H200, llama-3.2-1b shape, batch 1, 512-token cache: 4 splits 1.29
+    ms/step, 2 splits 1.32, 17 splits 1.47.)"""
     if batch < 1:
         raise ValueError(f"batch={batch} is outside the supported range 1..{MAX_BATCH}")
     items = batch * config.num_kv_heads
-    by_sms = math.ceil(num_sms / items)
+    by_sms = max(1, num_sms // items)
     by_len = max(4, math.ceil(max_seq_len / 256))
     return max(1, min(32, by_sms, by_len))
 

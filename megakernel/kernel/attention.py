@@ -19,10 +19,15 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from .ptx import (atomic_cas, cp_async_shared, cp_async_wait_all, ex2, ld_bf16, ld_f32, ld_i32, ld_i64, lg2,
-                  load_f32x4, load_shared_b32, round_bf16, rsqrt, st_bf16, st_f32, store_relaxed, unpack_bf16x2,
-                  warp_sum)
+                  ld_shared_f32x2, load_f32x4, load_global_words, load_shared_b32, pack_bf16x2, round_bf16, rsqrt,
+                  st_bf16, st_f32, store_relaxed, unpack_bf16x2, warp_sum)
 
-MERGE_GROUP = 8            # attention splits whose partials one merge holds in registers at once
+MERGE_GROUP = 4            # attention splits whose partials one merge holds in registers at once
+STREAM_ELEMS = 4           # streamed pass: elements of a token's k (and v) per lane, one 8-byte load each
+# ... tokens per lane group per iteration (their loads in flight together), by batch: the batches compiled with
+# the streamed pass, each as many as the 128 registers of its warps hold without spills on the real presets (the
+# compile tests check every batch; at the others the pass pushes long-lived values of the loop out of registers)
+STREAM_UNROLL = {1: 2, 4: 2}
 LOG2E = 1.4426950408889634
 ERR_POSITION = 2
 
@@ -157,8 +162,55 @@ class AttentionStage:
                         st_bf16(cache + (slot + Int64(lane * E + e)) * 2, rv)
         self.consumer_sync()
 
-        # ---- phase B: online softmax over the split's cached tokens, one token per warp at a time
         lo, hi = self.split_bounds(pos, split, num_splits)
+        if cutlass.const_expr(self.B in STREAM_UNROLL):
+            if hi - lo > self.warps:
+                # ---- phase B, more tokens than warps (a long context): several tokens per warp at a time
+                cp_async_wait_all()           # (attn_preload's copies: this pass reads the cache itself)
+                self.attend_streamed(warp, lane, b, kvh, lo, hi, last, k_base, v_base, p, s)
+            else:
+                # ---- phase B, at most a token per warp: the first copied before the wait
+                self.attend_per_warp(warp, lane, b, kvh, lo, hi, last, k_base, v_base, p, s)
+        else:
+            self.attend_per_warp(warp, lane, b, kvh, lo, hi, last, k_base, v_base, p, s)
+
+        # ---- phase C: merge the warps' (m, l, o) and write the split's partial
+        self.consumer_sync()
+        for t in range(tidx, G * D, self.cthreads):
+            g = t // D
+            d = t - g * D
+            mx = Float32(-math.inf)
+            for w in cutlass.range_constexpr(self.warps):
+                mw = s_m[w * G + g]
+                if mw > mx:
+                    mx = mw
+            tot = Float32(0.0)
+            acc_o = Float32(0.0)
+            if mx > Float32(-math.inf):
+                for w in cutlass.range_constexpr(self.warps):
+                    f = ex2(s_m[w * G + g] - mx)
+                    tot = tot + s_l[w * G + g] * f
+                    acc_o = acc_o + s_o[(w * G + g) * D + d] * f
+            head = kvh * G + g
+            pidx = ((Int64(layer) * self.B + Int64(b)) * self.Hq + Int64(head)) * self.S + Int64(split)
+            outv = Float32(0.0)
+            lse = Float32(-math.inf)
+            if tot > Float32(0.0):
+                outv = acc_o / tot
+                lse = (mx + lg2(tot)) * Float32(1.0 / LOG2E)
+            st_f32(p.attn_part_o + (pidx * D + Int64(d)) * 4, outv)
+            if d == 0:
+                st_f32(p.attn_part_lse + pidx * 4, lse)
+
+    @cute.jit
+    def attend_per_warp(self, warp: Int32, lane: Int32, b: Int32, kvh: Int32, lo: Int32, hi: Int32,
+                        last: cutlass.Boolean, k_base: Int64, v_base: Int64, p, s):
+        """Phase B for a split of at most as many tokens as warps (a short context): an online softmax over the
+        split's cached tokens, one token per warp (a lane: D / 32 elements), each warp's copied to shared memory
+        before the wait (attn_preload), the new token last (warp 0 of the last split); the warp's (m, l, o)
+        into s.m, s.l, s.o."""
+        s_kv, s_l, s_m, s_o, s_q = s.kv, s.l, s.m, s.o, s.q
+        D, E, G = self.D, self.E, self.G
         qv = cute.make_rmem_tensor((G * E,), Float32)
         for g in cutlass.range_constexpr(G):
             for e in cutlass.range_constexpr(E):
@@ -205,40 +257,129 @@ class AttentionStage:
                 for e in cutlass.range_constexpr(E):
                     o[g * E + e] = o[g * E + e] * corr + pr * vv[e]
                 m[g] = m_new
-
-        # ---- phase C: merge the warps' (m, l, o) and write the split's partial
         for g in cutlass.range_constexpr(G):
             if lane == 0:
                 s_m[warp * G + g] = m[g]
                 s_l[warp * G + g] = lsum[g]
             for e in cutlass.range_constexpr(E):
                 s_o[(warp * G + g) * D + lane * E + e] = o[g * E + e]
-        self.consumer_sync()
-        for t in range(tidx, G * D, self.cthreads):
-            g = t // D
-            d = t - g * D
-            mx = Float32(-math.inf)
-            for w in cutlass.range_constexpr(self.warps):
-                mw = s_m[w * G + g]
-                if mw > mx:
-                    mx = mw
-            tot = Float32(0.0)
-            acc_o = Float32(0.0)
-            if mx > Float32(-math.inf):
-                for w in cutlass.range_constexpr(self.warps):
-                    f = ex2(s_m[w * G + g] - mx)
-                    tot = tot + s_l[w * G + g] * f
-                    acc_o = acc_o + s_o[(w * G + g) * D + d] * f
-            head = kvh * G + g
-            pidx = ((Int64(layer) * self.B + Int64(b)) * self.Hq + Int64(head)) * self.S + Int64(split)
-            outv = Float32(0.0)
-            lse = Float32(-math.inf)
-            if tot > Float32(0.0):
-                outv = acc_o / tot
-                lse = (mx + lg2(tot)) * Float32(1.0 / LOG2E)
-            st_f32(p.attn_part_o + (pidx * D + Int64(d)) * 4, outv)
-            if d == 0:
-                st_f32(p.attn_part_lse + pidx * 4, lse)
+
+    @cute.jit
+    def attend_streamed(self, warp: Int32, lane: Int32, b: Int32, kvh: Int32, lo: Int32, hi: Int32,
+                        last: cutlass.Boolean, k_base: Int64, v_base: Int64, p, s):
+        """Phase B for a split of more tokens than warps: a lane group of D / STREAM_ELEMS lanes takes one token
+        (a lane: STREAM_ELEMS elements, one load of k and one of v), so a warp takes 32 * STREAM_ELEMS / D
+        tokens per load and STREAM_UNROLL loads per iteration, all in flight together; the block ids of the
+        next iteration load during this one's math. Each lane group keeps its own online softmax (m, l, o),
+        merged across the warp's groups by shuffles at the end; the new token (the last split) is lane group
+        0 of warp 0's. The warp's (m, l, o) into s.m, s.l, s.o."""
+        s_kv, s_l, s_m, s_o, s_q = s.kv, s.l, s.m, s.o, s.q
+        D, G, W, NE, UT = self.D, self.G, self.warps, STREAM_ELEMS, STREAM_UNROLL[self.B]
+        NW = NE // 2                 # packed bf16 words of a lane's share of a token's k (and of its v)
+        LPT = D // NE                # lanes per token
+        TPW = 32 // LPT              # tokens per warp-wide load
+        step = TPW * UT              # tokens per warp per iteration
+        tg = lane // LPT
+        c = lane - tg * LPT          # this lane's elements: NE c .. NE c + NE - 1 of a head
+        qa = Int32(s_q.iterator.toint()) + c * (NE * 4)    # ... of head 0's query (shared memory)
+        m = cute.make_rmem_tensor((G,), Float32)
+        lsum = cute.make_rmem_tensor((G,), Float32)
+        o = cute.make_rmem_tensor((G * NE,), Float32)
+        for g in cutlass.range_constexpr(G):
+            m[g] = Float32(-math.inf)
+            lsum[g] = Float32(0.0)
+            for e in cutlass.range_constexpr(NE):
+                o[g * NE + e] = Float32(0.0)
+        bt = p.block_table + Int64(b) * (self.max_blocks * 4)
+        tb = cute.make_rmem_tensor((UT,), Int32)
+        for u in cutlass.range_constexpr(UT):
+            t = lo + warp * step + u * TPW + tg
+            tb[u] = Int32(0)
+            if t < hi:
+                tb[u] = ld_i32(bt + Int64(t // self.bs) * 4)
+        lane_off = Int64(kvh) * self.kv_sh + Int64(c * NE)
+        n_it = (hi - lo + W * step - 1) // (W * step)
+        for it in range(n_it):
+            t0 = lo + (it * W + warp) * step
+            kw = cute.make_rmem_tensor((UT * NW,), Int32)
+            vw = cute.make_rmem_tensor((UT * NW,), Int32)
+            for u in cutlass.range_constexpr(UT):
+                t = t0 + u * TPW + tg
+                if t < hi:
+                    off = (Int64(tb[u]) * self.kv_sb + Int64(t % self.bs) * self.kv_st + lane_off) * 2
+                    kr = load_global_words(k_base + off, NW)
+                    vr = load_global_words(v_base + off, NW)
+                    for e in cutlass.range_constexpr(NW):
+                        kw[u * NW + e] = kr[e]
+                        vw[u * NW + e] = vr[e]
+            for u in cutlass.range_constexpr(UT):         # the next iteration's block ids
+                t = t0 + W * step + u * TPW + tg
+                if t < hi:
+                    tb[u] = ld_i32(bt + Int64(t // self.bs) * 4)
+            for u in cutlass.range_constexpr(UT):
+                self.stream_update(t0 + u * TPW + tg < hi, qa, kw, vw, u * NW, m, lsum, o)
+        # the new token, from shared memory (every lane computes its score; lane group 0 of warp 0 adds it)
+        kw = cute.make_rmem_tensor((NW,), Int32)
+        vw = cute.make_rmem_tensor((NW,), Int32)
+        for e in cutlass.range_constexpr(NW):
+            kw[e] = pack_bf16x2(s_kv[c * NE + 2 * e], s_kv[c * NE + 2 * e + 1])
+            vw[e] = pack_bf16x2(s_kv[D + c * NE + 2 * e], s_kv[D + c * NE + 2 * e + 1])
+        mine = cutlass.Boolean(False)
+        if last and warp == 0 and tg == 0:
+            mine = cutlass.Boolean(True)
+        self.stream_update(mine, qa, kw, vw, 0, m, lsum, o)
+        # merge the lane groups' states (a butterfly over the groups: every group ends with the warp's)
+        for sh in cutlass.range_constexpr(LPT.bit_length() - 1, 5):
+            for g in cutlass.range_constexpr(G):
+                m2 = cute.arch.shuffle_sync_bfly(m[g], offset=1 << sh)
+                l2 = cute.arch.shuffle_sync_bfly(lsum[g], offset=1 << sh)
+                mn = cute.arch.fmax(m[g], m2)
+                f1 = Float32(0.0)
+                f2 = Float32(0.0)
+                if mn > Float32(-math.inf):
+                    f1 = ex2(m[g] - mn)
+                    f2 = ex2(m2 - mn)
+                lsum[g] = lsum[g] * f1 + l2 * f2
+                for e in cutlass.range_constexpr(NE):
+                    o2 = cute.arch.shuffle_sync_bfly(o[g * NE + e], offset=1 << sh)
+                    o[g * NE + e] = o[g * NE + e] * f1 + o2 * f2
+                m[g] = mn
+        for g in cutlass.range_constexpr(G):
+            if lane == 0:
+                s_m[warp * G + g] = m[g]
+                s_l[warp * G + g] = lsum[g]
+            if tg == 0:
+                for e in cutlass.range_constexpr(NE):
+                    s_o[(warp * G + g) * D + c * NE + e] = o[g * NE + e]
+
+    @cute.jit
+    def stream_update(self, valid: cutlass.Boolean, qa: Int32, kw: cute.Tensor, vw: cute.Tensor, w0: int,
+                      m: cute.Tensor, lsum: cute.Tensor, o: cute.Tensor):
+        """One token into a lane group's online softmax: its k and v are the packed bf16 words w0 .. of kw and
+        vw (STREAM_ELEMS / 2 each). Each query head's score (the lane's products, its query elements read from
+        shared memory at qa, summed over the group's lanes; every lane takes part in the shuffles), then, where
+        `valid`, the update."""
+        NE = STREAM_ELEMS
+        LPT = self.D // NE
+        for g in cutlass.range_constexpr(self.G):
+            dot = Float32(0.0)
+            for e in cutlass.range_constexpr(NE // 2):
+                q2 = ld_shared_f32x2(qa + (g * self.D + 2 * e) * 4)
+                k0, k1 = unpack_bf16x2(kw[w0 + e])
+                dot = dot + q2[0] * k0 + q2[1] * k1
+            for w in cutlass.range_constexpr(LPT.bit_length() - 1):
+                dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=1 << w)
+            sc = dot * Float32(self.scale_log2)
+            if valid:
+                m_new = cute.arch.fmax(m[g], sc)
+                corr = ex2(m[g] - m_new)
+                pr = ex2(sc - m_new)
+                lsum[g] = lsum[g] * corr + pr
+                for e in cutlass.range_constexpr(NE // 2):
+                    v0, v1 = unpack_bf16x2(vw[w0 + e])
+                    o[g * NE + 2 * e] = o[g * NE + 2 * e] * corr + pr * v0
+                    o[g * NE + 2 * e + 1] = o[g * NE + 2 * e + 1] * corr + pr * v1
+                m[g] = m_new
 
     @cute.jit
     def attn_reduce(self, tidx: Int32, layer: Int32, b: Int32, kvh: Int32, num_splits: Int32, p):

@@ -5,6 +5,7 @@ primitives of the step's dependency protocol."""
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
@@ -20,6 +21,17 @@ def load_bf16x8(addr: Int64):
         "shl.b32 {$w4}, t2, 16; and.b32 {$w5}, t2, 0xffff0000;\n"
         "shl.b32 {$w6}, t3, 16; and.b32 {$w7}, t3, 0xffff0000; }",
         write_only_types=[Float32] * 8, read_only_args=[addr])
+
+
+@cute.jit
+def load_global_words(addr: Int64, n: int):
+    """n (2 or 4) raw 32-bit words of global memory at a 4n-byte aligned address in one load (e.g. packed
+    bf16 of a cached key, unpacked with unpack_bf16x2 where they are used)."""
+    if cutlass.const_expr(n == 2):
+        return cute.arch.inline_ptx("ld.global.v2.b32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Int32] * 2,
+                                    read_only_args=[addr])
+    return cute.arch.inline_ptx("ld.global.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=[Int32] * 4, read_only_args=[addr])
 
 
 @cute.jit
@@ -40,6 +52,13 @@ def mma_bf16_16816(a0: Int32, a1: Int32, a2: Int32, a3: Int32, b0: Int32, b1: In
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
         "{{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
         write_only_types=[Float32] * 4, read_only_args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3])
+
+
+@cute.jit
+def pack_bf16x2(x0: Float32, x1: Float32) -> Int32:
+    """Two float32 rounded to bf16 and packed, x0 in the low half (what unpack_bf16x2 unpacks)."""
+    return cute.arch.inline_ptx("cvt.rn.bf16x2.f32 {$w0}, {$r1}, {$r0};", write_only_types=[Int32],
+                                read_only_args=[x0, x1])
 
 
 @cute.jit
