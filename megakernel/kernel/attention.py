@@ -4,9 +4,11 @@ input staging uses where the layout folds ATTN_REDUCE into it.
 The records, split ranges and torch references are in megakernel.instructions.attention. ATTN_PARTIAL:
   A. the group's query heads and the new token's k, v (QK-norm, RoPE) into shared memory; the last split
      appends k, v to the paged cache;
-  B. an online softmax over the split's cached tokens, one token per warp at a time (the new token last);
-     each warp's first token was copied to shared memory by cp.async before the instruction's wait
-     (`attn_preload`: the cache's history is a step input, nothing this step writes);
+  B. an online softmax over the split's cached tokens (the new token last): a split of at most as many
+     tokens as warps one token per warp, each warp's copied to shared memory by cp.async before the
+     instruction's wait (`attn_preload`: the cache's history is a step input, nothing this step writes);
+     a longer one (at the batches compiled with it, STREAM_UNROLL) streamed, several tokens per warp with
+     their loads in flight together (`attend_streamed`);
   C. the warps' (max, sum, output) merged and the split's partial (output, log-sum-exp) written.
 """
 
