@@ -20,8 +20,9 @@ from transformers import AutoConfig, KimiLinearForCausalLM  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 _FULL_1BASED = [4, 8, 12, 16, 20, 24, 27]
-# Kimi-Linear-48B-A3B-Instruct's config.json as the hub writes it (the checkpoint's own field names);
-# the layer lists are those of the preset (see presets.py for what is not verified)
+# Kimi-Linear-48B-A3B-Instruct's config.json as the hub writes it (the checkpoint's own field names, every field
+# of the published file: the hub is not reachable from here, and four public repositories that quote the file
+# agree on these values, the layer lists and token ids included)
 KIMI_LINEAR_48B_JSON = {
     "architectures": ["KimiLinearForCausalLM"],
     "auto_map": {"AutoConfig": "configuration_kimi.KimiLinearConfig"},
@@ -65,6 +66,12 @@ KIMI_LINEAR_48B_JSON = {
     "eos_token_id": 163586,
     "pad_token_id": 163839,
     "torch_dtype": "bfloat16",
+    "head_dim": 72,
+    "initializer_range": 0.02,
+    "num_nextn_predict_layers": 0,
+    "rope_scaling": None,
+    "rope_theta": 10000.0,
+    "use_cache": True,
 }
 
 _TINY = get_preset("tiny-kimi-linear").to_hf_config()
@@ -176,6 +183,16 @@ def test_presets_read_back_and_count_params_like_transformers(name, tmp_path):
     n_hf = sum(p.numel() for p in model.parameters()) + sum(
         b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
     assert cfg.total_params == n_hf, f"preset {name}: total_params {cfg.total_params} != transformers {n_hf}"
+
+
+def test_48b_preset_is_the_published_config():
+    """The kimi-linear-48b-a3b preset is exactly what the published config.json parses to (layer lists, MoE,
+    token ids: every field but the name)."""
+    parsed = KimiLinearConfig.from_hf_dict(copy.deepcopy(KIMI_LINEAR_48B_JSON), name="kimi-linear-48b-a3b")
+    preset = get_preset("kimi-linear-48b-a3b")
+    diffs = {f.name: (getattr(preset, f.name), getattr(parsed, f.name)) for f in dataclasses.fields(preset)
+             if getattr(preset, f.name) != getattr(parsed, f.name)}
+    assert not diffs, f"kimi-linear-48b-a3b: preset vs published config.json (preset, parsed): {diffs}"
 
 
 def test_48b_preset_shapes_and_slice():

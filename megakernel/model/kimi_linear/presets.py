@@ -8,11 +8,12 @@ from dataclasses import replace
 from .config import DENSE, KDA, MLA, SPARSE, KimiLinearConfig
 
 # Kimi-Linear-48B-A3B(-Instruct): the shapes are transformers' KimiLinearConfig defaults (its docs name
-# moonshotai/Kimi-Linear-48B-A3B-Instruct as the reference checkpoint). The layer lists follow the published
+# moonshotai/Kimi-Linear-48B-A3B-Instruct as the reference checkpoint). The layer lists are the published
 # config.json's linear_attn_config: full_attn_layers [4, 8, 12, 16, 20, 24, 27], kda_layers the other 20
-# (1-based), a 3:1 KDA:MLA pattern ending in MLA. They could not be checked against the hub file offline, and
-# transformers' own default pattern (MLA at 0-based 4, 8, ..., 24) differs: check them before relying on
-# them. Likewise unchecked: eos_token_id (transformers' default 163586).
+# (1-based), a 3:1 KDA:MLA pattern ending in MLA (transformers' own default pattern, MLA at 0-based 4, 8, ...,
+# 24, differs). The hub file is not reachable from here; four public repositories that quote it agree on these
+# lists and on the token ids below, and tests/unit/test_kimi_linear_config.py parses that file's fields into
+# this preset.
 _KIMI_48B_FULL_1BASED = (4, 8, 12, 16, 20, 24, 27)
 _KIMI_48B_LAYERS = 27
 KIMI_LINEAR_48B_A3B = KimiLinearConfig(
