@@ -132,7 +132,7 @@ def trace(eng, start=32):
         print(f"    {op:13s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us{phase}{stream}")
 
 def main():
-    args = positional(__doc__, "gpu_sweep.py MODEL BATCH [name:key=val,...] ... [--no-trace] [--trace=NAME] "
+    args = positional(__doc__, "gpu_sweep.py MODEL BATCH [name:key=val,...] ... [--no-trace] [--trace=NAME,...] "
                                "[--rounds=N]", 2, ints=(1,))
     model, B = args[0], int(args[1])
     specs = args[2:] or ["default:"]
