@@ -1,6 +1,7 @@
 """Time kernel variants on one set of weights, then trace the first variant: per-stage wait and work
 times. Usage: gpu_sweep.py MODEL BATCH 'name:key=val,key=val' ... [--no-trace] [--trace=NAME,...] [--rounds=N]
-(the trace is of the first variant, or of each variant named)
+[--context=N] (the trace is of the first variant, or of each variant named; the timed step is at position
+--context, 32 by default, over a cache of random history, and the floor counts its KV bytes)
 
 Every variant is built first (one packed copy of the weights shared by all), its logits checked
 against the first variant's, and one step captured in a CUDA graph; then the graphs are timed in
@@ -10,6 +11,7 @@ spread of its round medians (what a difference between two variants must exceed 
 import collections, os, statistics, sys
 import torch
 from megakernel.instructions.layout import pack_weights
+from megakernel.integrations.floor import floor_ms
 from megakernel.kernel.interpreter import KernelOptions
 from megakernel.model.presets import get_preset
 from megakernel.model.weights import random_weights
@@ -49,6 +51,8 @@ def prepare(eng, start=32, seed=None):
     eng.reset_sync(); eng.bufs.tokens.fill_(1); eng.bufs.positions.fill_(start)
 
 ROUNDS, STEPS = 5, 20
+CONTEXT = 32          # the timed step's position unless --context says otherwise
+HEADROOM = 64         # cache positions past the context (a captured graph replays the same step)
 
 def capture(eng, start=32):
     """A CUDA graph of one step at position `start` (the graph keeps the position: every replay times
@@ -131,32 +135,43 @@ def trace(eng, start=32):
             stream += f"  (ready->slots landed {first/1e3:5.2f} .. {last/1e3:5.2f} us)"
         print(f"    {op:13s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us{phase}{stream}")
 
+def int_flag(name, default, usage):
+    """The value of `--name=N` on the command line (a positive integer), or `default`; exits with the usage
+    line, before any GPU work, where it is not one."""
+    text = next((a.split("=", 1)[1] for a in sys.argv if a.startswith(name + "=")), None)
+    if text is None:
+        return default
+    if not text.isdigit() or int(text) < 1:
+        sys.exit(f"usage: {usage}  ({name} takes a positive integer, not {text!r}; --help explains)")
+    return int(text)
+
 def main():
-    args = positional(__doc__, "gpu_sweep.py MODEL BATCH [name:key=val,...] ... [--no-trace] [--trace=NAME,...] "
-                               "[--rounds=N]", 2, ints=(1,))
+    usage = "gpu_sweep.py MODEL BATCH [name:key=val,...] ... [--no-trace] [--trace=NAME,...] [--rounds=N] [--context=N]"
+    args = positional(__doc__, usage, 2, ints=(1,))
     model, B = args[0], int(args[1])
     specs = args[2:] or ["default:"]
+    context, rounds = int_flag("--context", CONTEXT, usage), int_flag("--rounds", ROUNDS, usage)
+    max_seq = max(512, context + HEADROOM)
     cfg = get_preset(model)
     w = random_weights(cfg, seed=3, device="cuda")
     bw = read_bw()
-    floor = cfg.weight_bytes() / bw * 1e3
-    print(f"{model} B={B}: read bw {bw/1e12:.2f} TB/s, floor {floor:.3f} ms")
-    rounds = int(next((a.split("=")[1] for a in sys.argv if a.startswith("--rounds=")), ROUNDS))
-    packed = pack_weights(w, 512).to("cuda")   # one copy for every variant (the 8B shape: 16 GB)
+    floor = floor_ms(cfg, B, bw, context_len=context)
+    print(f"{model} B={B} context {context}: read bw {bw/1e12:.2f} TB/s, floor {floor:.3f} ms")
+    packed = pack_weights(w, max_seq).to("cuda")   # one copy for every variant (the 8B shape: 16 GB)
     to_trace = []
     traced = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--trace=")), None)
     ref_logits = None
     built = {}
     for spec in specs:
         name, opts, eng_kw = parse(spec)
-        eng = MegakernelEngine(w, B, 512, options=KernelOptions(**opts), packed_weights=packed, **eng_kw)
-        logits = one_step_logits(eng)
+        eng = MegakernelEngine(w, B, max_seq, options=KernelOptions(**opts), packed_weights=packed, **eng_kw)
+        logits = one_step_logits(eng, context)
         if ref_logits is None:
             ref_logits, agree = logits, "reference"
         else:   # same weights, cache and inputs: a variant computes the same step (float32 sums in another order)
             err = ((logits - ref_logits).norm() / ref_logits.norm()).item()
             agree = f"rel err {err:.1e} vs {specs[0].partition(':')[0]}" + ("" if err < 1e-3 else "  MISMATCH")
-        built[name] = (eng, capture(eng), agree)
+        built[name] = (eng, capture(eng, context), agree)
         if (traced is None and not to_trace) or (traced and name in traced):
             to_trace.append((name, opts, eng_kw))
     times = interleaved({name: (lambda g=g: replay_ms(g)) for name, (_, g, _) in built.items()}, rounds)
@@ -169,8 +184,8 @@ def main():
     if "--no-trace" not in sys.argv:
         for name, opts, eng_kw in to_trace:
             print(f"  {name}:")
-            trace(MegakernelEngine(w, B, 512, options=KernelOptions(trace=True, **opts), packed_weights=packed,
-                                   **eng_kw))
+            trace(MegakernelEngine(w, B, max_seq, options=KernelOptions(trace=True, **opts), packed_weights=packed,
+                                   **eng_kw), context)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,8 @@ def test_help_and_missing_arguments_stop_before_any_gpu_work(sweep, monkeypatch,
         sweep.main()
     assert done.value.code == 0 and "Usage: gpu_sweep.py MODEL BATCH" in capsys.readouterr().out
     for argv in (["gpu_sweep.py"], ["gpu_sweep.py", "llama-3.2-1b"], ["gpu_sweep.py", "llama-3.2-1b", "x:timeout_ns=2"],
-                 ["gpu_sweep.py", "--no-trace", "llama-3.2-1b"]):
+                 ["gpu_sweep.py", "--no-trace", "llama-3.2-1b"], ["gpu_sweep.py", "llama-3.2-1b", "1", "--context=8k"],
+                 ["gpu_sweep.py", "llama-3.2-1b", "1", "--rounds=0"]):
         monkeypatch.setattr(sweep.sys, "argv", argv)
         with pytest.raises(SystemExit, match="usage: gpu_sweep.py MODEL BATCH"):
             sweep.main()
