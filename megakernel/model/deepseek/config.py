@@ -77,6 +77,26 @@ class YarnScaling:
         return out
 
 
+def check_routing(c) -> None:
+    """ValueError naming the field for a routed-expert setup the MoE stages cannot run: more experts per token
+    than experts, groups that do not divide the experts or hold fewer than 2, more groups kept than there are,
+    kept groups with fewer experts than a token takes, a scaling factor <= 0. (DeepSeek-V3 / Kimi-K2 and Kimi
+    Linear share the router: sigmoid scores, group-limited top-k.)"""
+    if c.num_experts_per_tok > c.n_routed_experts:
+        raise ValueError(f"num_experts_per_tok={c.num_experts_per_tok} exceeds n_routed_experts={c.n_routed_experts}")
+    if c.n_routed_experts % c.n_group:
+        raise ValueError(f"n_group={c.n_group} must divide n_routed_experts={c.n_routed_experts}")
+    if c.n_routed_experts // c.n_group < 2:
+        raise ValueError(f"n_group={c.n_group}: a group needs >= 2 experts (group score = sum of its top 2)")
+    if c.topk_group > c.n_group:
+        raise ValueError(f"topk_group={c.topk_group} exceeds n_group={c.n_group}")
+    if c.topk_group * c.experts_per_group < c.num_experts_per_tok:
+        raise ValueError(f"topk_group={c.topk_group} leaves {c.topk_group * c.experts_per_group} experts, fewer than "
+                         f"num_experts_per_tok={c.num_experts_per_tok}")
+    if c.routed_scaling_factor <= 0:
+        raise ValueError(f"routed_scaling_factor={c.routed_scaling_factor!r} must be > 0")
+
+
 def _positive(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name}={value!r} must be a positive int")
@@ -143,23 +163,7 @@ class DeepseekConfig:
                 f"moe_layer_freq={self.moe_layer_freq!r} is not supported: transformers makes every layer "
                 "from first_k_dense_replace on an MoE layer, which is moe_layer_freq 1"
             )
-        if self.num_experts_per_tok > self.n_routed_experts:
-            raise ValueError(
-                f"num_experts_per_tok={self.num_experts_per_tok} exceeds n_routed_experts={self.n_routed_experts}"
-            )
-        if self.n_routed_experts % self.n_group:
-            raise ValueError(f"n_group={self.n_group} must divide n_routed_experts={self.n_routed_experts}")
-        if self.n_routed_experts // self.n_group < 2:
-            raise ValueError(f"n_group={self.n_group}: a group needs >= 2 experts (group score = sum of its top 2)")
-        if self.topk_group > self.n_group:
-            raise ValueError(f"topk_group={self.topk_group} exceeds n_group={self.n_group}")
-        if self.topk_group * self.experts_per_group < self.num_experts_per_tok:
-            raise ValueError(
-                f"topk_group={self.topk_group} leaves {self.topk_group * self.experts_per_group} experts, fewer than "
-                f"num_experts_per_tok={self.num_experts_per_tok}"
-            )
-        if self.routed_scaling_factor <= 0:
-            raise ValueError(f"routed_scaling_factor={self.routed_scaling_factor!r} must be > 0")
+        check_routing(self)
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type={self.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
         if self.architecture != ARCHITECTURE:

@@ -35,6 +35,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..deepseek.config import check_routing
+
 ARCHITECTURE = "KimiLinearForCausalLM"
 MODEL_TYPE = "kimi_linear"
 KDA = "linear_attention"
@@ -174,23 +176,7 @@ class KimiLinearConfig:
             )
         if self.n_shared_experts < 0:
             raise ValueError(f"n_shared_experts={self.n_shared_experts!r} must be >= 0")
-        if self.num_experts_per_tok > self.n_routed_experts:
-            raise ValueError(
-                f"num_experts_per_tok={self.num_experts_per_tok} exceeds n_routed_experts={self.n_routed_experts}"
-            )
-        if self.n_routed_experts % self.n_group:
-            raise ValueError(f"n_group={self.n_group} must divide n_routed_experts={self.n_routed_experts}")
-        if self.n_routed_experts // self.n_group < 2:
-            raise ValueError(f"n_group={self.n_group}: a group needs >= 2 experts (group score = sum of its top 2)")
-        if self.topk_group > self.n_group:
-            raise ValueError(f"topk_group={self.topk_group} exceeds n_group={self.n_group}")
-        if self.topk_group * self.experts_per_group < self.num_experts_per_tok:
-            raise ValueError(
-                f"topk_group={self.topk_group} leaves {self.topk_group * self.experts_per_group} experts, fewer than "
-                f"num_experts_per_tok={self.num_experts_per_tok}"
-            )
-        if self.routed_scaling_factor <= 0:
-            raise ValueError(f"routed_scaling_factor={self.routed_scaling_factor!r} must be > 0")
+        check_routing(self)
         if self.rms_norm_eps <= 0:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps!r} must be > 0")
         if self.architecture != ARCHITECTURE:
