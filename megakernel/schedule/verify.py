@@ -42,15 +42,8 @@ def conflicting_pairs(instructions, accesses, ordered, limit: int = 10) -> list[
     layer) in order of `lo` (the cost is the overlapping pairs, not all pairs: the full-size programs
     have tens of thousands of instructions); the problems come out in the order of the plain double loop
     (per region group: by the writer's access, then the other's)."""
-    by_key: dict[tuple, list[tuple[int, tuple, bool]]] = {}
-    for ins in instructions:
-        reads, writes = accesses(ins)
-        for region in reads:
-            by_key.setdefault(region[:2], []).append((ins.index, region, False))
-        for region in writes:
-            by_key.setdefault(region[:2], []).append((ins.index, region, True))
     problems: list[str] = []
-    for group in by_key.values():
+    for group in region_groups(instructions, accesses):
         found: list[tuple[int, int]] = []          # (writer's position in the group, the other's)
         active: list[tuple[int, int]] = []         # heap of (hi, position) of regions begun, not yet ended
         for pos in sorted(range(len(group)), key=lambda k: group[k][1][2]):
@@ -71,9 +64,27 @@ def conflicting_pairs(instructions, accesses, ordered, limit: int = 10) -> list[
             oi, _, owrite = group[o]
             if ordered(wi, oi):
                 continue
-            kind = "write/write" if owrite else "read-after-write"
-            problems.append(f"{kind} race on {wreg[0]}[layer {wreg[1]}] between "
-                            f"#{wi} {instructions[wi].opcode.name} and #{oi} {instructions[oi].opcode.name}")
+            problems.append(race(instructions, wi, wreg, oi, owrite))
             if len(problems) >= limit:
                 return problems
     return problems
+
+
+def region_groups(instructions, accesses) -> list[list[tuple[int, tuple, bool]]]:
+    """Every access as (instruction index, region, is a write), grouped by (buffer, layer), in instruction
+    order and within an instruction its reads, then its writes."""
+    by_key: dict[tuple, list[tuple[int, tuple, bool]]] = {}
+    for ins in instructions:
+        reads, writes = accesses(ins)
+        for region in reads:
+            by_key.setdefault(region[:2], []).append((ins.index, region, False))
+        for region in writes:
+            by_key.setdefault(region[:2], []).append((ins.index, region, True))
+    return list(by_key.values())
+
+
+def race(instructions, wi: int, wreg: tuple, oi: int, owrite: bool) -> str:
+    """The report of writer #wi (region wreg) racing with #oi (a writer too where owrite)."""
+    kind = "write/write" if owrite else "read-after-write"
+    return (f"{kind} race on {wreg[0]}[layer {wreg[1]}] between "
+            f"#{wi} {instructions[wi].opcode.name} and #{oi} {instructions[oi].opcode.name}")

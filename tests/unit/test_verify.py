@@ -1,7 +1,8 @@
 """schedule.verify.conflicting_pairs, the race finder every family's check uses, against the plain
 double loop over every (writer, other access) pair it replaced: on random instructions and regions
 (empty regions, shared bounds, several regions per instruction, random orderings) it reports the same
-problems in the same order, with any limit."""
+problems in the same order, with any limit. Both take the accesses grouped by region_groups and word a
+report with race: what differs is the pairing."""
 
 from __future__ import annotations
 
@@ -11,26 +12,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from megakernel.instructions.opcodes import Opcode
-from megakernel.schedule.verify import _overlap, conflicting_pairs
+from megakernel.schedule.verify import _overlap, conflicting_pairs, race, region_groups
 
 
 def double_loop(instructions, accesses, ordered, limit):
-    by_key = {}
-    for ins in instructions:
-        reads, writes = accesses(ins)
-        for region in reads:
-            by_key.setdefault(region[:2], []).append((ins.index, region, False))
-        for region in writes:
-            by_key.setdefault(region[:2], []).append((ins.index, region, True))
+    """Every (writer, other access) pair of each region group, in the order the sweep promises."""
     problems = []
-    for group in by_key.values():
+    for group in region_groups(instructions, accesses):
         for wi, wreg, _ in (a for a in group if a[2]):
             for oi, oreg, owrite in group:
                 if oi == wi or not _overlap(wreg, oreg) or (owrite and oi < wi) or ordered(wi, oi):
                     continue
-                kind = "write/write" if owrite else "read-after-write"
-                problems.append(f"{kind} race on {wreg[0]}[layer {wreg[1]}] between "
-                                f"#{wi} {instructions[wi].opcode.name} and #{oi} {instructions[oi].opcode.name}")
+                problems.append(race(instructions, wi, wreg, oi, owrite))
                 if len(problems) >= limit:
                     return problems
     return problems
