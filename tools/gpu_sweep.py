@@ -17,7 +17,7 @@ from megakernel.model.presets import get_preset
 from megakernel.model.weights import random_weights
 from megakernel.runtime.engine import MegakernelEngine, split_engine_options
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from toolargs import positional  # noqa: E402
+from toolargs import int_flag, positional  # noqa: E402
 
 # the sweep's short names for engine keywords (megakernel.runtime.engine.LAYOUT_OPTIONS)
 ALIASES = {"fuse": "fuse_attn_reduce",   # fuse=0: keep the ATTN_REDUCE stage
@@ -134,16 +134,6 @@ def trace(eng, start=32):
             last = statistics.mean(r["landed_last"] - r["ready"] for r in ld)
             stream += f"  (ready->slots landed {first/1e3:5.2f} .. {last/1e3:5.2f} us)"
         print(f"    {op:13s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us{phase}{stream}")
-
-def int_flag(name, default, usage):
-    """The value of `--name=N` on the command line (a positive integer), or `default`; exits with the usage
-    line, before any GPU work, where it is not one."""
-    text = next((a.split("=", 1)[1] for a in sys.argv if a.startswith(name + "=")), None)
-    if text is None:
-        return default
-    if not text.isdigit() or int(text) < 1:
-        sys.exit(f"usage: {usage}  ({name} takes a positive integer, not {text!r}; --help explains)")
-    return int(text)
 
 def main():
     usage = "gpu_sweep.py MODEL BATCH [name:key=val,...] ... [--no-trace] [--trace=NAME,...] [--rounds=N] [--context=N]"

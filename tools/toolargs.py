@@ -1,5 +1,6 @@
 """Argument checks shared by the GPU tools: --help prints the tool's docstring, and a missing or
-malformed positional argument exits with the usage line before any weights are made or a GPU is used."""
+malformed positional argument or integer flag exits with the usage line before any weights are made or a
+GPU is used."""
 from __future__ import annotations
 
 import sys
@@ -15,3 +16,14 @@ def positional(doc: str, usage: str, required: int, ints: tuple[int, ...] = ()) 
     if len(args) < required or any(i < len(args) and not args[i].isdigit() for i in ints):
         sys.exit(f"usage: {usage}  (--help explains)")
     return args
+
+
+def int_flag(name: str, default: int, usage: str) -> int:
+    """The value of `NAME=N` on the command line (`name` with its dashes; N a positive integer), or `default`;
+    exits with the usage line, before any GPU work, where N is not one."""
+    text = next((a.split("=", 1)[1] for a in sys.argv if a.startswith(name + "=")), None)
+    if text is None:
+        return default
+    if not text.isdigit() or int(text) < 1:
+        sys.exit(f"usage: {usage}  ({name} takes a positive integer, not {text!r}; --help explains)")
+    return int(text)
