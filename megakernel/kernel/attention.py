@@ -21,7 +21,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from .ptx import (atomic_cas, cp_async_shared, cp_async_wait_all, ex2, ld_bf16, ld_f32, ld_i32, ld_i64, lg2,
-                  ld_shared_f32x2, load_f32x4, load_global_words, load_shared_b32, pack_bf16x2, round_bf16, rsqrt,
+                  ld_shared_f32x2, load_f32x4, load_global_b32x2, load_shared_b32, pack_bf16x2, round_bf16, rsqrt,
                   st_bf16, st_f32, store_relaxed, unpack_bf16x2, warp_sum)
 
 MERGE_GROUP = 4            # attention splits whose partials one merge holds in registers at once
@@ -205,26 +205,48 @@ class AttentionStage:
                 st_f32(p.attn_part_lse + pidx * 4, lse)
 
     @cute.jit
+    def softmax_state(self, n: int):
+        """An empty online-softmax state of the G query heads: (m, l, o) = (-inf, 0, 0), n output elements
+        per head."""
+        m = cute.make_rmem_tensor((self.G,), Float32)
+        lsum = cute.make_rmem_tensor((self.G,), Float32)
+        o = cute.make_rmem_tensor((self.G * n,), Float32)
+        for g in cutlass.range_constexpr(self.G):
+            m[g] = Float32(-math.inf)
+            lsum[g] = Float32(0.0)
+            for e in cutlass.range_constexpr(n):
+                o[g * n + e] = Float32(0.0)
+        return m, lsum, o
+
+    @cute.jit
+    def store_softmax_state(self, warp: Int32, lane: Int32, m: cute.Tensor, lsum: cute.Tensor, o: cute.Tensor,
+                            n: int, d0: Int32, writes: cutlass.Boolean, s):
+        """A warp's (m, l, o) into s.m, s.l (lane 0) and s.o: this lane's n elements of each head from
+        element d0, where `writes`."""
+        s_l, s_m, s_o = s.l, s.m, s.o
+        G = self.G
+        for g in cutlass.range_constexpr(G):
+            if lane == 0:
+                s_m[warp * G + g] = m[g]
+                s_l[warp * G + g] = lsum[g]
+            if writes:
+                for e in cutlass.range_constexpr(n):
+                    s_o[(warp * G + g) * self.D + d0 + e] = o[g * n + e]
+
+    @cute.jit
     def attend_per_warp(self, warp: Int32, lane: Int32, b: Int32, kvh: Int32, lo: Int32, hi: Int32,
                         last: cutlass.Boolean, k_base: Int64, v_base: Int64, p, s):
         """Phase B for a split of at most as many tokens as warps (a short context): an online softmax over the
         split's cached tokens, one token per warp (a lane: D / 32 elements), each warp's copied to shared memory
         before the wait (attn_preload), the new token last (warp 0 of the last split); the warp's (m, l, o)
         into s.m, s.l, s.o."""
-        s_kv, s_l, s_m, s_o, s_q = s.kv, s.l, s.m, s.o, s.q
+        s_kv, s_q = s.kv, s.q
         D, E, G = self.D, self.E, self.G
         qv = cute.make_rmem_tensor((G * E,), Float32)
         for g in cutlass.range_constexpr(G):
             for e in cutlass.range_constexpr(E):
                 qv[g * E + e] = s_q[g * D + lane * E + e]
-        m = cute.make_rmem_tensor((G,), Float32)
-        lsum = cute.make_rmem_tensor((G,), Float32)
-        o = cute.make_rmem_tensor((G * E,), Float32)
-        for g in cutlass.range_constexpr(G):
-            m[g] = Float32(-math.inf)
-            lsum[g] = Float32(0.0)
-            for e in cutlass.range_constexpr(E):
-                o[g * E + e] = Float32(0.0)
+        m, lsum, o = self.softmax_state(E)
         n_tok = hi - lo
         extra = Int32(0)
         if last and warp == 0:
@@ -259,12 +281,7 @@ class AttentionStage:
                 for e in cutlass.range_constexpr(E):
                     o[g * E + e] = o[g * E + e] * corr + pr * vv[e]
                 m[g] = m_new
-        for g in cutlass.range_constexpr(G):
-            if lane == 0:
-                s_m[warp * G + g] = m[g]
-                s_l[warp * G + g] = lsum[g]
-            for e in cutlass.range_constexpr(E):
-                s_o[(warp * G + g) * D + lane * E + e] = o[g * E + e]
+        self.store_softmax_state(warp, lane, m, lsum, o, E, lane * E, True, s)
 
     @cute.jit
     def attend_streamed(self, warp: Int32, lane: Int32, b: Int32, kvh: Int32, lo: Int32, hi: Int32,
@@ -275,23 +292,17 @@ class AttentionStage:
         next iteration load during this one's math. Each lane group keeps its own online softmax (m, l, o),
         merged across the warp's groups by shuffles at the end; the new token (the last split) is lane group
         0 of warp 0's. The warp's (m, l, o) into s.m, s.l, s.o."""
-        s_kv, s_l, s_m, s_o, s_q = s.kv, s.l, s.m, s.o, s.q
+        s_kv, s_q = s.kv, s.q
         D, G, W, NE, UT = self.D, self.G, self.warps, STREAM_ELEMS, STREAM_UNROLL[self.B]
-        NW = NE // 2                 # packed bf16 words of a lane's share of a token's k (and of its v)
+        NW = NE // 2                 # packed bf16 words of a lane's share of a token's k (and of its v): one
+                                     # 8-byte load (load_global_b32x2), so STREAM_ELEMS is 4
         LPT = D // NE                # lanes per token
         TPW = 32 // LPT              # tokens per warp-wide load
         step = TPW * UT              # tokens per warp per iteration
         tg = lane // LPT
         c = lane - tg * LPT          # this lane's elements: NE c .. NE c + NE - 1 of a head
         qa = Int32(s_q.iterator.toint()) + c * (NE * 4)    # ... of head 0's query (shared memory)
-        m = cute.make_rmem_tensor((G,), Float32)
-        lsum = cute.make_rmem_tensor((G,), Float32)
-        o = cute.make_rmem_tensor((G * NE,), Float32)
-        for g in cutlass.range_constexpr(G):
-            m[g] = Float32(-math.inf)
-            lsum[g] = Float32(0.0)
-            for e in cutlass.range_constexpr(NE):
-                o[g * NE + e] = Float32(0.0)
+        m, lsum, o = self.softmax_state(NE)
         bt = p.block_table + Int64(b) * (self.max_blocks * 4)
         tb = cute.make_rmem_tensor((UT,), Int32)
         for u in cutlass.range_constexpr(UT):
@@ -309,8 +320,8 @@ class AttentionStage:
                 t = t0 + u * TPW + tg
                 if t < hi:
                     off = (Int64(tb[u]) * self.kv_sb + Int64(t % self.bs) * self.kv_st + lane_off) * 2
-                    kr = load_global_words(k_base + off, NW)
-                    vr = load_global_words(v_base + off, NW)
+                    kr = load_global_b32x2(k_base + off)
+                    vr = load_global_b32x2(v_base + off)
                     for e in cutlass.range_constexpr(NW):
                         kw[u * NW + e] = kr[e]
                         vw[u * NW + e] = vr[e]
@@ -346,13 +357,7 @@ class AttentionStage:
                     o2 = cute.arch.shuffle_sync_bfly(o[g * NE + e], offset=1 << sh)
                     o[g * NE + e] = o[g * NE + e] * f1 + o2 * f2
                 m[g] = mn
-        for g in cutlass.range_constexpr(G):
-            if lane == 0:
-                s_m[warp * G + g] = m[g]
-                s_l[warp * G + g] = lsum[g]
-            if tg == 0:
-                for e in cutlass.range_constexpr(NE):
-                    s_o[(warp * G + g) * D + c * NE + e] = o[g * NE + e]
+        self.store_softmax_state(warp, lane, m, lsum, o, NE, c * NE, tg == 0, s)
 
     @cute.jit
     def stream_update(self, valid: cutlass.Boolean, qa: Int32, kw: cute.Tensor, vw: cute.Tensor, w0: int,

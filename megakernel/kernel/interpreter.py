@@ -129,8 +129,13 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
                 "attention": {"q": G * D, "kv": 2 * D, "m": W * G, "l": W * G, "o": W * G * D, "pre": W * D}}
 
     @staticmethod
-    def _bytes(words: dict[str, int]) -> int:
-        return sum((4 * w + 15) // 16 * 16 for w in words.values())
+    def _padded_bytes(words: int) -> int:
+        """Bytes of a buffer of `words` 32-bit words, rounded up to the 16-byte alignment of every buffer."""
+        return (4 * words + 15) // 16 * 16
+
+    @classmethod
+    def _bytes(cls, words: dict[str, int]) -> int:
+        return sum(cls._padded_bytes(w) for w in words.values())
 
     def smem_bytes(self, ring_slots: int | None = None) -> int:
         """Shared memory the kernel allocates (each buffer 16-byte aligned, the ring 128), as in `kernel`."""
@@ -219,7 +224,7 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
             off = 0
             for name, words in groups[group].items():
                 bufs[name] = cute.make_tensor(region.iterator + off, cute.make_layout((words,)))
-                off += (4 * words + 15) // 16 * 4
+                off += self._padded_bytes(words) // 4
         s_ring = smem.allocate_tensor(Int32, cute.make_layout((self.ring_slots * SLOT_BYTES // 4,)),
                                       byte_alignment=128)
         s_bar = smem.allocate_tensor(Int64, cute.make_layout((2 * self.ring_slots,)), byte_alignment=8)

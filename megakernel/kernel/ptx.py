@@ -5,7 +5,6 @@ primitives of the step's dependency protocol."""
 
 from __future__ import annotations
 
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
@@ -24,14 +23,11 @@ def load_bf16x8(addr: Int64):
 
 
 @cute.jit
-def load_global_words(addr: Int64, n: int):
-    """n (2 or 4) raw 32-bit words of global memory at a 4n-byte aligned address in one load (e.g. packed
-    bf16 of a cached key, unpacked with unpack_bf16x2 where they are used)."""
-    if cutlass.const_expr(n == 2):
-        return cute.arch.inline_ptx("ld.global.v2.b32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Int32] * 2,
-                                    read_only_args=[addr])
-    return cute.arch.inline_ptx("ld.global.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
-                                write_only_types=[Int32] * 4, read_only_args=[addr])
+def load_global_b32x2(addr: Int64):
+    """Two raw 32-bit words of global memory at an 8-byte aligned address in one load (e.g. 4 packed bf16 of a
+    cached key, unpacked with unpack_bf16x2 where they are used)."""
+    return cute.arch.inline_ptx("ld.global.v2.b32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Int32] * 2,
+                                read_only_args=[addr])
 
 
 @cute.jit
