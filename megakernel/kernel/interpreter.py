@@ -41,6 +41,7 @@ from .matvec import MatvecStage
 from .ptx import (atomic_add_acq_rel, atomic_cas, cp_async_wait_all, globaltimer_lo, ld_i32, load_acquire,
                   mbarrier_init, mbarrier_init_fence, red_release_add, st_i32, store_relaxed)
 from .stream import ERR_RING, SLOT_BYTES, TRACE_WORDS, StreamPlan, WeightStream, is_matvec  # noqa: F401
+from .stream import TR_BEGIN, TR_CONSUMED, TR_END, TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY, TR_STAGED
 from .tokens import ERR_TOKEN, TokenStages  # noqa: F401
 
 # Error codes written to error[0] (the first error wins): 1 a counter wait timed out, 2 a position past the
@@ -341,15 +342,14 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
             if cutlass.const_expr(self.options.trace):
                 if tidx == 0:
                     rec = self.trace_record(trace, sm, i)
-                    st_i32(rec, s_queue[ins + W_INDEX] * 256 + op)
-                    st_i32(rec + 8, t_begin)
-                    st_i32(rec + 12, t_ready)
-                    st_i32(rec + 16, globaltimer_lo())
+                    st_i32(rec + TR_OP * 4, s_queue[ins + W_INDEX] * 256 + op)
+                    st_i32(rec + TR_BEGIN * 4, t_begin)
+                    st_i32(rec + TR_READY * 4, t_ready)
+                    st_i32(rec + TR_END * 4, globaltimer_lo())
                     if not is_matvec(op):
-                        st_i32(rec + 4, Int32(0))        # (a matvec stamps when its input was staged,
-                        st_i32(rec + 20, Int32(0))       #  its last slot consumed, its first and last
-                        st_i32(rec + 32, Int32(0))       #  slots landed)
-                        st_i32(rec + 36, Int32(0))
+                        # (a matvec stamps these itself)
+                        for w in (TR_STAGED, TR_CONSUMED, TR_LANDED_FIRST, TR_LANDED_LAST):
+                            st_i32(rec + w * 4, Int32(0))
             i = i + 1
         # no K/V copy is left in flight when the CTA exits: an instruction that aborted after its copies
         # never waited for them

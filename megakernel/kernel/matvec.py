@@ -26,7 +26,8 @@ from ..instructions.opcodes import Opcode
 from .ptx import (ex2, globaltimer_lo, ld_f32, ld_i32, ld_shared_f32x2, load_f32x4, load_shared_raw,
                   load_weights_bf16x4, mbarrier_arrive, mma_bf16_16816, rsqrt, split_bf16x2, st_f32, st_i32,
                   warp_max_index, warp_sum)
-from .stream import ITEM_ROWS, SLOT_BYTES, X_PAD, item_cols
+from .stream import (ITEM_ROWS, SLOT_BYTES, TR_CONSUMED, TR_LANDED_FIRST, TR_LANDED_LAST, TR_STAGED, X_PAD,
+                     item_cols)
 
 LOAD_KP = 4                # 32-column blocks whose weight loads are in flight at once (8 x 16 bytes per lane)
 
@@ -118,7 +119,7 @@ class MatvecStage:
             self.consumer_sync()
             if cutlass.const_expr(self.options.trace):
                 if tidx == 0:
-                    st_i32(rec + 4, globaltimer_lo())       # the input staged (trace mode)
+                    st_i32(rec + TR_STAGED * 4, globaltimer_lo())       # the input staged
         if is_lm and tidx < B:
             s_red[tidx] = Float32(-math.inf)
             s_ired[tidx] = Int32(0x7FFFFFFF)
@@ -150,7 +151,7 @@ class MatvecStage:
                         self.consumer_sync()
                         if cutlass.const_expr(self.options.trace):
                             if tidx == 0 and c0 == 0 and sl == 0:
-                                st_i32(rec + 4, globaltimer_lo())       # the first window staged (trace mode)
+                                st_i32(rec + TR_STAGED * 4, globaltimer_lo())     # the first window staged
                 for g0 in range(0, rows, rps):
                     nr = rows - g0
                     if nr > rps:
@@ -161,8 +162,8 @@ class MatvecStage:
                     if cutlass.const_expr(self.options.trace):
                         if tidx == 0:
                             if c0 == 0 and sl == 0 and g0 == 0:
-                                st_i32(rec + 32, globaltimer_lo())      # the first slot landed (trace mode)
-                            st_i32(rec + 36, globaltimer_lo())          # ... the last (the latest stamp wins)
+                                st_i32(rec + TR_LANDED_FIRST * 4, globaltimer_lo())     # the first slot landed
+                            st_i32(rec + TR_LANDED_LAST * 4, globaltimer_lo())      # the last (the latest wins)
                     n_items = ((nr + ITEM_ROWS - 1) // ITEM_ROWS) * segs
                     j0 = (warp - rot % self.warps + self.warps) % self.warps
                     for j in range(j0, n_items, self.warps):
@@ -178,7 +179,7 @@ class MatvecStage:
             self.consumer_sync()
             if cutlass.const_expr(self.options.trace):
                 if tidx == 0:
-                    st_i32(rec + 20, globaltimer_lo())      # every warp past the chunk's last slot (trace mode)
+                    st_i32(rec + TR_CONSUMED * 4, globaltimer_lo())     # every warp past the chunk's last slot
             self.epilogue(tidx, warp, lane, c0, rows, n_seg, a0, tile, is_gate_up, is_lm, has_norm, has_res,
                           res_addr, res0, out_addr, out_w, s)
         if is_lm and tidx < B:

@@ -40,10 +40,11 @@ X_WHOLE_BYTES = 64 * 1024   # a matvec input (all sequences, float32) staged who
                             # slabs at a time as fit it
 
 ERR_RING = 4                # error code: a weight-ring wait timed out
-# int32 words of an instruction's trace record (trace mode): 0 index * 256 + opcode, 1 input staged, 2 begin,
-# 3 counter ready, 4 end, 5 last slot consumed, 6/7 the producer's first/last slot issued, 8/9 the first/last
-# slot landed (as consumer warp 0 saw it); MegakernelEngine.trace_records decodes them
-TRACE_WORDS = 10
+# The int32 words of an instruction's trace record (trace mode), as MegakernelEngine.trace_records decodes them:
+# index * 256 + opcode, a matvec's input staged, begin, counter ready, end, a matvec's last slot consumed, the
+# producer's first and last slot issued, the first and last slot landed (as consumer warp 0 saw them)
+(TR_OP, TR_STAGED, TR_BEGIN, TR_READY, TR_END, TR_CONSUMED, TR_ISSUED_FIRST, TR_ISSUED_LAST, TR_LANDED_FIRST,
+ TR_LANDED_LAST, TRACE_WORDS) = range(11)
 
 OP_QKV, OP_O_PROJ, OP_DOWN, OP_LM_HEAD = int(Opcode.QKV), int(Opcode.O_PROJ), int(Opcode.DOWN), int(Opcode.LM_HEAD)
 OP_ATTN_PARTIAL, OP_ATTN_REDUCE = int(Opcode.ATTN_PARTIAL), int(Opcode.ATTN_REDUCE)
@@ -217,7 +218,7 @@ class WeightStream:
             if is_matvec(op) and stop == 0:
                 if cutlass.const_expr(self.options.trace):
                     if lane == 0:
-                        st_i32(self.trace_record(trace, sm, i) + 24, globaltimer_lo())
+                        st_i32(self.trace_record(trace, sm, i) + TR_ISSUED_FIRST * 4, globaltimer_lo())
                 w_addr, _ = self.weight_tile(op, s_queue[ins + W_LAYER], s_queue[ins + W_A0], w_qkv, w_o,
                                              w_gate_up, w_down, w_lm_head)
                 K, slab, n_slab, rps, _, chunk, _ = self.tile_geometry(op)
@@ -255,7 +256,7 @@ class WeightStream:
                                 k = k + 1
                 if cutlass.const_expr(self.options.trace):
                     if lane == 0:
-                        st_i32(self.trace_record(trace, sm, i) + 28, globaltimer_lo())
+                        st_i32(self.trace_record(trace, sm, i) + TR_ISSUED_LAST * 4, globaltimer_lo())
         # the last use of every ring slot has landed (consumed ones long ago; after an abort, in flight)
         for j in range(NS):
             if j < k:

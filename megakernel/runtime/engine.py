@@ -39,8 +39,9 @@ from ..instructions.layout import (MAX_BATCH, PackedWeights, StepLayout, allocat
                                    pack_weights, validate_packed_weights, validate_step_inputs)
 from ..instructions.opcodes import Opcode
 from ..instructions.record import serialize
-from ..kernel.interpreter import (ARG_NAMES, ERR_POSITION, ERR_RING, ERR_TIMEOUT, ERR_TOKEN, TRACE_WORDS,
-                                 KernelOptions)
+from ..kernel.interpreter import ARG_NAMES, ERR_POSITION, ERR_RING, ERR_TIMEOUT, ERR_TOKEN, KernelOptions
+from ..kernel.stream import (TR_BEGIN, TR_CONSUMED, TR_END, TR_ISSUED_FIRST, TR_ISSUED_LAST, TR_LANDED_FIRST,
+                             TR_LANDED_LAST, TR_OP, TR_READY, TR_STAGED, TRACE_WORDS)
 from ..model.kv_cache import contiguous_block_table
 from ..model.weights import ModelWeights
 from ..schedule import assign, build_program, simulate
@@ -355,25 +356,26 @@ class MegakernelEngine:
         t = self.trace_buf.cpu()
         lengths = self.queue_lengths.cpu().tolist()
         # stamps are globaltimer ns modulo 2^31: unwrap them relative to the earliest begin
-        base = min(int(t[sm, 0, 2]) for sm, n in enumerate(lengths) if n) if any(lengths) else 0
+        base = min(int(t[sm, 0, TR_BEGIN]) for sm, n in enumerate(lengths) if n) if any(lengths) else 0
         wrap = 1 << 31
+        # the record's stamps by name: always these; a matvec's own (0 in other records) each group where its
+        # last word is set
+        always = {"begin": TR_BEGIN, "ready": TR_READY, "end": TR_END}
+        matvec = [{"staged": TR_STAGED},                 # its input staged (the first window)
+                  {"streamed": TR_CONSUMED},             # its last weight slot consumed
+                  # consumer warp 0 past the wait for its first and last slots
+                  {"landed_first": TR_LANDED_FIRST, "landed_last": TR_LANDED_LAST},
+                  # the producer warp: when it began and finished issuing the slots
+                  {"stream_begin": TR_ISSUED_FIRST, "stream_end": TR_ISSUED_LAST}]
         out = []
         for sm, n in enumerate(lengths):
             for i in range(n):
-                word0, staged, begin, ready, end, streamed, s0, s1, land0, land1 = (int(v) for v in t[sm, i, :10])
-                idx, op = word0 >> 8, word0 & 255
-                rec = {"sm": sm, "index": idx, "opcode": Opcode(op).name, "begin": (begin - base) % wrap,
-                       "ready": (ready - base) % wrap, "end": (end - base) % wrap}
-                if staged:
-                    rec["staged"] = (staged - base) % wrap          # a matvec's input staged (its first window)
-                if streamed:
-                    rec["streamed"] = (streamed - base) % wrap      # a matvec's last weight slot consumed
-                if land1:
-                    # consumer warp 0 past the wait for the tile's first and last weight slots
-                    rec["landed_first"], rec["landed_last"] = (land0 - base) % wrap, (land1 - base) % wrap
-                if s1:
-                    # the producer warp: when it began and finished issuing the tile's weight slots
-                    rec["stream_begin"], rec["stream_end"] = (s0 - base) % wrap, (s1 - base) % wrap
+                w = [int(v) for v in t[sm, i]]
+                rec = {"sm": sm, "index": w[TR_OP] >> 8, "opcode": Opcode(w[TR_OP] & 255).name}
+                rec.update({k: (w[j] - base) % wrap for k, j in always.items()})
+                for group in matvec:
+                    if w[list(group.values())[-1]]:
+                        rec.update({k: (w[j] - base) % wrap for k, j in group.items()})
                 out.append(rec)
         return out
 
