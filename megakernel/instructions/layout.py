@@ -15,7 +15,8 @@ from ..model.weights import ModelWeights
 
 # Rows a CTA's 8 consumer warps process side by side: every matvec tile is a multiple of it.
 ROW_GROUP = 8
-# Columns of one consumer work item: 16 k-steps of the m16n8k16 tensor-core MMA.
+# The unit of a matrix's K columns: a consumer work item's columns at batch 2-8 (16 k-steps of the m16n8k16
+# tensor-core MMA; 128 at batch 1, kernel.stream.item_cols), and the unit of a slot's column slabs.
 COL_PASS = 256
 # The weight matrices the kernel streams are stored in blocks of FRAG_ROWS rows x FRAG_COLS columns, each
 # 512 bytes in the order of the MMA's A-operand registers (fragment_pack).
@@ -93,7 +94,7 @@ class StepLayout:
         for name, k in (("hidden_size", c.hidden_size), ("intermediate_size", c.intermediate_size),
                         ("num_heads*head_dim", c.q_size)):
             if k % COL_PASS:
-                raise ValueError(f"{name}={k} must be a multiple of {COL_PASS} (a consumer work item's columns)")
+                raise ValueError(f"{name}={k} must be a multiple of {COL_PASS} (the unit of the kernel's column slabs)")
         for name, rows in (("vocab_size", c.vocab_size), ("hidden_size", c.hidden_size),
                            ("qkv rows", c.qkv_rows), ("intermediate_size", c.intermediate_size)):
             if rows % ROW_GROUP:
