@@ -1,7 +1,8 @@
 """Time kernel variants on one set of weights, then trace the first variant: per-stage wait and work
 times. Usage: gpu_sweep.py MODEL BATCH 'name:key=val,key=val' ... [--no-trace] [--trace=NAME,...] [--rounds=N]
-[--context=N] (the trace is of the first variant, or of each variant named; the timed step is at position
---context, 32 by default, over a cache of random history, and the floor counts its KV bytes)
+[--context=N] (the trace is of the first variant, or of each variant named; the timed steps start at position
+--context, 32 by default, each replay one position further, over a cache of random history, and the floor counts
+the KV bytes at --context)
 
 Every variant is built first (one packed copy of the weights shared by all), its logits checked
 against the first variant's, and one step captured in a CUDA graph; then the graphs are timed in
@@ -52,11 +53,11 @@ def prepare(eng, start=32, seed=None):
 
 ROUNDS, STEPS = 5, 20
 CONTEXT = 32          # the timed step's position unless --context says otherwise
-HEADROOM = 64         # cache positions past the context (a captured graph replays the same step)
+HEADROOM = 64         # cache positions past the context beyond the timed replays (each advances the position)
 
 def capture(eng, start=32):
-    """A CUDA graph of one step at position `start` (the graph keeps the position: every replay times
-    the same step)."""
+    """A CUDA graph of one step from position `start` (each replay decodes the next position: the kernel advances
+    positions in place, so the timed steps are at positions start .. start + rounds * STEPS)."""
     prepare(eng, start)
     for _ in range(2): eng.launch()
     torch.cuda.synchronize()
@@ -141,7 +142,7 @@ def main():
     model, B = args[0], int(args[1])
     specs = args[2:] or ["default:"]
     context, rounds = int_flag("--context", CONTEXT, usage), int_flag("--rounds", ROUNDS, usage)
-    max_seq = max(512, context + HEADROOM)
+    max_seq = max(512, context + rounds * STEPS + HEADROOM)    # every replay's position inside the cache
     cfg = get_preset(model)
     w = random_weights(cfg, seed=3, device="cuda")
     bw = read_bw()
