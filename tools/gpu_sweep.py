@@ -55,6 +55,11 @@ ROUNDS, STEPS = 5, 20
 CONTEXT = 32          # the timed step's position unless --context says otherwise
 HEADROOM = 64         # cache positions past the context beyond the timed replays (each advances the position)
 
+def cache_positions(context, rounds):
+    """Positions the engines' caches hold: every timed replay's (each advances the position by one, from
+    `context`), plus HEADROOM for the warm-up and trace steps, at least 512."""
+    return max(512, context + rounds * STEPS + HEADROOM)
+
 def capture(eng, start=32):
     """A CUDA graph of one step from position `start` (each replay decodes the next position: the kernel advances
     positions in place, so the timed steps are at positions start .. start + rounds * STEPS)."""
@@ -142,7 +147,7 @@ def main():
     model, B = args[0], int(args[1])
     specs = args[2:] or ["default:"]
     context, rounds = int_flag("--context", CONTEXT, usage), int_flag("--rounds", ROUNDS, usage)
-    max_seq = max(512, context + rounds * STEPS + HEADROOM)    # every replay's position inside the cache
+    max_seq = cache_positions(context, rounds)
     cfg = get_preset(model)
     w = random_weights(cfg, seed=3, device="cuda")
     bw = read_bw()

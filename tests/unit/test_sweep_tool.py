@@ -58,3 +58,12 @@ def test_help_and_missing_arguments_stop_before_any_gpu_work(sweep, monkeypatch,
         monkeypatch.setattr(sweep.sys, "argv", argv)
         with pytest.raises(SystemExit, match="usage: gpu_sweep.py MODEL BATCH"):
             sweep.main()
+
+
+@pytest.mark.parametrize("context,rounds", [(32, 5), (8192, 5), (8192, 1), (4000, 12)])
+def test_the_cache_holds_every_timed_replay(sweep, context, rounds):
+    """Each replay of the captured step decodes one position further (the kernel advances positions): the
+    cache holds the last timed replay's position and the trace's three steps after it (at 8192 tokens the
+    sweep once sized it for 64 replays and timed 100)."""
+    last = context + rounds * sweep.STEPS - 1
+    assert last + 3 < sweep.cache_positions(context, rounds)
