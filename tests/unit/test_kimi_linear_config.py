@@ -150,19 +150,19 @@ def _fields_vs_hf(cfg: KimiLinearConfig, hf) -> dict:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_every_field_matches_transformers(case, tmp_path):
     d = copy.deepcopy(CASES[case])
-    cfg = KimiLinearConfig.from_hf_dict(d, name=case)
+    cfg = KimiLinearConfig.from_hf_config(d, name=case)
     hf = _hf(d, tmp_path, case)
     diffs = {k: v for k, v in _fields_vs_hf(cfg, hf).items() if v[0] != v[1]}
     assert not diffs, f"config {case}: fields differ from transformers' KimiLinearConfig (ours, theirs): {diffs}"
     # from a transformers config object too, and through the config.json we write
-    assert KimiLinearConfig.from_hf_dict(hf, name=case) == cfg, f"config {case}: from the transformers object"
-    assert KimiLinearConfig.from_hf_dict(cfg.to_hf_config()) == cfg, f"config {case}: to_hf_config round trip"
+    assert KimiLinearConfig.from_hf_config(hf, name=case) == cfg, f"config {case}: from the transformers object"
+    assert KimiLinearConfig.from_hf_config(cfg.to_hf_config()) == cfg, f"config {case}: to_hf_config round trip"
     (tmp_path / case / "config.json").write_text(json.dumps(d))
-    assert KimiLinearConfig.from_pretrained_dir(tmp_path / case) == cfg, f"config {case}: from_pretrained_dir"
+    assert KimiLinearConfig.from_pretrained(tmp_path / case) == cfg, f"config {case}: from_pretrained"
 
 
 def test_defaults_are_transformers_defaults(tmp_path):
-    cfg = KimiLinearConfig.from_hf_dict(CASES["defaults"])
+    cfg = KimiLinearConfig.from_hf_config(CASES["defaults"])
     # transformers' default pattern: MLA at 0-based layers 4, 8, ..., 24, KDA elsewhere (layer 0 too)
     assert cfg.mla_layers == (4, 8, 12, 16, 20, 24), f"defaults: mla layers {cfg.mla_layers}"
     assert cfg.mlp_layer_types[0] == "dense" and set(cfg.mlp_layer_types[1:]) == {"sparse"}
@@ -188,7 +188,7 @@ def test_presets_read_back_and_count_params_like_transformers(name, tmp_path):
 def test_48b_preset_is_the_published_config():
     """The kimi-linear-48b-a3b preset is exactly what the published config.json parses to (layer lists, MoE,
     token ids: every field but the name)."""
-    parsed = KimiLinearConfig.from_hf_dict(copy.deepcopy(KIMI_LINEAR_48B_JSON), name="kimi-linear-48b-a3b")
+    parsed = KimiLinearConfig.from_hf_config(copy.deepcopy(KIMI_LINEAR_48B_JSON), name="kimi-linear-48b-a3b")
     preset = get_preset("kimi-linear-48b-a3b")
     diffs = {f.name: (getattr(preset, f.name), getattr(parsed, f.name)) for f in dataclasses.fields(preset)
              if getattr(preset, f.name) != getattr(parsed, f.name)}
@@ -269,4 +269,4 @@ BAD = {
 def test_unsupported_configs_raise_naming_the_field(case):
     d, match = BAD[case]
     with pytest.raises(ValueError, match=match):
-        KimiLinearConfig.from_hf_dict(d, name=case)
+        KimiLinearConfig.from_hf_config(d, name=case)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Iterator
 
 import torch
@@ -86,10 +86,14 @@ class DeepseekLayerWeights:
 
 
 @dataclass
-class DeepseekWeights:
-    config: DeepseekConfig
+class DecoderWeights:
+    """The model-level tensors of a decoder family: the embedding, the layers (each with named_tensors() and
+    to(device, dtype)), the final norm and the LM head (the same object as embed when tied). DeepseekWeights
+    and the Kimi Linear family's weights are this with their own config and layer types."""
+
+    config: object
     embed: torch.Tensor  # [V, H]
-    layers: list[DeepseekLayerWeights]
+    layers: list
     final_norm: torch.Tensor  # [H]
     lm_head: torch.Tensor  # [V, H]; the same object as embed when tied
 
@@ -102,7 +106,7 @@ class DeepseekWeights:
         return self.embed.device
 
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Packed tensors by name ("embed", "layers.3.w_uk", ...); lm_head omitted when tied."""
+        """Tensors by name ("embed", "layers.3.w_uk", ...); lm_head omitted when tied."""
         yield "embed", self.embed
         for i, layer in enumerate(self.layers):
             for name, t in layer.named_tensors():
@@ -111,17 +115,22 @@ class DeepseekWeights:
         if self.lm_head is not self.embed:
             yield "lm_head", self.lm_head
 
-    def to(self, device=None, dtype=None) -> "DeepseekWeights":
-        """A copy on device / in dtype; router and router_bias stay float32."""
+    def to(self, device=None, dtype=None):
+        """A copy on device / in dtype (each None = unchanged), of the same class; a tied LM head stays tied, and
+        the layers keep the tensors their family holds in float32 (layer.to)."""
         embed = self.embed.to(device=device, dtype=dtype)
         lm_head = embed if self.lm_head is self.embed else self.lm_head.to(device=device, dtype=dtype)
-        return DeepseekWeights(
-            config=self.config,
-            embed=embed,
-            layers=[layer.to(device=device, dtype=dtype) for layer in self.layers],
-            final_norm=self.final_norm.to(device=device, dtype=dtype),
-            lm_head=lm_head,
-        )
+        return replace(self, embed=embed, layers=[layer.to(device=device, dtype=dtype) for layer in self.layers],
+                       final_norm=self.final_norm.to(device=device, dtype=dtype), lm_head=lm_head)
+
+
+@dataclass
+class DeepseekWeights(DecoderWeights):
+    """DeepSeek-V3 / Kimi-K2 weights: a DeepseekConfig and DeepseekLayerWeights (router and router_bias stay
+    float32 through to())."""
+
+    config: DeepseekConfig
+    layers: list[DeepseekLayerWeights]
 
 
 # ---- rope row order --------------------------------------------------------------------------------

@@ -308,20 +308,21 @@ class KimiLinearConfig:
 
     # ---- HF config.json ---------------------------------------------------------------------------
     @classmethod
-    def from_hf_dict(cls, d: Any, name: str = "custom") -> "KimiLinearConfig":
-        """Build from a config.json dict (or a transformers config, through its to_dict())."""
-        if not isinstance(d, dict):
-            to_dict = getattr(d, "to_dict", None)
+    def from_hf_config(cls, cfg: Any, name: str = "custom") -> "KimiLinearConfig":
+        """Build from a config.json dict or a transformers config (through its to_dict()), as the dense and
+        DeepSeek families' configs do."""
+        if not isinstance(cfg, dict):
+            to_dict = getattr(cfg, "to_dict", None)
             if to_dict is None:
-                raise ValueError(f"config of type {type(d).__name__} is neither a dict nor a PretrainedConfig")
-            d = to_dict()
-        return cls(name=name, **_parse_hf(d))
+                raise ValueError(f"config of type {type(cfg).__name__} is neither a dict nor a PretrainedConfig")
+            cfg = to_dict()
+        return cls(name=name, **_parse_hf(cfg))
 
     @classmethod
-    def from_pretrained_dir(cls, path: str | os.PathLike, name: str | None = None) -> "KimiLinearConfig":
+    def from_pretrained(cls, path: str | os.PathLike, name: str | None = None) -> "KimiLinearConfig":
         with open(os.path.join(os.fspath(path), "config.json")) as fh:
             d = json.load(fh)
-        return cls.from_hf_dict(d, name=name or os.path.basename(os.path.normpath(os.fspath(path))))
+        return cls.from_hf_config(d, name=name or os.path.basename(os.path.normpath(os.fspath(path))))
 
     def to_hf_config(self) -> dict:
         """A config.json dict that transformers' KimiLinearConfig reads back to this config (the

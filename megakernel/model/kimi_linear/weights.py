@@ -31,7 +31,7 @@ from typing import Iterator
 
 import torch
 
-from ..deepseek.weights import MissingTensorError, _check_shape, _SafetensorsSource
+from ..deepseek.weights import DecoderWeights, MissingTensorError, _check_shape, _SafetensorsSource
 from .config import KimiLinearConfig
 
 __all__ = [
@@ -135,39 +135,12 @@ class KimiLinearLayerWeights:
 
 
 @dataclass
-class KimiLinearWeights:
+class KimiLinearWeights(DecoderWeights):
+    """Kimi Linear weights: a KimiLinearConfig and KimiLinearLayerWeights (router, router_bias and dt_bias stay
+    float32 through to()); tensors by name as "embed", "layers.0.kda.qkv", "layers.3.mla.w_uk", ..."""
+
     config: KimiLinearConfig
-    embed: torch.Tensor  # [V, H]
     layers: list[KimiLinearLayerWeights]
-    final_norm: torch.Tensor  # [H]
-    lm_head: torch.Tensor  # [V, H]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed.device
-
-    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Tensors by name ("embed", "layers.0.kda.qkv", "layers.3.mla.w_uk", "layers.1.router", ...)."""
-        yield "embed", self.embed
-        for i, layer in enumerate(self.layers):
-            for name, t in layer.named_tensors():
-                yield f"layers.{i}.{name}", t
-        yield "final_norm", self.final_norm
-        yield "lm_head", self.lm_head
-
-    def to(self, device=None, dtype=None) -> "KimiLinearWeights":
-        """A copy on device / in dtype; router, router_bias and dt_bias stay float32."""
-        return KimiLinearWeights(
-            config=self.config,
-            embed=self.embed.to(device=device, dtype=dtype),
-            layers=[layer.to(device=device, dtype=dtype) for layer in self.layers],
-            final_norm=self.final_norm.to(device=device, dtype=dtype),
-            lm_head=self.lm_head.to(device=device, dtype=dtype),
-        )
 
 
 # ---- seeded random weights ------------------------------------------------------------------------
@@ -275,7 +248,7 @@ def load_checkpoint(
     MissingTensorError naming it; a tensor of the wrong shape ValueError. router, router_bias and dt_bias
     are kept in float32."""
     path = os.fspath(path)
-    config = config or KimiLinearConfig.from_pretrained_dir(path)
+    config = config or KimiLinearConfig.from_pretrained(path)
     device = torch.device(device)
     src = _SafetensorsSource(path)
     H = config.hidden_size
