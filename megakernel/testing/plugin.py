@@ -14,6 +14,8 @@ Options
     --perf-thresholds PATH, ini megakernel_perf_thresholds: the TOML file of per-GPU ratio thresholds
 Hooks
     tests marked `gpu` are skipped with reason "no CUDA device" where torch sees none;
+    tests marked `hopper` (the megakernel's own: they build and launch it) also where device 0 is not a Hopper
+    GPU (compute capability 9.0), with the device's capability in the reason;
     tests marked `vllm` are skipped where vLLM is not installed.
 Hypothesis profiles
     "ci" (derandomized, 10 examples), "dev" (50 examples), "fuzz" (5,000 examples), all without deadline;
@@ -32,6 +34,7 @@ import pytest
 
 MARKERS = {
     "gpu": "needs a CUDA device (skipped with a reason where none is present)",
+    "hopper": "launches the megakernel: needs a Hopper GPU, sm_90 (skipped with a reason on any other device)",
     "perf": "timing benchmarks with ratio thresholds (run with -m perf on a GPU runner)",
     "e2e": "end-to-end generation parity",
     "vllm": "needs vLLM installed",
@@ -50,6 +53,25 @@ def cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_capability() -> tuple[int, int] | None:
+    """Compute capability of CUDA device 0, None where torch sees no CUDA device."""
+    import torch
+
+    return torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None
+
+
+def hopper_skip_reason(capability: tuple[int, int] | None) -> str | None:
+    """Why a `hopper` test cannot run on a device of this capability (None: it can). The kernel is compiled for
+    sm_90a (its bulk copies, mbarriers and MMAs), and an sm_90a cubin runs on no other architecture."""
+    if capability is None:
+        return "no CUDA device"
+    if tuple(capability) != (9, 0):
+        major, minor = capability
+        return f"the megakernel runs on Hopper GPUs (sm_90) only; CUDA device 0 is sm_{major}{minor}"
+    return None
 
 
 def hypothesis_profile_name(environ=os.environ) -> str:
@@ -111,6 +133,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if gpu_items and not cuda_available():
         skip = pytest.mark.skip(reason="no CUDA device")
         for item in gpu_items:
+            item.add_marker(skip)
+    hopper_items = [item for item in items if item.get_closest_marker("hopper") is not None]
+    reason = hopper_skip_reason(cuda_capability()) if hopper_items else None
+    if reason:
+        skip = pytest.mark.skip(reason=reason)
+        for item in hopper_items:
             item.add_marker(skip)
     vllm_items = [item for item in items if item.get_closest_marker("vllm") is not None]
     if vllm_items and importlib.util.find_spec("vllm") is None:

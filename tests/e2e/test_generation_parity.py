@@ -285,6 +285,7 @@ def _free_gpu() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.hopper
 @pytest.mark.parametrize("name", list(GPU_MODELS))
 def test_megakernel_matches_transformers_generate(name, tmp_path):
     config = GPU_MODELS[name]()
@@ -311,6 +312,7 @@ def test_megakernel_matches_transformers_generate(name, tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.hopper
 @pytest.mark.parametrize("name", ["tiny-qwen3", "llama-3.2-1b-L2"])
 def test_megakernel_batch_equals_each_sequence_alone(name):
     config = GPU_MODELS[name]()
@@ -334,6 +336,7 @@ def test_megakernel_batch_equals_each_sequence_alone(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.hopper
 @pytest.mark.parametrize("name", ["tiny-llama", "llama-3.2-1b-L2"])
 def test_megakernel_is_deterministic(name):
     """Two runs (the second on the same engine, at a later counter epoch) give bit-identical logits."""
@@ -358,6 +361,7 @@ def test_megakernel_is_deterministic(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.hopper
 def test_megakernel_float32_weights_are_cast_or_refused():
     config = GPU_MODELS["tiny-llama"]()
     seed = 61

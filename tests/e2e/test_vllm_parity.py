@@ -46,6 +46,7 @@ def _skip_reason() -> str | None:
 
 
 @pytest.mark.gpu
+@pytest.mark.hopper
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["llama-3.2-1b", "qwen3-0.6b"])

@@ -146,6 +146,7 @@ def _time_baseline(mode: str, weights, batch: int, context: int, tokens: torch.T
 
 @pytest.mark.perf
 @pytest.mark.gpu
+@pytest.mark.hopper
 @pytest.mark.parametrize("name,batch,context", CASES, ids=[case_id(*c) for c in CASES])
 def test_decode_step_speed(name, batch, context, benchmark, bandwidth_floor, perf_thresholds, nvtx_range):
     config = get_preset(name)
@@ -203,6 +204,7 @@ def test_decode_step_speed(name, batch, context, benchmark, bandwidth_floor, per
 
 
 @pytest.mark.gpu
+@pytest.mark.hopper
 def test_graph_replay_is_one_kernel_launch_and_no_copy():
     """A captured step is exactly one kernel (the megakernel) per replay: no memcpy, no memset, no helper
     kernels. Profiled with torch.profiler over a few replays; the replays still decode correctly."""

@@ -320,6 +320,7 @@ def _run(engine, tokens, positions, table) -> torch.Tensor:
 
 
 @pytest.mark.gpu
+@pytest.mark.hopper
 def test_engine_without_lm_head_writes_the_x_L_of_the_full_engine():
     from megakernel.runtime.engine import MegakernelEngine
 
@@ -349,6 +350,7 @@ def test_engine_without_lm_head_writes_the_x_L_of_the_full_engine():
 
 
 @pytest.mark.gpu
+@pytest.mark.hopper
 def test_engines_sharing_packed_weights_give_identical_logits():
     from megakernel.runtime.engine import MegakernelEngine
 
@@ -394,6 +396,7 @@ def _vllm_cache(config, num_blocks: int):
 
 
 @pytest.mark.gpu
+@pytest.mark.hopper
 def test_engine_without_own_cache_runs_on_the_cache_it_is_bound_to():
     from megakernel.runtime.engine import MegakernelEngine
 
@@ -449,6 +452,7 @@ def test_engine_without_own_cache_runs_on_the_cache_it_is_bound_to():
 
 
 @pytest.mark.gpu
+@pytest.mark.hopper
 @pytest.mark.parametrize("name", ("tiny-llama", "llama-3.2-1b"))
 def test_bare_launch_uses_the_engines_own_contiguous_block_table(name):
     """launch() without set_inputs (benchmarks, CUDA-graph capture) runs on the engine's default block
@@ -483,6 +487,7 @@ def test_bare_launch_uses_the_engines_own_contiguous_block_table(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.hopper
 @pytest.mark.parametrize("variant", ("fold_embed", "attn_reduce"))
 @pytest.mark.parametrize("name", ("tiny-llama", "llama-3.2-1b", "qwen3-0.6b"))
 def test_layout_variants_give_the_logits_of_the_shipped_engine(name, variant):

@@ -85,6 +85,44 @@ def test_fixtures_and_gpu_skip(pytester, keep_hypothesis_profile):
         assert "SKIPPED [1] test_fixtures.py:17: no CUDA device" in result.stdout.str()
 
 
+@pytest.mark.parametrize("capability, reason", [
+    (None, "no CUDA device"),
+    ((8, 9), "the megakernel runs on Hopper GPUs (sm_90) only; CUDA device 0 is sm_89"),
+    ((10, 0), "the megakernel runs on Hopper GPUs (sm_90) only; CUDA device 0 is sm_100"),
+    ((9, 0), None),
+])
+def test_hopper_skip_reason(capability, reason):
+    assert plugin.hopper_skip_reason(capability) == reason
+
+
+HOPPER_TESTS = '''
+import pytest
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_needs_the_kernel():
+    pass
+
+def test_plain():
+    pass
+'''
+
+
+@pytest.mark.parametrize("capability", [None, (8, 0), (9, 0)])
+def test_hopper_tests_skip_with_the_devices_capability(pytester, monkeypatch, keep_hypothesis_profile, capability):
+    """A `hopper` test runs on sm_90 only and says why it was skipped elsewhere (an Ampere GPU: its capability;
+    no GPU: no CUDA device); an unmarked test runs everywhere."""
+    monkeypatch.setattr(plugin, "cuda_capability", lambda: capability)
+    monkeypatch.setattr(plugin, "cuda_available", lambda: capability is not None)
+    pytester.makepyfile(test_hopper=HOPPER_TESTS)
+    result = pytester.runpytest(*_plugin_args(), "-rs")
+    if capability == (9, 0):
+        result.assert_outcomes(passed=2)
+    else:
+        result.assert_outcomes(passed=1, skipped=1)
+        result.stdout.fnmatch_lines(["*test_hopper.py:*: " + plugin.hopper_skip_reason(capability) + "*"])
+
+
 @pytest.mark.parametrize("env, expected", [
     ({}, "dev"),
     ({"CI": "true"}, "ci"),

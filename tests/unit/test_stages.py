@@ -634,6 +634,7 @@ GPU_WIDE_CASES = GPU_CASES.filter(lambda c: c.shape.batch >= 2).map(_wide)
 
 
 @pytest.mark.gpu
+@pytest.mark.hopper
 @settings(max_examples=GPU_EXAMPLES)
 @given(case=GPU_CASES)
 def test_stages_on_gpu_match_reference(case):
@@ -642,6 +643,7 @@ def test_stages_on_gpu_match_reference(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.hopper
 @settings(max_examples=GPU_EXAMPLES)
 @given(case=GPU_WIDE_CASES)
 def test_stages_on_gpu_match_reference_with_slab_staging(case):
@@ -663,6 +665,7 @@ LONG_SPLIT_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.hopper
 @pytest.mark.parametrize("case", LONG_SPLIT_CASES, ids=["d64-b4", "d128-b1"])
 def test_stages_on_gpu_match_reference_with_long_splits(case):
     """Every stage, on caches long enough that attention splits take the streamed pass."""
@@ -698,6 +701,7 @@ def run_gpu_stages(case: StageCase, expect_slabs: bool = False, **engine_kw) -> 
 
 
 @pytest.mark.gpu
+@pytest.mark.hopper
 @settings(max_examples=GPU_EXAMPLES)
 @given(req=layout_requests())
 def test_engine_rejects_unsupported_shapes(req):
@@ -712,6 +716,7 @@ def test_engine_rejects_unsupported_shapes(req):
 
 
 @pytest.mark.gpu
+@pytest.mark.hopper
 def test_engine_rejects_batch_zero_with_value_error():
     from megakernel.model.presets import get_preset
     from megakernel.runtime.engine import MegakernelEngine
