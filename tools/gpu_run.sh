@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU host: stage the CuTe DSL bundle, run the GPU test suite and the benchmarks,
-# and write every log under $OUT. Usage: bash tools/gpu_run.sh [tests|tests-par|bench|sweep|sweep-batch|vllm|smoke|all] [extra args]
+# and write every log under $OUT. Usage: bash tools/gpu_run.sh [tests|tests-par|bench|sanitizer|sweep|sweep-batch|vllm|smoke|all] [extra args]
 set -uo pipefail
 source tools/gpu_env.sh
 what=${1:-all}; shift || true
@@ -20,6 +20,7 @@ case "$what" in
     for f in "$OUT"/tests_stages.log "$OUT"/tests_e2e.log "$OUT"/tests_rest.log; do
       echo "== $f"; tail -n 15 "$f"; done ;;
   bench) python3 -m pytest -m perf -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/perf.log" ;;
+  sanitizer) python3 tools/sanitize.py "$@" 2>&1 | tee "$OUT/sanitizer.log" ;;
   vllm)
     # after `source tools/vllm_bundle.sh stage` (docs/vllm.md); one preset's parity per call (~4 min):
     # bash tools/gpu_run.sh vllm llama-3.2-1b, then bash tools/gpu_run.sh vllm qwen3-0.6b

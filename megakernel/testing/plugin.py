@@ -38,6 +38,7 @@ MARKERS = {
     "perf": "timing benchmarks with ratio thresholds (run with -m perf on a GPU runner)",
     "e2e": "end-to-end generation parity",
     "vllm": "needs vLLM installed",
+    "sanitizer": "runs the megakernel under compute-sanitizer (tools/sanitize.py; minutes on a GPU host)",
     "slow": "long-running tests",
 }
 

@@ -1,0 +1,85 @@
+"""tools/sanitize.py: its reading of compute-sanitizer's report (on the CPU), and on a Hopper GPU with
+compute-sanitizer the four tools over the megakernel with no kernel error."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def sanitize():
+    spec = importlib.util.spec_from_file_location("tools_sanitize", REPO / "tools" / "sanitize.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module          # (its dataclass looks its module up there)
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+CLEAN_BUT_PROBED = """\
+========= COMPUTE-SANITIZER
+workload: tiny-llama batch 1: 3 steps, tokens [7]
+========= Program hit CUDA_ERROR_NOT_FOUND (error 500) due to "named symbol not found" on CUDA API call to cuGetProcAddress.
+=========     Saved host backtrace up to driver entry point at error
+=========         Host Frame: [0x2f1e3] in libcuda.so.1
+=========
+========= Program hit CUDA_ERROR_NOT_FOUND (error 500) due to "named symbol not found" on CUDA API call to cuGetProcAddress.
+=========     Saved host backtrace up to driver entry point at error
+=========
+========= ERROR SUMMARY: 2 errors
+"""
+
+KERNEL_ERRORS = """\
+========= COMPUTE-SANITIZER
+========= Invalid __global__ read of size 16 bytes
+=========     at kernel_cutlass_decode+0x1a30
+=========     by thread (33,0,0) in block (5,0,0)
+=========     Address 0x7f0000000010 is out of bounds
+=========     Saved host backtrace up to driver entry point at kernel launch time
+=========         Host Frame: [0x2f1e3] in libcuda.so.1
+=========
+========= Error: Race reported between Write access at kernel+0x200 in stage.py:88
+=========     and Read access at kernel+0x480 in matvec.py:201 [128 hazards]
+=========
+========= Program hit cudaErrorLaunchFailure (error 719) due to "unspecified launch failure" on CUDA API call to cudaStreamSynchronize.
+=========
+========= Target application returned an error
+========= ERROR SUMMARY: 3 errors
+"""
+
+
+def test_report_tells_host_api_errors_from_kernel_errors(sanitize):
+    clean = sanitize.report_errors(CLEAN_BUT_PROBED)
+    assert clean.summary == 2 and clean.api_errors == {"cuGetProcAddress": 2} and clean.kernel_errors == []
+    bad = sanitize.report_errors(KERNEL_ERRORS)
+    assert bad.summary == 3 and bad.api_errors == {"cudaStreamSynchronize": 1}
+    assert bad.kernel_errors == ["Invalid __global__ read of size 16 bytes",
+                                 "Error: Race reported between Write access at kernel+0x200 in stage.py:88"]
+    assert sanitize.report_errors("no sanitizer here").summary is None
+
+
+def test_bad_arguments_exit_2_before_any_gpu_work():
+    for argv in (["--tools=memcheck,valgrind"], ["--steps=0"], ["--frobnicate"]):
+        done = subprocess.run([sys.executable, str(REPO / "tools" / "sanitize.py"), *argv], capture_output=True,
+                              text=True)
+        assert done.returncode == 2, (argv, done.stdout, done.stderr)
+        assert "usage: sanitize.py" in done.stderr, (argv, done.stderr)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.sanitizer
+@pytest.mark.slow
+def test_compute_sanitizer_finds_no_kernel_error(sanitize):
+    """memcheck, racecheck, synccheck and initcheck over a few steps of the tiny presets at batch 1 and 3."""
+    if sanitize.sanitizer_path() is None:
+        pytest.skip("compute-sanitizer not found")
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "sanitize.py")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]

@@ -1,0 +1,156 @@
+"""compute-sanitizer over the megakernel: memcheck, racecheck, synccheck and initcheck, each over a few decode steps
+of the tiny presets at batch 1 and 3, and a table of the errors each found in the kernel.
+
+Usage (GPU host, compute-sanitizer on PATH or in $CUDA_HOME/bin):
+    python3 tools/sanitize.py [--tools=memcheck,racecheck,synccheck,initcheck] [--steps=N]
+Exit status 1 where any tool reports a kernel error, 2 for bad arguments or no compute-sanitizer.
+
+How kernel errors are told apart from host API errors: compute-sanitizer also reports every CUDA API call that
+returned an error, and the driver probes its entry points (cuGetProcAddress returning CUDA_ERROR_NOT_FOUND for a
+symbol this driver lacks) while torch and the CuTe DSL runtime start. Those records read "Program hit <error> ... on
+CUDA API call to <function>"; `report_errors` counts them apart (by function) from every other record, which is
+an error of device code: an invalid or misaligned access, a shared-memory race, a barrier misuse, a read of
+uninitialised memory. Only the latter fail the run.
+
+The workload (`--workload`, what each tool runs) builds the engine with a long bound on its waits: under a
+sanitizer the CTAs run far slower, and a wait bounded by the default 2 s would end in the error word while the
+producing CTA is still on its way.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+STEPS = 3
+PRESETS = ("tiny-llama", "tiny-qwen3")
+BATCHES = (1, 3)
+WAIT_BOUND_NS = 600_000_000_000          # 10 minutes: no wait may end before a slow CTA signals
+USAGE = "sanitize.py [--tools=memcheck,racecheck,synccheck,initcheck] [--steps=N]"
+
+_RECORD = re.compile(r"^========= (?!ERROR SUMMARY|COMPUTE-SANITIZER|    |\s*$)(?P<text>\S.*)$")
+_API = re.compile(r"Program hit .* on CUDA API call to (?P<call>\w+)")
+_SUMMARY = re.compile(r"^========= ERROR SUMMARY: (?P<n>\d+) errors?")
+
+
+@dataclass
+class SanitizerReport:
+    """What one compute-sanitizer run reported: the error summary's count, the API-call errors by function, and
+    the first line of every other error record (an error of device code)."""
+
+    summary: int | None
+    api_errors: dict[str, int] = field(default_factory=dict)
+    kernel_errors: list[str] = field(default_factory=list)
+
+
+def report_errors(output: str) -> SanitizerReport:
+    """Parse compute-sanitizer's output. An error record starts with a '========= ' line that is not indented
+    (its indented lines are the record's details: addresses, threads, the backtrace); one that reads 'Program
+    hit ... on CUDA API call to F' is a host API error of F, any other a kernel error."""
+    summary = None
+    api: dict[str, int] = {}
+    kernel: list[str] = []
+    for line in output.splitlines():
+        m = _SUMMARY.match(line)
+        if m:
+            summary = int(m.group("n"))
+            continue
+        m = _RECORD.match(line)
+        if not m:
+            continue
+        text = m.group("text")
+        call = _API.search(text)
+        if call:
+            api[call.group("call")] = api.get(call.group("call"), 0) + 1
+        elif not text.startswith(("Saved host backtrace", "Host Frame", "Device Frame", "Target application")):
+            kernel.append(text)
+    return SanitizerReport(summary=summary, api_errors=api, kernel_errors=kernel)
+
+
+def sanitizer_path() -> str | None:
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and os.path.exists(os.path.join(root, "bin", "compute-sanitizer")):
+            return os.path.join(root, "bin", "compute-sanitizer")
+    return None
+
+
+def workload(steps: int) -> None:
+    """A few checked decode steps of each tiny preset at each batch (the engine raises on an error word)."""
+    import torch
+
+    from megakernel.kernel.interpreter import KernelOptions
+    from megakernel.model.presets import get_preset
+    from megakernel.model.weights import random_weights
+    from megakernel.runtime.engine import MegakernelEngine
+
+    for name in PRESETS:
+        weights = random_weights(get_preset(name), seed=5, dtype=torch.bfloat16, device="cuda")
+        for batch in BATCHES:
+            eng = MegakernelEngine(weights, batch, 64, options=KernelOptions(timeout_ns=WAIT_BOUND_NS))
+            tokens = torch.arange(batch, dtype=torch.int32, device="cuda") + 1
+            for t in range(steps):
+                tokens = eng.step(tokens, torch.full((batch,), t, dtype=torch.int32, device="cuda")).clone()
+            print(f"workload: {name} batch {batch}: {steps} steps, tokens {tokens.tolist()}", flush=True)
+
+
+def run_tool(tool: str, steps: int, sanitizer: str) -> tuple[SanitizerReport, int, str]:
+    """One compute-sanitizer tool over the workload: (its report, the exit status, the output)."""
+    cmd = [sanitizer, "--tool", tool, "--print-limit", "100", sys.executable, os.path.abspath(__file__),
+           "--workload", f"--steps={steps}"]
+    if tool == "racecheck":
+        cmd[3:3] = ["--racecheck-report", "hazard"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    out = done.stdout + done.stderr
+    return report_errors(out), done.returncode, out
+
+
+def usage_error(why: str) -> None:
+    print(f"usage: {USAGE}  ({why}; --help explains)", file=sys.stderr)
+    sys.exit(2)
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    if "-h" in args or "--help" in args:
+        print(__doc__.strip())
+        sys.exit(0)
+    steps = STEPS
+    text = next((a.split("=", 1)[1] for a in args if a.startswith("--steps=")), None)
+    if text is not None:
+        if not text.isdigit() or int(text) < 1:
+            usage_error(f"--steps takes a positive integer, not {text!r}")
+        steps = int(text)
+    if "--workload" in args:
+        workload(steps)
+        return
+    chosen = next((a.split("=", 1)[1].split(",") for a in args if a.startswith("--tools=")), list(TOOLS))
+    unknown = [t for t in chosen if t not in TOOLS] + [a for a in args if not a.startswith(("--tools=", "--steps="))]
+    if unknown:
+        usage_error(f"unknown {', '.join(unknown)}; the tools are {', '.join(TOOLS)}")
+    sanitizer = sanitizer_path()
+    if sanitizer is None:
+        print("sanitize.py: compute-sanitizer not found (on PATH, in $CUDA_HOME/bin or /usr/local/cuda/bin)",
+              file=sys.stderr)
+        sys.exit(2)
+    failed = False
+    print(f"{'tool':10s} {'summary':>8s} {'kernel':>7s}  host API errors (by call)")
+    for tool in chosen:
+        rep, rc, out = run_tool(tool, steps, sanitizer)
+        bad = rep.kernel_errors or rep.summary is None or "workload:" not in out
+        failed = failed or bool(bad)
+        api = ", ".join(f"{k} x{v}" for k, v in sorted(rep.api_errors.items())) or "-"
+        print(f"{tool:10s} {str(rep.summary):>8s} {len(rep.kernel_errors):7d}  {api}", flush=True)
+        if bad:
+            print("\n".join(f"    {line}" for line in rep.kernel_errors[:20]) or out[-4000:], flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
