@@ -10,8 +10,8 @@ case "$what" in
   smoke) python3 tools/gpu_smoke.py "$@" 2>&1 | tee "$OUT/smoke.log" ;;
   tests) python3 -m pytest -m "gpu and not perf" -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/tests.log" ;;
   tests-par)
-    # (vLLM parity, ~4 min a model, has its own stage below: vllm)
-    sel=(-m "gpu and not perf and not vllm" -q -p no:cacheprovider -o junit_family=xunit1)
+    # (vLLM parity, ~4 min a model, has its own stage below: vllm; compute-sanitizer too: sanitizer)
+    sel=(-m "gpu and not perf and not vllm and not sanitizer" -q -p no:cacheprovider -o junit_family=xunit1)
     python3 -m pytest "${sel[@]}" tests/unit/test_stages.py --junitxml="$OUT/junit_stages.xml" "$@" > "$OUT/tests_stages.log" 2>&1 &
     python3 -m pytest "${sel[@]}" tests/e2e --junitxml="$OUT/junit_e2e.xml" "$@" > "$OUT/tests_e2e.log" 2>&1 &
     python3 -m pytest "${sel[@]}" tests/unit --ignore=tests/unit/test_stages.py --junitxml="$OUT/junit_rest.xml" "$@" \
