@@ -22,6 +22,8 @@ COL_PASS = 256
 # 512 bytes in the order of the MMA's A-operand registers (fragment_pack).
 FRAG_ROWS, FRAG_COLS = 8, 32
 MAX_BATCH = 8
+# The compute capability the kernel is compiled for (sm_90a): Hopper. An sm_90a cubin runs on no other GPU.
+KERNEL_CAPABILITY = (9, 0)
 # The DAG's rule for folding the attention split merge into O_PROJ's input staging (no ATTN_REDUCE
 # stage) and the embedding into layer 0's QKV: the widest matvec input (batch x K x float32) within this,
 # or staged in slabs (slab_staging). (The kernel itself stages any input, whole or in column slabs:

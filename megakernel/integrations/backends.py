@@ -13,6 +13,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
+from megakernel.instructions.layout import KERNEL_CAPABILITY
 from megakernel.model.weights import ModelWeights
 
 
@@ -143,7 +144,7 @@ def check_backend(name: str, device: torch.device | str) -> BackendSpec:
     if name == "megakernel":
         megakernel_class()
         major, minor = torch.cuda.get_device_capability(device)
-        if (major, minor) != (9, 0):
+        if (major, minor) != KERNEL_CAPABILITY:
             raise BackendUnavailable(f"backend 'megakernel' is built for Hopper (sm_90a); {device} is sm_{major}{minor} "
                                      f"({torch.cuda.get_device_name(device)}): the torch baselines run there")
     return spec

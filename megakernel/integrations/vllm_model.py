@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from megakernel.instructions.layout import MAX_BATCH, StepLayout, pack_weights
+from megakernel.instructions.layout import KERNEL_CAPABILITY, MAX_BATCH, StepLayout, pack_weights
 from megakernel.integrations.vllm_plugin import stock_architecture
 from megakernel.model.config import ModelConfig
 from megakernel.model.ops import rms_norm
@@ -65,7 +65,6 @@ ENV_MAX_BATCH = "MEGAKERNEL_VLLM_MAX_BATCH"   # largest decode batch sent to the
 # 0.85x at 8. Only batch 1 is not slower, so larger decode batches run stock unless the switch says otherwise.
 DEFAULT_MAX_BATCH = 1
 POW2_BUCKETS = (1, 2, 4, 8)
-HOPPER = (9, 0)
 
 # Reasons a batch goes to the stock path. QUERY_LEN is the normal case for prefill and is not logged.
 QUERY_LEN = "a request has more than one query token (prefill, chunked prefill or mixed batch)"
@@ -419,7 +418,7 @@ class MegakernelDecode:
         if self.device.type != "cuda":
             return self._disable(f"the model lives on {self.device}, not a CUDA GPU")
         cap = torch.cuda.get_device_capability(self.device)
-        if cap != HOPPER:
+        if cap != KERNEL_CAPABILITY:
             return self._disable(f"the GPU is sm_{cap[0]}{cap[1]}; the megakernel is built for sm_90a (Hopper)")
         try:
             from megakernel.runtime.engine import MegakernelEngine

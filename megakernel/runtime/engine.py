@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..instructions.layout import (MAX_BATCH, PackedWeights, StepLayout, allocate_buffers, default_kv_splits,
+from ..instructions.layout import (KERNEL_CAPABILITY, MAX_BATCH, PackedWeights, StepLayout, allocate_buffers, default_kv_splits,
                                    pack_weights, validate_packed_weights, validate_step_inputs)
 from ..instructions.opcodes import Opcode
 from ..instructions.record import serialize
@@ -100,7 +100,7 @@ class MegakernelEngine:
             raise ValueError(f"num_blocks={num_blocks} sizes the engine's own KV cache; with own_kv_cache=False "
                              f"the cache bound by bind_kv_caches sets the block count")
         major, minor = torch.cuda.get_device_capability(self.device)
-        if (major, minor) != (9, 0):
+        if (major, minor) != KERNEL_CAPABILITY:
             raise RuntimeError(f"the megakernel is built for sm_90a (Hopper); this GPU is sm_{major}{minor}")
         sms = _sm_count(self.device)
         num_sms = num_sms or sms

@@ -61,15 +61,17 @@ def cuda_capability() -> tuple[int, int] | None:
     """Compute capability of CUDA device 0, None where torch sees no CUDA device."""
     import torch
 
-    return torch.cuda.get_device_capability(0) if torch.cuda.is_available() else None
+    return torch.cuda.get_device_capability(0) if cuda_available() else None
 
 
 def hopper_skip_reason(capability: tuple[int, int] | None) -> str | None:
-    """Why a `hopper` test cannot run on a device of this capability (None: it can). The kernel is compiled for
-    sm_90a (its bulk copies, mbarriers and MMAs), and an sm_90a cubin runs on no other architecture."""
+    """Why a `hopper` test cannot run on a device of this capability (None: it can): the kernel's cubin is
+    sm_90a (megakernel.instructions.layout.KERNEL_CAPABILITY)."""
+    from megakernel.instructions.layout import KERNEL_CAPABILITY
+
     if capability is None:
         return "no CUDA device"
-    if tuple(capability) != (9, 0):
+    if tuple(capability) != KERNEL_CAPABILITY:
         major, minor = capability
         return f"the megakernel runs on Hopper GPUs (sm_90) only; CUDA device 0 is sm_{major}{minor}"
     return None
