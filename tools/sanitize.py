@@ -32,7 +32,7 @@ BATCHES = (1, 3)
 WAIT_BOUND_NS = 600_000_000_000          # 10 minutes: no wait may end before a slow CTA signals
 USAGE = "sanitize.py [--tools=memcheck,racecheck,synccheck,initcheck] [--steps=N]"
 
-_RECORD = re.compile(r"^========= (?!ERROR SUMMARY|COMPUTE-SANITIZER|    |\s*$)(?P<text>\S.*)$")
+_RECORD = re.compile(r"^========= (?!COMPUTE-SANITIZER|Target application returned)(?P<text>\S.*)$")
 _API = re.compile(r"Program hit .* on CUDA API call to (?P<call>\w+)")
 _SUMMARY = re.compile(r"^========= ERROR SUMMARY: (?P<n>\d+) errors?")
 
@@ -50,7 +50,8 @@ class SanitizerReport:
 def report_errors(output: str) -> SanitizerReport:
     """Parse compute-sanitizer's output. An error record starts with a '========= ' line that is not indented
     (its indented lines are the record's details: addresses, threads, the backtrace); one that reads 'Program
-    hit ... on CUDA API call to F' is a host API error of F, any other a kernel error."""
+    hit ... on CUDA API call to F' is a host API error of F, any other a kernel error (the banner and the
+    'Target application returned an error' line are no records)."""
     summary = None
     api: dict[str, int] = {}
     kernel: list[str] = []
@@ -66,7 +67,7 @@ def report_errors(output: str) -> SanitizerReport:
         call = _API.search(text)
         if call:
             api[call.group("call")] = api.get(call.group("call"), 0) + 1
-        elif not text.startswith(("Saved host backtrace", "Host Frame", "Device Frame", "Target application")):
+        else:
             kernel.append(text)
     return SanitizerReport(summary=summary, api_errors=api, kernel_errors=kernel)
 
@@ -102,10 +103,9 @@ def workload(steps: int) -> None:
 
 def run_tool(tool: str, steps: int, sanitizer: str) -> tuple[SanitizerReport, int, str]:
     """One compute-sanitizer tool over the workload: (its report, the exit status, the output)."""
-    cmd = [sanitizer, "--tool", tool, "--print-limit", "100", sys.executable, os.path.abspath(__file__),
+    options = ["--racecheck-report", "hazard"] if tool == "racecheck" else []
+    cmd = [sanitizer, "--tool", tool, *options, "--print-limit", "100", sys.executable, os.path.abspath(__file__),
            "--workload", f"--steps={steps}"]
-    if tool == "racecheck":
-        cmd[3:3] = ["--racecheck-report", "hazard"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     out = done.stdout + done.stderr
     return report_errors(out), done.returncode, out
