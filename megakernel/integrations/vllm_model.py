@@ -585,6 +585,23 @@ class MegakernelDecode:
                 "engines": sorted(self.engines), "packed_once": self.packed is not None, "kv": kv,
                 "max_seq_len": self.max_seq_len}
 
+    def check_flags(self) -> None:
+        """Once per step, without a device sync: if an engine's kernel reported an error (its flag in mapped
+        host memory, MegakernelEngine.error_flag), disable the decode path and raise the kernel's error, so
+        vLLM's step fails with it instead of sampling from hidden states the kernel did not write. (Captured
+        CUDA graphs keep their launches, which then run no instruction: the step cannot go on silently.)"""
+        for eng in self.engines.values():
+            code = eng.error_flag()
+            if code is None:
+                continue
+            try:
+                eng.check()          # the device word: the error's details (one sync, on the error path only)
+                err: Exception = RuntimeError(f"megakernel: error code {code} in the host flag, not on the device")
+            except Exception as exc:   # noqa: BLE001 (MegakernelError, or a CUDA error)
+                err = exc
+            self._disable(f"the kernel reported an error: {err}")
+            raise err
+
     def check_engines(self) -> None:
         """Raise MegakernelError if any engine's error word is set (syncs the device)."""
         for eng in self.engines.values():
@@ -640,6 +657,11 @@ class MegakernelDecodeMixin:
         if hidden is not None:
             return hidden
         return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+
+    def compute_logits(self, hidden_states, *args, **kwargs):
+        # every step runs this eagerly, CUDA-graph replays too: where the kernel's error flag is read
+        self.megakernel.check_flags()
+        return super().compute_logits(hidden_states, *args, **kwargs)
 
 
 try:

@@ -9,7 +9,8 @@ A CTA's warps:
   - the consumers (warps 0 .. warps - 1) run the instructions in order. Per instruction:
       1. ATTN_PARTIAL copies its first cached token per warp by cp.async (the cache's history is an input);
       2. thread 0 spins (ld.acquire.gpu, bounded by globaltimer) until the counter it waits on reaches its
-         epoch-relative target; a timeout writes the error word and aborts the CTA's queue;
+         epoch-relative target; a timeout writes the error word and aborts the CTA's queue, and so does an
+         error word another CTA wrote (read every ERROR_POLL polls), so a failed step ends at once;
       3. the stage body (opcode dispatch by `if`, each body inlined once; megakernel.kernel.matvec,
          .attention, .tokens): a matvec stages its input, then takes its weights slot by slot from the ring
          and multiplies them on the tensor cores;
@@ -17,6 +18,11 @@ A CTA's warps:
 The consumers synchronise among themselves with named barrier 1 (the producer never joins it); all warps
 meet at barrier 0 only at the start and at the end. The last CTA to finish advances the epoch, so counters
 are never reset and a CUDA graph can replay steps with no host work.
+
+After a failed step (the error word set: the first error wins) every launch runs no instruction and writes
+nothing until the host acknowledges the error (MegakernelEngine.check or reset_sync); the first such launch
+copies the error code to mapped host memory (MegakernelEngine.error_flag), for loops that never sync. The
+launch is cooperative: every CTA resident at once, or the launch is refused.
 
 Trace mode (KernelOptions.trace) records per instruction (stream.TRACE_WORDS): begin, counter ready, end
 (consumer thread 0); for a matvec when its input was staged, when consumer warp 0 got its first and last
@@ -39,7 +45,8 @@ from ..instructions.record import (W_A0, W_A1, W_A2, W_A3, W_INDEX, W_LAYER, W_O
 from .attention import ERR_POSITION, LOG2E, AttentionStage  # noqa: F401  (error codes re-exported)
 from .matvec import MatvecStage
 from .ptx import (atomic_add_acq_rel, atomic_cas, cp_async_wait_all, globaltimer_lo, ld_i32, load_acquire,
-                  mbarrier_init, mbarrier_init_fence, red_release_add, st_i32, store_relaxed)
+                  load_relaxed, mbarrier_init, mbarrier_init_fence, red_release_add, st_i32, store_relaxed,
+                  store_system_nonzero)
 from .stream import ERR_RING, SLOT_BYTES, TRACE_WORDS, StreamPlan, WeightStream, is_matvec  # noqa: F401
 from .stream import TR_BEGIN, TR_CONSUMED, TR_END, TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY, TR_STAGED
 from .tokens import ERR_TOKEN, TokenStages  # noqa: F401
@@ -47,6 +54,7 @@ from .tokens import ERR_TOKEN, TokenStages  # noqa: F401
 # Error codes written to error[0] (the first error wins): 1 a counter wait timed out, 2 a position past the
 # cache (attention), 3 a token outside the vocabulary (tokens), 4 a weight-ring wait timed out (stream).
 ERR_TIMEOUT = 1
+ERROR_POLL = 16          # a counter wait reads the error word every this many polls
 
 # Kernel arguments, in order: every one a global address (Int64).
 ARG_NAMES = (
@@ -56,7 +64,7 @@ ARG_NAMES = (
     "tokens", "positions", "block_table",
     "x", "h", "qkv", "attn_part_o", "attn_part_lse", "attn_out", "act",
     "logits", "lm_max", "lm_idx", "out_tokens",
-    "counters", "sync", "error", "kv_table", "trace",
+    "counters", "sync", "error", "kv_table", "trace", "host_error",
 )
 
 
@@ -153,13 +161,15 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
                  rope_sin: Int64, tokens: Int64, positions: Int64, block_table: Int64, x: Int64, h: Int64,
                  qkv: Int64, attn_part_o: Int64, attn_part_lse: Int64, attn_out: Int64, act: Int64,
                  logits: Int64, lm_max: Int64, lm_idx: Int64, out_tokens: Int64, counters: Int64,
-                 sync: Int64, error: Int64, kv_table: Int64, trace: Int64,
+                 sync: Int64, error: Int64, kv_table: Int64, trace: Int64, host_error: Int64,
                  stream):
         self.kernel(queue, lengths, w_embed, w_qkv, w_o, w_gate_up, w_down, w_lm_head, attn_norm, mlp_norm,
                     final_norm, ones, q_norm, k_norm, rope_cos, rope_sin, tokens, positions, block_table,
                     x, h, qkv, attn_part_o, attn_part_lse, attn_out, act, logits, lm_max, lm_idx, out_tokens,
-                    counters, sync, error, kv_table, trace).launch(
-            grid=[self.num_sms, 1, 1], block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+                    counters, sync, error, kv_table, trace, host_error).launch(
+            grid=[self.num_sms, 1, 1], block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1,
+            # every CTA resident at once, or the launch is refused: the CTAs spin on each other's counters
+            cooperative=True)
 
     # ------------------------------------------------------------------ device: shared helpers
     @cute.jit
@@ -200,7 +210,7 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
                rope_sin: Int64, tokens: Int64, positions: Int64, block_table: Int64, x: Int64, h: Int64,
                qkv: Int64, attn_part_o: Int64, attn_part_lse: Int64, attn_out: Int64, act: Int64,
                logits: Int64, lm_max: Int64, lm_idx: Int64, out_tokens: Int64, counters: Int64,
-               sync: Int64, error: Int64, kv_table: Int64, trace: Int64):
+               sync: Int64, error: Int64, kv_table: Int64, trace: Int64, host_error: Int64):
         tidx, _, _ = cute.arch.thread_idx()
         sm, _, _ = cute.arch.block_idx()
         warp = tidx // 32
@@ -245,6 +255,16 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
             s_ctrl[1] = Int32(0)
             s_ctrl[3] = Int32(0)
         n = ld_i32(lengths + Int64(sm) * 4)
+        failed = ld_i32(error)
+        if failed != 0:
+            # an error the host has not acknowledged (MegakernelEngine.check / reset_sync): this launch runs
+            # no instruction and writes nothing, so a graph replay after a failed step cannot read or write
+            # the KV cache with counters behind the epoch, nor wait out a timeout per counter
+            n = Int32(0)
+        if tidx == 0 and sm == 0:
+            # the error code to mapped host memory, which a serving loop reads without a device sync
+            # (MegakernelEngine.error_flag): the launch after the failed one writes it
+            store_system_nonzero(host_error, failed)
         if tidx == 0:
             s_ctrl[2] = n        # the loop reads the queue length from here (a register less across it)
         qbase = queue + Int64(sm) * (self.max_queue_len * WORDS * 4)
@@ -265,6 +285,7 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
             if done == self.num_sms - 1:
                 store_relaxed(sync + 4, Int32(0))
                 store_relaxed(sync, s_ctrl[0] + 1)
+
 
     @cute.jit
     def consume(self, tidx: Int32, warp: Int32, lane: Int32, sm: Int32, s_queue: cute.Tensor, ring: Int32,
@@ -300,11 +321,18 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
                 seen = load_acquire(caddr)
                 t0 = cute.arch.globaltimer()
                 ok = Boolean(True)
+                spins = Int32(0)
                 while seen - target < 0 and ok:
                     seen = load_acquire(caddr)
+                    spins = spins + 1
+                    if spins % ERROR_POLL == 0:
+                        # another CTA failed (its signal may never come): abort now, not at the timeout
+                        if load_relaxed(error) != 0:
+                            ok = Boolean(False)
                     if cute.arch.globaltimer() - t0 > self.options.timeout_ns:
                         ok = Boolean(False)
                 if not ok:
+                    # (the first error wins: after another CTA's, the compare-and-swap fails)
                     if atomic_cas(error, Int32(0), Int32(ERR_TIMEOUT)) == 0:
                         store_relaxed(error + 4, s_queue[ins + W_INDEX])
                         store_relaxed(error + 8, wait_id)

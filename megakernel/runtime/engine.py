@@ -140,6 +140,9 @@ class MegakernelEngine:
         # the kernel reads each layer's K and V base address from this table: int64 [L, 2]
         self.kv_table = torch.zeros(c.num_layers, 2, dtype=torch.int64, device=self.device)
         self.trace_buf = torch.zeros(num_sms, table.shape[1], TRACE_WORDS, dtype=torch.int32, device=self.device)
+        # the error code's copy in mapped (pinned) host memory: the launch after a failed step writes it, so a
+        # loop that never syncs (graph replays, vLLM) reads it with error_flag()
+        self.host_error = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         self.options = options
         self.steps = 0
         self.compiled = None
@@ -240,6 +243,7 @@ class MegakernelEngine:
             "attn_part_lse": b.attn_part_lse, "attn_out": b.attn_out, "act": b.act, "logits": b.logits,
             "lm_max": b.lm_max, "lm_idx": b.lm_idx, "out_tokens": b.out_tokens, "counters": b.counters,
             "sync": b.sync, "error": b.error, "kv_table": self.kv_table, "trace": self.trace_buf,
+            "host_error": self.host_error,
         }
 
     # ---------------------------------------------------------------- hot path
@@ -272,18 +276,29 @@ class MegakernelEngine:
         self.bufs.positions.copy_(positions.to(device=self.device, dtype=torch.int32))
 
     def check(self) -> None:
-        """Raise MegakernelError if the last launches reported an error (syncs the device)."""
+        """Raise MegakernelError if the last launches reported an error (syncs the device), after resetting
+        the counters and the error word, so the next launch runs. Until then every launch after the failed
+        step runs no instruction and writes nothing (the kernel reads the error word first)."""
         word = self.bufs.error.tolist()
         if word[0] != 0:
             err = ErrorWord(*word)
             self.reset_sync()
             raise MegakernelError(err.describe(self.program))
 
+    def error_flag(self) -> int | None:
+        """The error code of a failed step (ERR_*), read from mapped host memory without a device sync; None
+        while none is reported. The launch after the failed one writes it, so it lags the device by a launch
+        and by the launches still in flight; check() reads the device's word, with the error's details."""
+        code = int(self.host_error[0])
+        return code or None
+
     def reset_sync(self) -> None:
-        """Zero counters, epoch and error word (after an error, or to start over)."""
+        """Zero counters, epoch and error word, and its host copy (after an error, or to start over)."""
         self.bufs.counters.zero_()
         self.bufs.sync.zero_()
         self.bufs.error.zero_()
+        torch.cuda.synchronize(self.device)      # no launch still in flight writes the host copy afterwards
+        self.host_error.zero_()
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor | None = None,
              check: bool = True) -> torch.Tensor:

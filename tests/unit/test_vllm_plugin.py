@@ -686,6 +686,56 @@ def test_adapter_error_on_the_decode_path_goes_stock_and_disables(mk_log):
     assert a.maybe_decode(ids, pos) is None
 
 
+class _FlaggedEngine:
+    """An engine whose kernel flag says `code` (None: no error); check() raises what the device word says."""
+
+    def __init__(self, code):
+        self.code, self.checked = code, 0
+
+    def error_flag(self):
+        return self.code
+
+    def check(self):
+        self.checked += 1
+        if self.code is not None:
+            self.code = None
+            raise RuntimeError("instruction #7 ATTN_PARTIAL (layer 0): position 70 is past the KV cache")
+
+
+def test_adapter_raises_the_kernels_error_from_its_host_flag_and_goes_stock(mk_log):
+    model = fake_vllm_model(random_weights(get_preset("tiny-qwen3"), seed=3))
+    a = vm.MegakernelDecode(model, _vllm_config())
+    quiet, failed = _FlaggedEngine(None), _FlaggedEngine(2)
+    a.engines.update({1: quiet, 2: failed})
+    with pytest.raises(RuntimeError, match="past the KV cache"):
+        a.check_flags()
+    assert failed.checked == 1 and quiet.checked == 0, "the device word is read only where the flag is set"
+    assert a.disabled is not None and "past the KV cache" in a.disabled and "past the KV cache" in mk_log.text
+    assert a.maybe_decode(torch.tensor([1]), torch.tensor([0])) is None
+    a.check_flags()                                  # the error was reported once; nothing is raised again
+
+
+def test_model_class_reads_the_flags_before_every_logits_computation():
+    class Stock:
+        def compute_logits(self, hidden_states):
+            return hidden_states * 2
+
+    class Model(vm.MegakernelDecodeMixin, Stock):
+        pass
+
+    model = object.__new__(Model)
+    calls = []
+    object.__setattr__(model, "megakernel", SimpleNamespace(check_flags=lambda: calls.append("checked")))
+    assert torch.equal(model.compute_logits(torch.ones(2)), torch.full((2,), 2.0)) and calls == ["checked"]
+
+    def failing():
+        raise RuntimeError("kernel error")
+
+    object.__setattr__(model, "megakernel", SimpleNamespace(check_flags=failing))
+    with pytest.raises(RuntimeError, match="kernel error"):
+        model.compute_logits(torch.ones(2))
+
+
 def test_adapter_error_while_preparing_does_not_fail_model_loading(monkeypatch, mk_log):
     def broken(*_a, **_k):
         raise RuntimeError("view broke")

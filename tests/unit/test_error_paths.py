@@ -1,0 +1,206 @@
+"""What a failed step leaves behind, and launches the GPU cannot make resident (GPU, marker `gpu`).
+
+A step that fails inside the kernel (a position past the cache, a wait that times out) writes no cache slot
+of the sequence it failed on; every launch after it runs no instruction and writes nothing until the host
+acknowledges the error (`check()` raises and resets, so the next step runs); the launch after the failed one
+copies the error code to mapped host memory, which `error_flag()` reads without a device sync, so graph
+replays notice it. The kernel is a cooperative launch: with another kernel holding an SM, the launch waits
+until every CTA can be resident instead of starting CTAs that spin on one that is not.
+
+Fresh random weights and cache, outputs poisoned before the launches, logits against the float32 reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megakernel.model.kv_cache import PagedKVCache, contiguous_block_table
+from megakernel.model.presets import get_preset
+from megakernel.model.weights import random_weights
+from megakernel.testing.tolerances import assert_close
+
+pytestmark = [pytest.mark.gpu, pytest.mark.hopper]
+
+GPU = "cuda"
+BLOCK = 16
+MAX_SEQ = 64
+
+
+def _engine(name: str, batch: int, seed: int, **kw):
+    from megakernel.runtime.engine import MegakernelEngine
+
+    weights = random_weights(get_preset(name), seed=seed, dtype=torch.bfloat16, device=GPU, rng_device=GPU)
+    eng = MegakernelEngine(weights, batch, MAX_SEQ, block_size=BLOCK, kv_splits=2, device=GPU, **kw)
+    gen = torch.Generator(device=GPU).manual_seed(seed)
+    eng.k_cache.normal_(generator=gen)
+    eng.v_cache.normal_(generator=gen)
+    return weights, eng
+
+
+def _state(eng) -> dict[str, torch.Tensor]:
+    """Everything a launch may write: the cache, the step's inputs and outputs, the counters."""
+    b = eng.bufs
+    return {name: t.clone() for name, t in (("k_cache", eng.k_cache), ("v_cache", eng.v_cache), ("tokens", b.tokens),
+                                           ("positions", b.positions), ("out_tokens", b.out_tokens),
+                                           ("logits", b.logits), ("counters", b.counters))}
+
+
+def _assert_unchanged(before: dict, eng, what: str) -> None:
+    for name, t in _state(eng).items():
+        assert torch.equal(t.nan_to_num(7.0), before[name].nan_to_num(7.0)), f"{what}: {name} was written"
+
+
+def _check_step(weights, eng, tokens, positions, what: str) -> None:
+    """One checked step against the float32 reference on the cache as it is before the step."""
+    from megakernel.model.reference import ReferenceDecoder
+
+    table = contiguous_block_table(eng.layout.batch, eng.layout.max_seq_len, BLOCK, GPU)
+    cache = PagedKVCache(k=eng.k_cache.clone(), v=eng.v_cache.clone(), block_size=BLOCK)
+    eng.bufs.poison()
+    eng.step(tokens, positions, table)
+    ref = ReferenceDecoder(weights).step(tokens.to(GPU), positions.to(GPU), cache, table.long())
+    assert_close(eng.logits, ref, torch.bfloat16, context=what)
+
+
+def test_a_step_with_a_bad_position_writes_no_slot_of_its_sequence_and_later_launches_run_nothing():
+    from megakernel.kernel.interpreter import ERR_POSITION
+    from megakernel.runtime.engine import MegakernelError
+
+    weights, eng = _engine("tiny-llama", 2, seed=61)
+    c = weights.config
+    gen = torch.Generator().manual_seed(61)
+    tokens = torch.randint(0, c.vocab_size, (2,), generator=gen).int()
+    good = int(torch.randint(1, MAX_SEQ - 1, (1,), generator=gen))
+    eng.bufs.poison()
+    before = _state(eng)
+    # launch() is the unchecked path (graph replays, vLLM): the bad position reaches the kernel
+    eng.bufs.tokens.copy_(tokens)
+    eng.bufs.positions.copy_(torch.tensor([good, MAX_SEQ + 3], dtype=torch.int32))
+    eng.launch()
+    torch.cuda.synchronize()
+    assert int(eng.bufs.error[0]) == ERR_POSITION, eng.bufs.error.tolist()
+    # the cache holds what it held, but the valid sequence's own new slot (block good // BLOCK of its range)
+    slot = (good // BLOCK, good % BLOCK)
+    for name in ("k_cache", "v_cache"):
+        after = getattr(eng, name)
+        mask = torch.ones_like(after, dtype=torch.bool)
+        mask[:, slot[0], slot[1]] = False
+        assert torch.equal(after[mask], before[name][mask]), f"{name}: the failed step wrote outside sequence 0's slot"
+    assert eng.error_flag() is None        # (the next launch copies the code to host memory)
+
+    # launches before the host acknowledges the error run no instruction: nothing changes, nothing waits
+    failed = _state(eng)
+    for _ in range(3):
+        eng.launch()
+    torch.cuda.synchronize()
+    _assert_unchanged(failed, eng, "a launch after the failed step")
+    assert eng.error_flag() == ERR_POSITION, eng.host_error.tolist()
+    assert int(eng.bufs.error[0]) == ERR_POSITION
+
+    # check() raises the kernel's error, resets, and the next checked step is correct
+    with pytest.raises(MegakernelError, match="past the KV cache"):
+        eng.check()
+    assert eng.error_flag() is None and int(eng.bufs.error[0]) == 0
+    positions = torch.tensor([good, good + 1], dtype=torch.int32)
+    _check_step(weights, eng, tokens, positions, f"tiny-llama: the step after the error at positions {positions.tolist()}")
+
+
+def test_a_wait_that_times_out_aborts_the_step_and_the_engine_recovers_after_check():
+    from megakernel.instructions.record import W_WAIT_COUNT, W_WAIT_ID
+    from megakernel.kernel.interpreter import ERR_TIMEOUT, KernelOptions
+    from megakernel.runtime.engine import MegakernelError
+
+    weights, eng = _engine("tiny-llama", 1, seed=62, options=KernelOptions(timeout_ns=50_000_000))
+    c = weights.config
+    # an instruction in the middle of some CTA's queue waits for a count no producer reaches
+    table = eng.queue_table
+    waits = (table[:, :, W_WAIT_ID] >= 0).nonzero().tolist()
+    sm, i = waits[len(waits) // 2]
+    saved = table.clone()
+    table[sm, i, W_WAIT_COUNT] = 1 << 20
+    gen = torch.Generator().manual_seed(62)
+    tokens = torch.randint(0, c.vocab_size, (1,), generator=gen).int()
+    eng.bufs.poison()
+    eng.bufs.tokens.copy_(tokens)
+    eng.bufs.positions.fill_(5)
+    eng.launch()
+    torch.cuda.synchronize()
+    assert int(eng.bufs.error[0]) == ERR_TIMEOUT, eng.bufs.error.tolist()
+    failed = _state(eng)
+    for _ in range(3):
+        eng.launch()
+    torch.cuda.synchronize()
+    _assert_unchanged(failed, eng, "a launch after the timed-out step")
+    assert eng.error_flag() == ERR_TIMEOUT
+    table.copy_(saved)
+    with pytest.raises(MegakernelError, match="timed out waiting on counter"):
+        eng.check()
+    _check_step(weights, eng, tokens, torch.tensor([5], dtype=torch.int32), "tiny-llama: the step after the timeout")
+
+
+def test_graph_replays_after_a_failed_step_write_nothing_and_the_host_flag_reports_it():
+    from megakernel.kernel.interpreter import ERR_POSITION
+
+    weights, eng = _engine("tiny-llama", 1, seed=63)
+    gen = torch.Generator().manual_seed(63)
+    eng.bufs.tokens.copy_(torch.randint(0, weights.config.vocab_size, (1,), generator=gen).int())
+    eng.bufs.positions.fill_(3)
+    eng.launch()                                   # warm-up, outside the capture
+    torch.cuda.synchronize()
+    eng.check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        eng.launch()
+    for _ in range(4):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert int(eng.bufs.positions[0]) == 8 and eng.error_flag() is None, eng.bufs.positions.tolist()
+    eng.check()
+    eng.bufs.positions.fill_(MAX_SEQ + 1)          # a bad input reaches a replay
+    graph.replay()
+    torch.cuda.synchronize()
+    failed = _state(eng)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    _assert_unchanged(failed, eng, "a replay after the failed one")
+    assert eng.error_flag() == ERR_POSITION, eng.host_error.tolist()
+
+
+@pytest.mark.parametrize("name", ("tiny-llama", "llama-3.2-1b"))
+def test_steps_with_another_kernel_holding_an_sm_wait_for_it_and_give_the_same_tokens(name):
+    """A kernel on a second stream occupies one SM for 4x the wait timeout before every step: a launch that
+    started the CTAs it could would spin on the missing one and time out; the cooperative launch starts only
+    when every CTA can be resident."""
+    from megakernel.kernel.interpreter import KernelOptions
+
+    config = dataclasses.replace(get_preset(name), num_layers=2)
+    weights = random_weights(config, seed=64, dtype=torch.bfloat16, device=GPU, rng_device=GPU)
+    from megakernel.runtime.engine import MegakernelEngine
+
+    timeout_ns = 25_000_000
+    eng = MegakernelEngine(weights, 1, MAX_SEQ, block_size=BLOCK, device=GPU, options=KernelOptions(timeout_ns=timeout_ns))
+    sleep_cycles = int(4 * timeout_ns * 1e-9 * 1.98e9)     # at most the H200's 1.98 GHz: >= 4 timeouts
+    tok0 = torch.tensor([int(torch.randint(0, config.vocab_size, (1,), generator=torch.Generator().manual_seed(64)))],
+                        dtype=torch.int32)
+    table = contiguous_block_table(1, eng.layout.max_seq_len, BLOCK, GPU)
+
+    def run(background: bool) -> list[int]:
+        other = torch.cuda.Stream()
+        tok, out = tok0, []
+        for t in range(6):
+            if background:
+                torch.cuda.synchronize()
+                with torch.cuda.stream(other):
+                    torch.cuda._sleep(sleep_cycles)
+            tok = eng.step(tok, torch.tensor([t], dtype=torch.int32), table).clone()
+            out.append(int(tok[0]))
+        torch.cuda.synchronize()
+        return out
+
+    alone = run(False)
+    beside = run(True)
+    assert beside == alone, f"{name}: tokens {beside} with a kernel on a second stream, {alone} alone"
