@@ -97,13 +97,20 @@ def mbarrier_init_fence():
 
 
 @cute.jit
-def bulk_copy_g2s(dst: Int32, src: Int64, nbytes: Int32, mbar: Int32):
+def bulk_copy_g2s(dst: Int32, src: Int64, nbytes: Int32, mbar: Int32, policy: Int64):
     """One bulk copy of `nbytes` (a multiple of 16, both addresses 16-byte aligned) from global `src` to
-    shared `dst` by the copy engine; completion is counted in bytes on the mbarrier at `mbar`, which
-    the issuing thread armed with mbarrier_arrive_expect_tx for the same byte count."""
+    shared `dst` by the copy engine, read under the L2 cache policy `policy` (createpolicy); completion is
+    counted in bytes on the mbarrier at `mbar`, which the issuing thread armed with mbarrier_arrive_expect_tx
+    for the same byte count."""
     cute.arch.inline_ptx(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], {$r2}, [{$r3}];",
-        read_only_args=[dst, src, nbytes, mbar])
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [{$r0}], [{$r1}], {$r2}, "
+        "[{$r3}], {$r4};", read_only_args=[dst, src, nbytes, mbar, policy])
+
+
+@cute.jit
+def policy_evict_first() -> Int64:
+    """An L2 cache policy under which the lines read are the first evicted (data read once: the weights)."""
+    return cute.arch.inline_ptx("createpolicy.fractional.L2::evict_first.b64 {$w0}, 1.0;", write_only_types=[Int64])
 
 
 @cute.jit
@@ -172,6 +179,21 @@ def atomic_cas(addr: Int64, compare: Int32, value: Int32) -> Int32:
 @cute.jit
 def store_relaxed(addr: Int64, value: Int32):
     cute.arch.inline_ptx("st.relaxed.gpu.global.b32 [{$r0}], {$r1};", read_only_args=[addr, value])
+
+
+@cute.jit
+def load_relaxed(addr: Int64) -> Int32:
+    """A gpu-scope relaxed load: sees another CTA's store without the ordering of an acquire (the error word)."""
+    return cute.arch.inline_ptx("ld.relaxed.gpu.global.b32 {$w0}, [{$r0}];",
+                                write_only_types=[Int32], read_only_args=[addr])
+
+
+@cute.jit
+def store_system_nonzero(addr: Int64, value: Int32):
+    """A system-scope store of `value` where it is not 0 (predicated, no branch): to mapped host memory,
+    which the host reads without a device sync."""
+    cute.arch.inline_ptx("{ .reg .pred p; setp.ne.s32 p, {$r1}, 0; @p st.relaxed.sys.global.b32 [{$r0}], {$r1}; }",
+                         read_only_args=[addr, value])
 
 
 @cute.jit
