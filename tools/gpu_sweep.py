@@ -55,10 +55,14 @@ ROUNDS, STEPS = 5, 20
 CONTEXT = 32          # the timed step's position unless --context says otherwise
 HEADROOM = 64         # cache positions past the context beyond the timed replays (each advances the position)
 
+BLOCK = 16          # the engines' KV cache block size (MegakernelEngine's default)
+
 def cache_positions(context, rounds):
     """Positions the engines' caches hold: every timed replay's (each advances the position by one, from
-    `context`), plus HEADROOM for the warm-up and trace steps, at least 512."""
-    return max(512, context + rounds * STEPS + HEADROOM)
+    `context`), plus HEADROOM for the warm-up and trace steps, at least 512, in whole cache blocks (the engine
+    rounds its cache up to them, and the one packed copy of the weights must cover the rounded count)."""
+    n = max(512, context + rounds * STEPS + HEADROOM)
+    return -(-n // BLOCK) * BLOCK
 
 def capture(eng, start=32):
     """A CUDA graph of one step from position `start` (each replay decodes the next position: the kernel advances

@@ -82,6 +82,7 @@ def stage_probe(test: str) -> Probe:
 
 
 VM_PROBE = Probe("vm", (f"{VM}::test_vm_decoder_equals_reference_decoder",))
+FRAGMENT_PROBE = Probe("fragment-pack", ("tests/unit/test_fragment_pack.py",))
 SCHEDULE_PROBE = Probe("schedule", (SCHEDULE, "-k", "tiny_presets_fully or race_free"))
 E2E_CPU_PROBE = Probe("e2e-vm", (E2E, "-k", "test_vm_matches_transformers_generate and tiny"))
 GPU_STAGES_PROBE = Probe("gpu-stages", (f"{STAGES}::test_stages_on_gpu_match_reference",), gpu=True)
@@ -122,6 +123,7 @@ _MERGE_BODY = ("            v = s_wv[w * self.B + b]\n"
                "            if v > bv or (v == bv and vi < bi):")
 
 ATTN = "megakernel/instructions/attention.py"
+LAYOUT = "megakernel/instructions/layout.py"
 MATVEC = "megakernel/instructions/matvec_stages.py"
 CONTEXT = "megakernel/instructions/context.py"
 ARGMAX = "megakernel/instructions/argmax.py"
@@ -213,6 +215,16 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
                    "for t in range(t0, num_tiles, step):\n" + _SCAN_BODY.replace("vi < bi", "vi > bi")),
              Patch(K_TOKENS, "for w in range(self.warps):\n" + _MERGE_BODY,
                    "for w in range(self.warps):\n" + _MERGE_BODY.replace("vi < bi", "vi > bi"))))
+    + _pair("fragment_halves_swapped",
+            "fragment_pack nests a lane's 8-column halves and 16-column halves the other way round, so its registers "
+            "hold columns 2t+16, 2t+17 where 2t+8, 2t+9 belong",
+            (Patch(LAYOUT, "return v.permute(*range(n), n, n + 2, n + 1, n + 5, n + 3, n + 4, n + 6)",
+                   "return v.permute(*range(n), n, n + 2, n + 1, n + 5, n + 4, n + 3, n + 6)"),),
+            (FRAGMENT_PROBE, VM_PROBE),
+            (Patch(K_MATVEC, "d = mma_bf16_16816(a[q], a[q + 4], a[q + 1], a[q + 5], b01[part], b89[part],",
+                   "d = mma_bf16_16816(a[q], a[q + 1], a[q + 4], a[q + 5], b01[part], b89[part],"),),
+            "the MMA's A operand registers in the wrong order: the second 8-row block's registers where the first "
+            "block's columns k+8 belong")
     + [
        # the weight ring (megakernel/kernel/stream.py): device-only, no VM twin
        Mutation("ring_phase_flipped.kernel",

@@ -34,7 +34,9 @@ USAGE = "sanitize.py [--tools=memcheck,racecheck,synccheck,initcheck] [--steps=N
 
 _RECORD = re.compile(r"^========= (?!COMPUTE-SANITIZER|Target application returned)(?P<text>\S.*)$")
 _API = re.compile(r"Program hit .* on CUDA API call to (?P<call>\w+)")
-_SUMMARY = re.compile(r"^========= ERROR SUMMARY: (?P<n>\d+) errors?")
+# the closing count: "ERROR SUMMARY: N errors" (memcheck, synccheck, initcheck), "RACECHECK SUMMARY: N hazards
+# displayed (E errors, W warnings)" (racecheck: N, every hazard counts)
+_SUMMARY = re.compile(r"^========= (?:ERROR SUMMARY: (?P<n>\d+) errors?|RACECHECK SUMMARY: (?P<h>\d+) hazards?)")
 
 
 @dataclass
@@ -58,7 +60,7 @@ def report_errors(output: str) -> SanitizerReport:
     for line in output.splitlines():
         m = _SUMMARY.match(line)
         if m:
-            summary = int(m.group("n"))
+            summary = int(m.group("n") if m.group("n") is not None else m.group("h"))
             continue
         m = _RECORD.match(line)
         if not m:

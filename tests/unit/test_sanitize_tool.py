@@ -65,6 +65,30 @@ def test_report_tells_host_api_errors_from_kernel_errors(sanitize):
     assert sanitize.report_errors("no sanitizer here").summary is None
 
 
+RACECHECK_CLEAN = """\
+========= COMPUTE-SANITIZER
+workload: tiny-qwen3 batch 3: 3 steps, tokens [1, 2, 3]
+========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)
+"""
+
+RACECHECK_HAZARD = """\
+========= COMPUTE-SANITIZER
+========= Error: Race reported between Write access at kernel_cutlass_decode+0x200
+=========     and Read access at kernel_cutlass_decode+0x480 [32 hazards]
+=========
+========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)
+"""
+
+
+def test_racecheck_summary_is_its_count_not_a_record(sanitize):
+    """racecheck closes with its own summary line (the form a clean run printed on the H200, 2026-12-02)."""
+    clean = sanitize.report_errors(RACECHECK_CLEAN)
+    assert clean.summary == 0 and clean.kernel_errors == [] and clean.api_errors == {}
+    bad = sanitize.report_errors(RACECHECK_HAZARD)
+    assert bad.summary == 1 and bad.kernel_errors == ["Error: Race reported between Write access at "
+                                                      "kernel_cutlass_decode+0x200"]
+
+
 def test_bad_arguments_exit_2_before_any_gpu_work():
     for argv in (["--tools=memcheck,valgrind"], ["--steps=0"], ["--frobnicate"]):
         done = subprocess.run([sys.executable, str(REPO / "tools" / "sanitize.py"), *argv], capture_output=True,
