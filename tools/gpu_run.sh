@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU host: stage the CuTe DSL bundle, run the GPU test suite and the benchmarks,
-# and write every log under $OUT. Usage: bash tools/gpu_run.sh [tests|tests-par|bench|sanitizer|sweep|sweep-batch|vllm|smoke|all] [extra args]
+# and write every log under $OUT. Usage: bash tools/gpu_run.sh [tests|tests-par|bench|fuzz|sanitizer|sweep|sweep-batch|vllm|smoke|all] [extra args]
 set -uo pipefail
 source tools/gpu_env.sh
 what=${1:-all}; shift || true
@@ -20,6 +20,13 @@ case "$what" in
     for f in "$OUT"/tests_stages.log "$OUT"/tests_e2e.log "$OUT"/tests_rest.log; do
       echo "== $f"; tail -n 15 "$f"; done ;;
   bench) python3 -m pytest -m perf -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/perf.log" ;;
+  fuzz)
+    # the fuzz hypothesis profile (random seeds) over the GPU stage property tests, sized to end within a call:
+    # MEGAKERNEL_FUZZ_EXAMPLES examples per test (default 12; each new shape compiles a kernel). Every test's
+    # output, its hypothesis statistics (examples run) included, goes to the log as it runs.
+    MEGAKERNEL_FUZZ_EXAMPLES=${MEGAKERNEL_FUZZ_EXAMPLES:-12} HYPOTHESIS_PROFILE=fuzz python3 -m pytest -s -v \
+        -p no:cacheprovider -m "gpu and not perf" tests/unit/test_stages.py -k match_reference \
+        --hypothesis-show-statistics "$@" 2>&1 | grep -v Warn | tee "$OUT/fuzz.log" ;;
   sanitizer) python3 tools/sanitize.py "$@" 2>&1 | tee "$OUT/sanitizer.log" ;;
   vllm)
     # after `source tools/vllm_bundle.sh stage` (docs/vllm.md); one preset's parity per call (~4 min):

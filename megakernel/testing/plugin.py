@@ -47,6 +47,9 @@ HYPOTHESIS_PROFILES = {
     "dev": {"max_examples": 50},
     "fuzz": {"max_examples": 5000},
 }
+# examples per test of the fuzz profile where this is set: on the GPU every example with a new shape compiles
+# a kernel (seconds each), so a fuzz run that must end within a device call sizes itself (tools/gpu_run.sh fuzz)
+FUZZ_EXAMPLES_ENV = "MEGAKERNEL_FUZZ_EXAMPLES"
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,6 +95,8 @@ def register_hypothesis_profiles() -> None:
     # by itself where CI is set, and a "fuzz" run must not inherit derandomize from that).
     base = settings.get_profile("default")
     for name, kw in HYPOTHESIS_PROFILES.items():
+        if name == "fuzz" and os.environ.get(FUZZ_EXAMPLES_ENV):
+            kw = {**kw, "max_examples": int(os.environ[FUZZ_EXAMPLES_ENV])}
         # Kernel-sized examples are slow and vary in time: no deadline, and no too_slow health check.
         settings.register_profile(name, parent=base, deadline=None, print_blob=True,
                                   suppress_health_check=[HealthCheck.too_slow], **kw)

@@ -149,6 +149,20 @@ def test_profile():
     result.assert_outcomes(passed=1)
 
 
+def test_fuzz_examples_are_sized_by_the_environment(pytester, monkeypatch, keep_hypothesis_profile):
+    """tools/gpu_run.sh fuzz sizes the fuzz profile to a device call; the other profiles keep their counts."""
+    monkeypatch.setenv("HYPOTHESIS_PROFILE", "fuzz")
+    monkeypatch.setenv(plugin.FUZZ_EXAMPLES_ENV, "12")
+    pytester.makepyfile(test_profile='''
+from hypothesis import settings
+def test_profile():
+    assert settings.default.max_examples == 12 and settings.default.derandomize is False
+    assert settings.get_profile("ci").max_examples == 10
+''')
+    result = pytester.runpytest(*_plugin_args())
+    result.assert_outcomes(passed=1)
+
+
 def test_unknown_profile_is_a_usage_error(pytester, monkeypatch, keep_hypothesis_profile):
     monkeypatch.setenv("HYPOTHESIS_PROFILE", "nightly")
     pytester.makepyfile(test_x="def test_x(): pass")
