@@ -596,9 +596,10 @@ class MegakernelDecode:
                 continue
             try:
                 eng.check()          # the device word: the error's details (one sync, on the error path only)
-                err: Exception = RuntimeError(f"megakernel: error code {code} in the host flag, not on the device")
             except Exception as exc:   # noqa: BLE001 (MegakernelError, or a CUDA error)
-                err = exc
+                err: Exception = exc
+            else:
+                err = RuntimeError(f"megakernel: error code {code} in the host flag, not on the device")
             self._disable(f"the kernel reported an error: {err}")
             raise err
 

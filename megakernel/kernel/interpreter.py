@@ -286,7 +286,6 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
                 store_relaxed(sync + 4, Int32(0))
                 store_relaxed(sync, s_ctrl[0] + 1)
 
-
     @cute.jit
     def consume(self, tidx: Int32, warp: Int32, lane: Int32, sm: Int32, s_queue: cute.Tensor, ring: Int32,
                 full: Int32, empty: Int32, counters: Int64, error: Int64, trace: Int64, p, s):

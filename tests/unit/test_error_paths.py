@@ -53,6 +53,16 @@ def _assert_unchanged(before: dict, eng, what: str) -> None:
         assert torch.equal(t.nan_to_num(7.0), before[name].nan_to_num(7.0)), f"{what}: {name} was written"
 
 
+def _assert_later_launches_change_nothing(eng, launch, what: str) -> None:
+    """Three launches (`launch()`: the bare launch or a graph replay) after a failed step run no instruction:
+    nothing a launch may write changes."""
+    failed = _state(eng)
+    for _ in range(3):
+        launch()
+    torch.cuda.synchronize()
+    _assert_unchanged(failed, eng, what)
+
+
 def _check_step(weights, eng, tokens, positions, what: str) -> None:
     """One checked step against the float32 reference on the cache as it is before the step."""
     from megakernel.model.reference import ReferenceDecoder
@@ -92,11 +102,7 @@ def test_a_step_with_a_bad_position_writes_no_slot_of_its_sequence_and_later_lau
     assert eng.error_flag() is None        # (the next launch copies the code to host memory)
 
     # launches before the host acknowledges the error run no instruction: nothing changes, nothing waits
-    failed = _state(eng)
-    for _ in range(3):
-        eng.launch()
-    torch.cuda.synchronize()
-    _assert_unchanged(failed, eng, "a launch after the failed step")
+    _assert_later_launches_change_nothing(eng, eng.launch, "a launch after the failed step")
     assert eng.error_flag() == ERR_POSITION, eng.host_error.tolist()
     assert int(eng.bufs.error[0]) == ERR_POSITION
 
@@ -129,11 +135,7 @@ def test_a_wait_that_times_out_aborts_the_step_and_the_engine_recovers_after_che
     eng.launch()
     torch.cuda.synchronize()
     assert int(eng.bufs.error[0]) == ERR_TIMEOUT, eng.bufs.error.tolist()
-    failed = _state(eng)
-    for _ in range(3):
-        eng.launch()
-    torch.cuda.synchronize()
-    _assert_unchanged(failed, eng, "a launch after the timed-out step")
+    _assert_later_launches_change_nothing(eng, eng.launch, "a launch after the timed-out step")
     assert eng.error_flag() == ERR_TIMEOUT
     table.copy_(saved)
     with pytest.raises(MegakernelError, match="timed out waiting on counter"):
@@ -162,11 +164,7 @@ def test_graph_replays_after_a_failed_step_write_nothing_and_the_host_flag_repor
     eng.bufs.positions.fill_(MAX_SEQ + 1)          # a bad input reaches a replay
     graph.replay()
     torch.cuda.synchronize()
-    failed = _state(eng)
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    _assert_unchanged(failed, eng, "a replay after the failed one")
+    _assert_later_launches_change_nothing(eng, graph.replay, "a replay after the failed one")
     assert eng.error_flag() == ERR_POSITION, eng.host_error.tolist()
 
 
