@@ -87,6 +87,7 @@ SCHEDULE_PROBE = Probe("schedule", (SCHEDULE, "-k", "tiny_presets_fully or race_
 E2E_CPU_PROBE = Probe("e2e-vm", (E2E, "-k", "test_vm_matches_transformers_generate and tiny"))
 GPU_STAGES_PROBE = Probe("gpu-stages", (f"{STAGES}::test_stages_on_gpu_match_reference",), gpu=True)
 GPU_E2E_PROBE = Probe("gpu-e2e", (E2E, "-m", "gpu"), gpu=True)
+GPU_ALIAS_PROBE = Probe("gpu-aliasing", ("tests/unit/test_error_paths.py", "-k", "aliasing"), gpu=True)
 
 CPU_PROBES_ATTENTION = (stage_probe("test_attention_partial_and_reduce_stages"), VM_PROBE, E2E_CPU_PROBE)
 GPU_PROBES = (GPU_STAGES_PROBE, GPU_E2E_PROBE)
@@ -225,7 +226,16 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
                    "d = mma_bf16_16816(a[q], a[q + 1], a[q + 4], a[q + 5], b01[part], b89[part],"),),
             "the MMA's A operand registers in the wrong order: the second 8-row block's registers where the first "
             "block's columns k+8 belong")
-    + [
+    + [Mutation("aliasing_shared_append_allowed",
+                "the aliasing rule (aliased_appends) lets two sequences append to one KV slot (only reads are checked)",
+                (Patch(LAYOUT, "            if o != b and writes[o] == writes[b]:", "            if False:"),),
+                (Probe("vm-aliasing", (VM, "-k", "alias or scratch")),)),
+       Mutation("aliasing_shared_append_allowed.kernel",
+                "the kernel's aliasing scan (scan_aliasing) lets two sequences append to one KV slot (only reads "
+                "are checked)",
+                (Patch(K_ATTN, "if entry == blk[b] and (t < pt or (t == pt and o != b)):",
+                       "if entry == blk[b] and t < pt:"),),
+                (GPU_ALIAS_PROBE,), kernel=True),
        # the weight ring (megakernel/kernel/stream.py): device-only, no VM twin
        Mutation("ring_phase_flipped.kernel",
                 "consumers wait for the weight slot's full barrier with the parity of its previous use, so they read "
@@ -686,7 +696,10 @@ def main(argv=None) -> int:
 
         def one(m: Mutation) -> MutationResult:
             r = run_mutation(m, snapshot, tmp, guard_dir, args, plan.get(m.name, ()), original_cubins)
-            print(f"{m.name}: {r.result} ({r.seconds:.0f} s)", file=sys.stderr, flush=True)
+            # each row as it ends, with what every probe gave (a run cut short keeps these lines)
+            probes = ", ".join(f"{p.label} {p.outcome}" for p in r.probes)
+            print(f"{m.name}: {r.result} ({r.seconds:.0f} s){': ' + probes if probes else ''}", file=sys.stderr,
+                  flush=True)
             return r
 
         with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:

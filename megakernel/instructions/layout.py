@@ -49,6 +49,8 @@ class StepLayout:
     fuse_attn_reduce: bool | None = None   # None: wherever the matvec input is staged (stages_input)
     slab_staging: bool = False             # stage inputs wider than X_STAGE_BYTES in column slabs
     fold_embed: bool = False               # layer 0's QKV stages embed[token] itself (embed_folded)
+    scratch_block: int = -1                # a cache block no sequence reads (vLLM's null block 0, where its padded
+                                           # rows append): appends there are exempt from the aliasing rule; -1 none
 
     @property
     def max_seq_len(self) -> int:
@@ -116,6 +118,8 @@ class StepLayout:
                              f"{SMEM_LIMIT})")
         if self.block_size < 1 or self.max_blocks_per_seq < 1:
             raise ValueError(f"block_size={self.block_size} and max_blocks_per_seq={self.max_blocks_per_seq} must be >= 1")
+        if self.scratch_block < -1:
+            raise ValueError(f"scratch_block={self.scratch_block} must be a block id (>= 0) or -1 (none)")
 
 
 def default_kv_splits(config: ModelConfig, batch: int, num_sms: int, max_seq_len: int = 4096) -> int:
@@ -158,33 +162,47 @@ def validate_step_inputs(layout: StepLayout, tokens, positions, block_table=None
         bt_cpu = bt.cpu()
         if num_blocks is not None and (int(bt_cpu.min()) < 0 or int(bt_cpu.max()) >= num_blocks):
             raise ValueError(f"block_table entries must be in [0, {num_blocks})")
-        check_block_aliasing(bt_cpu, p_cpu, layout.block_size)
+        # (the DeepSeek and Kimi Linear layouts, which share this check, have no scratch block)
+        check_block_aliasing(bt_cpu, p_cpu, layout.block_size, getattr(layout, "scratch_block", -1))
 
 
-def check_block_aliasing(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> None:
-    """ValueError where a step's KV append (the slot of position pos[b] in sequence b's table) lands on a
-    slot that an attention of the same step reads (a position < pos[o] of any sequence o, through its
-    table) or that another sequence appends to. Blocks shared read-only between sequences (prefix
-    sharing) are fine."""
+def aliased_appends(block_table: torch.Tensor, positions: torch.Tensor, block_size: int,
+                    scratch_block: int = -1) -> dict[int, str]:
+    """The sequences whose KV append this step (the slot of position pos[b] in b's table) lands on a slot that an
+    attention of the same step reads (a position < pos[o] of any sequence o, through o's table) or that another
+    sequence appends to: {b: why}. Blocks shared read-only between sequences (prefix sharing) are fine; appends
+    into `scratch_block` (a block no sequence reads, e.g. vLLM's null block) are exempt. The kernel applies the
+    same rule itself (attention's scan_aliasing): those sequences' K/V are not written and the step fails."""
     bt, pos = block_table.cpu().long(), positions.cpu().long()
     B = bt.shape[0]
 
     def slot(b: int, t: torch.Tensor) -> torch.Tensor:
         return bt[b, t // block_size] * block_size + t % block_size
 
-    writes = torch.stack([slot(b, pos[b:b + 1])[0] for b in range(B)])
+    writes = [int(slot(b, pos[b:b + 1])[0]) for b in range(B)]
+    out: dict[int, str] = {}
     for b in range(B):
+        blk, off = divmod(writes[b], block_size)
+        if blk == scratch_block:
+            continue
         for o in range(B):
             if o != b and writes[o] == writes[b]:
-                raise ValueError(f"sequences {o} and {b} both append their token to KV slot {int(writes[b]) % block_size}"
-                                 f" of block {int(writes[b]) // block_size}: check the block_table")
-        read = slot(b, torch.arange(int(pos[b])))
-        hit = torch.isin(writes, read)
-        if hit.any():
-            o = int(torch.nonzero(hit)[0])
-            raise ValueError(f"the KV slot sequence {o} appends to at position {int(pos[o])} (block "
-                             f"{int(writes[o]) // block_size}) is one sequence {b} reads in the same step: the "
-                             f"block_table maps two positions to one slot")
+                out.setdefault(b, f"sequences {o} and {b} both append their token to KV slot {off} of block {blk}: "
+                                  f"check the block_table")
+            if writes[b] in slot(o, torch.arange(int(pos[o]))).tolist():
+                out.setdefault(b, f"the KV slot sequence {b} appends to at position {int(pos[b])} (block {blk}) is "
+                                  f"one sequence {o} reads in the same step: the block_table maps two positions to "
+                                  f"one slot")
+    return out
+
+
+def check_block_aliasing(block_table: torch.Tensor, positions: torch.Tensor, block_size: int,
+                         scratch_block: int = -1) -> None:
+    """ValueError naming the first sequence of aliased_appends (a KV append onto a slot the step reads or another
+    sequence appends to)."""
+    bad = aliased_appends(block_table, positions, block_size, scratch_block)
+    if bad:
+        raise ValueError(bad[min(bad)])
 
 
 @dataclass

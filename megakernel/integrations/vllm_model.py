@@ -17,7 +17,8 @@ block_table[b, pos // block_size], offset pos % block_size: the slot vLLM's slot
 
 Padded rows (CUDA-graph padding: slot_mapping == -1) get token 0, position 0 and an all-zero block
 table row: block 0 is vLLM's null block, never given to a request, so what the kernel writes there
-is harmless.
+is harmless; the engines name it their scratch block, so the kernel's aliasing check (several padded
+rows append to its slot 0) lets those appends through.
 
 CUDA graphs: the forward uses only vLLM's persistent buffers (input ids, positions, block table,
 slot mapping) and preallocated engine buffers, with no host sync, so vLLM captures it whole in
@@ -490,8 +491,9 @@ class MegakernelDecode:
             _log_once(f"no engine for batch {bucket} at CUDA graph capture")
             return None
         k_list, v_list, geom = self.kv
+        # (scratch_block: the padded rows all append to the null block, which the kernel's aliasing check exempts)
         kw = engine_kwargs(self.engine_cls, packed_weights=self.packed, own_kv_cache=False, lm_head=False,
-                           **self.layout_kw)
+                           scratch_block=0, **self.layout_kw)
         if self.packed is None:
             kw.pop("packed_weights", None)
         elif self.packed.rope_cos.shape[0] < rope_positions(self.max_seq_len, geom.block_size):

@@ -3,7 +3,7 @@ input staging uses where the layout folds ATTN_REDUCE into it.
 
 The records, split ranges and torch references are in megakernel.instructions.attention. ATTN_PARTIAL:
   A. the group's query heads and the new token's k, v (QK-norm, RoPE) into shared memory; the last split
-     appends k, v to the paged cache;
+     appends k, v to the paged cache unless that breaks the aliasing rule (`scan_aliasing`, once a step);
   B. an online softmax over the split's cached tokens (the new token last): a split of at most as many
      tokens as warps one token per warp, each warp's copied to shared memory by cp.async before the
      instruction's wait (`attn_preload`: the cache's history is a step input, nothing this step writes);
@@ -32,6 +32,8 @@ STREAM_ELEMS = 4           # streamed pass: elements of a token's k (and v) per 
 STREAM_UNROLL = {1: 2, 4: 2}
 LOG2E = 1.4426950408889634
 ERR_POSITION = 2
+ERR_ALIAS = 5           # a new token's KV slot is one this step reads or another sequence appends to
+ALIAS_UNROLL = 4        # block-table entries per thread whose loads the aliasing scan issues together
 
 
 class AttentionStage:
@@ -95,19 +97,77 @@ class AttentionStage:
             vv[2 * w], vv[2 * w + 1] = unpack_bf16x2(load_shared_b32(src + self.D * 2 + w * 4))
 
     @cute.jit
+    def scan_aliasing(self, tidx: Int32, p, s):
+        """s.alias[b] = 1 for every sequence b whose new token (position pos[b], its slot through b's table) would
+        overwrite a slot this step reads (a position < pos[o] of any sequence o, through o's table) or one another
+        sequence appends to: check_block_aliasing's rule, which the last split of b's attention then enforces (it
+        writes no K/V and reports ERR_ALIAS), on every path that launches. Block table and positions are step
+        inputs, so the consumers run it once per step, before their first instruction (while the first weight
+        slots land); the thread's share of the table entries that the rule reads (pos[o] // block_size + 1 of
+        sequence o), ALIAS_UNROLL loads in flight together. A position outside the cache reads and appends nothing
+        (attention reports it); appends into the layout's scratch block (vLLM's null block, where its padded rows
+        write) are exempt. s.alias starts zeroed; a thread only ever writes 1 there."""
+        B, bs, MB = self.B, self.bs, self.max_blocks
+        s_alias = s.alias
+        po = cute.make_rmem_tensor((B,), Int32)
+        nb = cute.make_rmem_tensor((B,), Int32)      # table entries of sequence o that the rule reads
+        blk = cute.make_rmem_tensor((B,), Int32)     # the block sequence o appends into (-1: checks nothing)
+        total = Int32(0)
+        for o in cutlass.range_constexpr(B):
+            po[o] = ld_i32(p.positions + o * 4)
+            nb[o] = Int32(0)
+            blk[o] = Int32(-1)
+            if po[o] >= 0 and po[o] < self.max_seq_len:
+                nb[o] = po[o] // bs + 1
+                blk[o] = ld_i32(p.block_table + (Int64(o) * MB + Int64(po[o] // bs)) * 4)
+                if blk[o] == self.scratch_block:
+                    blk[o] = Int32(-1)
+            total = total + nb[o]
+        per_round = ALIAS_UNROLL * self.cthreads
+        for r in range((total + per_round - 1) // per_round):
+            for u in cutlass.range_constexpr(ALIAS_UNROLL):
+                idx = tidx + (r * ALIAS_UNROLL + u) * self.cthreads
+                if idx < total:
+                    # entry idx of the concatenated lists: sequence o's entry j
+                    o = Int32(0)
+                    j = idx
+                    pt = po[0]
+                    start = nb[0]
+                    for q in cutlass.range_constexpr(1, B):
+                        if idx >= start:
+                            o = Int32(q)
+                            j = idx - start
+                            pt = po[q]
+                        start = start + nb[q]
+                    entry = ld_i32(p.block_table + (Int64(o) * MB + Int64(j)) * 4)
+                    for b in cutlass.range_constexpr(B):
+                        t = j * bs + po[b] % bs     # o's position that this entry maps to b's append slot
+                        if entry == blk[b] and (t < pt or (t == pt and o != b)):
+                            s_alias[b] = Int32(1)
+
+    @cute.jit
     def attn_partial(self, tidx: Int32, warp: Int32, lane: Int32, layer: Int32, b: Int32, kvh: Int32,
                      split: Int32, num_splits: Int32, index: Int32, p, s):
+        """The instruction's phases A-C (the module docstring); s.alias[b] = 1 (scan_aliasing): the last split
+        writes no K/V and reports ERR_ALIAS."""
         s_kv, s_l, s_m, s_o, s_q = s.kv, s.l, s.m, s.o, s.q
         D, E, G, half = self.D, self.E, self.G, self.D // 2
         pos = ld_i32(p.positions + Int64(b) * 4)
         bad = pos < 0 or pos >= self.max_seq_len
-        if bad:
-            if tidx == 0:
-                if atomic_cas(p.error, Int32(0), Int32(ERR_POSITION)) == 0:
-                    store_relaxed(p.error + 4, index)
-                    store_relaxed(p.error + 12, pos)
-            pos = Int32(0)
         last = split == num_splits - 1
+        aliased = s.alias[b]
+        # one report for both errors (a second atomic's block cost spilled registers)
+        code = Int32(0)
+        if aliased != 0 and last:
+            code = Int32(ERR_ALIAS)
+        if bad:
+            code = Int32(ERR_POSITION)
+        if code != 0 and tidx == 0:
+            if atomic_cas(p.error, Int32(0), code) == 0:
+                store_relaxed(p.error + 4, index)        # (the instruction names the sequence)
+                store_relaxed(p.error + 12, pos)
+        if bad:
+            pos = Int32(0)
         row = p.qkv + (Int64(layer) * self.B + Int64(b)) * (self.QKV * 4)
         # the layer's K and V base addresses (a device table, so a bound cache can move without a
         # recompile or a new CUDA graph); element offset of (block, offset, kv head) from the strides
@@ -159,8 +219,9 @@ class AttentionStage:
                 for e in cutlass.range_constexpr(E):
                     rv = round_bf16(vals[e])
                     s_kv[(hh - G) * D + lane * E + e] = rv
-                    if last and not bad:
-                        # (a step with a bad position writes no cache slot: the error is raised, the cache kept)
+                    if last and not bad and aliased == 0:
+                        # (a step with a bad position or an aliased slot writes no cache slot: the error is
+                        # raised, the cache kept)
                         st_bf16(cache + (slot + Int64(lane * E + e)) * 2, rv)
         self.consumer_sync()
 

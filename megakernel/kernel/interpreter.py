@@ -6,7 +6,9 @@ A CTA's warps:
   - the producer (the last warp, megakernel.kernel.stream) walks the whole queue at once and bulk-copies
     every matvec tile into a ring of shared-memory slots, throttled only by free slots: weights never wait
     for activations, so HBM streams through every dependency hop;
-  - the consumers (warps 0 .. warps - 1) run the instructions in order. Per instruction:
+  - the consumers (warps 0 .. warps - 1) run the instructions in order. Before the first, they check once
+    per step which sequences' new KV slots alias a slot of the step (scan_aliasing: block table and
+    positions are step inputs). Per instruction:
       1. ATTN_PARTIAL copies its first cached token per warp by cp.async (the cache's history is an input);
       2. thread 0 spins (ld.acquire.gpu, bounded by globaltimer) until the counter it waits on reaches its
          epoch-relative target; a timeout writes the error word and aborts the CTA's queue, and so does an
@@ -42,7 +44,7 @@ from ..instructions.layout import StepLayout
 from ..instructions.opcodes import Opcode
 from ..instructions.record import (W_A0, W_A1, W_A2, W_A3, W_INDEX, W_LAYER, W_OPCODE, W_SIGNAL_ID,
                                    W_WAIT_COUNT, W_WAIT_ID, WORDS)
-from .attention import ERR_POSITION, LOG2E, AttentionStage  # noqa: F401  (error codes re-exported)
+from .attention import ERR_ALIAS, ERR_POSITION, LOG2E, AttentionStage  # noqa: F401  (error codes re-exported)
 from .matvec import MatvecStage
 from .ptx import (atomic_add_acq_rel, atomic_cas, cp_async_wait_all, globaltimer_lo, ld_i32, load_acquire,
                   load_relaxed, mbarrier_init, mbarrier_init_fence, red_release_add, st_i32, store_relaxed,
@@ -52,7 +54,8 @@ from .stream import TR_BEGIN, TR_CONSUMED, TR_END, TR_LANDED_FIRST, TR_LANDED_LA
 from .tokens import ERR_TOKEN, TokenStages  # noqa: F401
 
 # Error codes written to error[0] (the first error wins): 1 a counter wait timed out, 2 a position past the
-# cache (attention), 3 a token outside the vocabulary (tokens), 4 a weight-ring wait timed out (stream).
+# cache (attention), 3 a token outside the vocabulary (tokens), 4 a weight-ring wait timed out (stream), 5 a
+# new token's KV slot that the step also reads or another sequence appends to (attention).
 ERR_TIMEOUT = 1
 ERROR_POLL = 16          # a counter wait reads the error word every this many polls
 
@@ -111,6 +114,7 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
         # [num_blocks, block_size, Hkv, D] by default, vLLM's interleaved K|V layout when bound to it
         self.kv_sb, self.kv_st, self.kv_sh = kv_strides or (self.bs * self.Hkv * self.D, self.Hkv * self.D, self.D)
         self.max_seq_len = layout.max_seq_len
+        self.scratch_block = layout.scratch_block   # -1: none (appends there skip the aliasing check)
         self.T = lm_tiles
         self.num_counters = num_counters
         self.eps = float(c.rms_norm_eps)
@@ -132,8 +136,8 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
         ones every stage may use, the matvec stages' and the attention stage's. The last two share one region
         (no instruction uses both, and a barrier ends every instruction), so the ring gets what either leaves."""
         W, G, D, B = self.warps, self.G, self.D, self.B
-        return {"common": {"ctrl": 4, "red": 8, "ired": 8, "wv": W * max(8, B), "wi": W * max(8, B), "rstd": 8,
-                           "queue": self.max_queue_len * WORDS},
+        return {"common": {"ctrl": 4, "alias": max(8, B), "red": 8, "ired": 8, "wv": W * max(8, B),
+                           "wi": W * max(8, B), "rstd": 8, "queue": self.max_queue_len * WORDS},
                 "matvec": {"part": self.plan.part_floats, "x": self.plan.x_floats},
                 "attention": {"q": G * D, "kv": 2 * D, "m": W * G, "l": W * G, "o": W * G * D, "pre": W * D}}
 
@@ -223,7 +227,7 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
                    lm_idx=lm_idx, out_tokens=out_tokens, error=error, kv_table=kv_table)
 
         smem = cutlass.utils.SmemAllocator()
-        types = {"wi": Int32, "ired": Int32, "ctrl": Int32, "queue": Int32}
+        types = {"wi": Int32, "ired": Int32, "ctrl": Int32, "alias": Int32, "queue": Int32}
         groups = self.scratch_words()
         bufs = {name: smem.allocate_tensor(types.get(name, cutlass.Float32), cute.make_layout((words,)),
                                            byte_alignment=16)
@@ -254,6 +258,9 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
             s_ctrl[0] = ld_i32(sync)
             s_ctrl[1] = Int32(0)
             s_ctrl[3] = Int32(0)
+        s_alias = bufs["alias"]          # per sequence: 1 where its new KV slot aliases (scan_aliasing)
+        for b in range(tidx, self.B, self.threads):
+            s_alias[b] = Int32(0)
         n = ld_i32(lengths + Int64(sm) * 4)
         failed = ld_i32(error)
         if failed != 0:
@@ -291,6 +298,7 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
                 full: Int32, empty: Int32, counters: Int64, error: Int64, trace: Int64, p, s):
         """The consumer warps' loop over the queue (the module docstring's steps 1-4)."""
         s_ctrl = s.ctrl
+        self.scan_aliasing(tidx, p, s)    # (read by attention after the barrier of its wait)
         k_slot = Int32(0)        # weight slots this CTA's consumers have taken from the ring so far
         i = Int32(0)
         # Loop state in shared memory, not registers: s_ctrl[2] the queue length, s_ctrl[3] the stop flag.

@@ -4,8 +4,12 @@
 can be captured in a CUDA graph; the kernel advances tokens/positions itself, so replaying the graph
 decodes the next token. `step()` is the checked user path: it validates inputs before the launch
 (including that no sequence's KV append lands on a cache slot the same step reads), and reads the
-error word after it. An engine with its own cache starts with the contiguous block table (sequence b
-owns blocks b*n .. b*n+n-1), so a bare `launch()` (benchmarks, graph capture) is a valid step.
+error word after it. The kernel checks that aliasing rule itself too, on every path (launch(), graph
+replays, vLLM): a step whose append would overwrite a slot it reads or another sequence appends to writes
+no K/V for that token and reports ERR_ALIAS. `scratch_block=` names a block no sequence reads (vLLM's null
+block 0, where its padded rows append), exempt from the rule. An engine with its own cache starts with
+the contiguous block table (sequence b owns blocks b*n .. b*n+n-1), so a bare `launch()` (benchmarks,
+graph capture) is a valid step.
 
 Layout options (profiles/RESULTS.md has the sweeps behind the defaults): `fold_embed=True` (the
 default since 2026-11-30) folds the embedding into layer 0's QKV (`StepLayout.embed_folded`): those
@@ -39,7 +43,7 @@ from ..instructions.layout import (KERNEL_CAPABILITY, MAX_BATCH, PackedWeights, 
                                    pack_weights, validate_packed_weights, validate_step_inputs)
 from ..instructions.opcodes import Opcode
 from ..instructions.record import serialize
-from ..kernel.interpreter import ARG_NAMES, ERR_POSITION, ERR_RING, ERR_TIMEOUT, ERR_TOKEN, KernelOptions
+from ..kernel.interpreter import ARG_NAMES, ERR_ALIAS, ERR_POSITION, ERR_RING, ERR_TIMEOUT, ERR_TOKEN, KernelOptions
 from ..kernel.stream import (TR_BEGIN, TR_CONSUMED, TR_END, TR_ISSUED_FIRST, TR_ISSUED_LAST, TR_LANDED_FIRST,
                              TR_LANDED_LAST, TR_OP, TR_READY, TR_STAGED, TRACE_WORDS)
 from ..model.kv_cache import contiguous_block_table
@@ -72,6 +76,11 @@ class ErrorWord:
                     f"{self.value}): the producer and consumers disagree on the slot sequence")
         if self.code == ERR_TOKEN:
             return f"{what}: token id {self.value} is outside the vocabulary"
+        if self.code == ERR_ALIAS:
+            seq = f"sequence {ins.a0}" if ins else "a sequence"
+            return (f"{what}: the KV slot of {seq}'s new token (position {self.value}) is one that "
+                    f"this step also reads or that another sequence appends to: the block table maps two positions "
+                    f"to one slot; that token's K/V was not written")
         return f"unknown error code {self.code} at {what}"
 
 
@@ -88,6 +97,7 @@ class MegakernelEngine:
                  num_blocks: int | None = None, num_sms: int | None = None, policy: str = "balanced",
                  kv_splits: int | None = None, options: KernelOptions = KernelOptions(),
                  fuse_attn_reduce: bool | None = None, slab_staging: bool = True, fold_embed: bool = True,
+                 scratch_block: int = -1,
                  device: str | torch.device = "cuda",
                  own_kv_cache: bool = True, packed_weights: PackedWeights | None = None, lm_head: bool = True):
         config = weights.config
@@ -114,7 +124,8 @@ class MegakernelEngine:
         self.layout = StepLayout(config=config, batch=batch,
                                  kv_splits=kv_splits or default_kv_splits(config, batch, num_sms, blocks_per_seq * block_size),
                                  block_size=block_size, max_blocks_per_seq=blocks_per_seq, num_sms=num_sms,
-                                 fuse_attn_reduce=fuse_attn_reduce, slab_staging=slab_staging, fold_embed=fold_embed)
+                                 fuse_attn_reduce=fuse_attn_reduce, slab_staging=slab_staging, fold_embed=fold_embed,
+                                 scratch_block=scratch_block)
         self.layout.validate()
         self.program = build_program(self.layout, lm_head=lm_head)
         self.queues = assign(self.program, policy)

@@ -202,3 +202,102 @@ def test_steps_with_another_kernel_holding_an_sm_wait_for_it_and_give_the_same_t
     alone = run(False)
     beside = run(True)
     assert beside == alone, f"{name}: tokens {beside} with a kernel on a second stream, {alone} alone"
+
+
+def _block_table(batch: int, blocks_per_seq: int, positions: torch.Tensor, gen: torch.Generator, copy: bool):
+    """A random permutation of the engine's blocks (no two positions share a slot); with `copy`, the entry of one
+    sequence's new position replaced by an entry at or below some sequence's position (its own or another's):
+    that aliases when the copied block holds a slot the step reads or appends to, as aliased_appends decides."""
+    n = batch * blocks_per_seq
+    table = torch.randperm(n, generator=gen).view(batch, blocks_per_seq).int()
+    if copy:
+        b, o = (int(v) for v in torch.randint(0, batch, (2,), generator=gen))
+        jo = int(torch.randint(0, int(positions[o]) // BLOCK + 1, (1,), generator=gen))
+        table[b, int(positions[b]) // BLOCK] = table[o, jo].clone()
+    return table
+
+
+@pytest.mark.parametrize("batch", (3, 4))
+def test_the_kernel_enforces_the_aliasing_rule_on_the_unchecked_path(batch):
+    """launch() (no host check: graph replays and vLLM take this path) on random block tables, half of them with
+    a copied entry: the kernel fails the step with ERR_ALIAS exactly when aliased_appends names a sequence, writes
+    none of those sequences' new K/V while the others' appends land, and a table that does not alias gives the
+    float32 reference's logits on that same table."""
+    from megakernel.instructions.layout import aliased_appends
+    from megakernel.kernel.interpreter import ERR_ALIAS
+    from megakernel.model.reference import ReferenceDecoder
+    from megakernel.runtime.engine import MegakernelError
+
+    weights, eng = _engine("tiny-llama", batch, seed=65 + batch)
+    c, mb = weights.config, eng.layout.max_blocks_per_seq
+    gen = torch.Generator().manual_seed(65 + batch)
+    outcomes = []
+    for case in range(12):
+        tokens = torch.randint(0, c.vocab_size, (batch,), generator=gen).int()
+        positions = torch.randint(0, MAX_SEQ, (batch,), generator=gen).int()
+        table = _block_table(batch, mb, positions, gen, copy=case % 2 == 1)
+        bad = aliased_appends(table, positions, BLOCK)
+        outcomes.append(bool(bad))
+        what = f"batch {batch} case {case}: positions {positions.tolist()}, table {table.tolist()}, aliased {sorted(bad)}"
+        cache = PagedKVCache(k=eng.k_cache.clone(), v=eng.v_cache.clone(), block_size=BLOCK)
+        before = _state(eng)
+        eng.bufs.poison()
+        eng.bufs.tokens.copy_(tokens)
+        eng.bufs.positions.copy_(positions)
+        eng.bufs.block_table.copy_(table)
+        eng.launch()
+        torch.cuda.synchronize()
+        code = int(eng.bufs.error[0])
+        if bad:
+            assert code == ERR_ALIAS, f"{what}: error word {eng.bufs.error.tolist()}"
+            for name in ("k_cache", "v_cache"):
+                after, mask = getattr(eng, name), torch.ones_like(before[name], dtype=torch.bool)
+                for b in set(range(batch)) - set(bad):       # the sequences whose appends may land
+                    mask[:, int(table[b, int(positions[b]) // BLOCK]), int(positions[b]) % BLOCK] = False
+                assert torch.equal(after[mask].nan_to_num(7.0), before[name][mask].nan_to_num(7.0)), \
+                    f"{what}: {name} written outside the appends of the sequences that do not alias"
+            with pytest.raises(MegakernelError, match="maps two positions to one slot"):
+                eng.check()
+        else:
+            assert code == 0, f"{what}: error word {eng.bufs.error.tolist()} on a table that does not alias"
+            ref = ReferenceDecoder(weights).step(tokens.to(GPU), positions.to(GPU), cache, table.long().to(GPU))
+            assert_close(eng.logits, ref, torch.bfloat16, context=what)
+    assert outcomes.count(True) >= 2 and outcomes.count(False) >= 2, f"batch {batch}: outcomes {outcomes}"
+
+
+def test_padded_rows_that_append_to_the_scratch_block_pass_the_kernels_aliasing_rule():
+    """vLLM's CUDA-graph padding: rows at position 0 with an all-zero table row all append to slot 0 of block 0.
+    An engine whose scratch block is 0 runs the step (the real rows match the float32 reference); the same table
+    on an engine without one fails with ERR_ALIAS and leaves the real rows' appends in place."""
+    from megakernel.kernel.interpreter import ERR_ALIAS
+    from megakernel.model.reference import ReferenceDecoder
+    from megakernel.runtime.engine import MegakernelError
+
+    gen = torch.Generator().manual_seed(67)
+    for scratch in (0, -1):
+        weights, eng = _engine("tiny-llama", 4, seed=67, scratch_block=scratch)
+        c, mb = weights.config, eng.layout.max_blocks_per_seq
+        table = torch.zeros(4, mb, dtype=torch.int32)
+        table[:2] = 1 + torch.randperm(eng.num_blocks - 1, generator=gen)[:2 * mb].view(2, mb).int()
+        positions = torch.tensor([int(torch.randint(1, MAX_SEQ, (1,), generator=gen)) for _ in range(2)] + [0, 0],
+                                 dtype=torch.int32)
+        tokens = torch.randint(0, c.vocab_size, (4,), generator=gen).int()
+        cache = PagedKVCache(k=eng.k_cache.clone(), v=eng.v_cache.clone(), block_size=BLOCK)
+        eng.bufs.poison()
+        eng.bufs.tokens.copy_(tokens)
+        eng.bufs.positions.copy_(positions)
+        eng.bufs.block_table.copy_(table)
+        eng.launch()
+        torch.cuda.synchronize()
+        what = f"scratch_block={scratch}: positions {positions.tolist()}"
+        if scratch == 0:
+            eng.check()
+            ref = ReferenceDecoder(weights).step(tokens.to(GPU), positions.to(GPU), cache, table.long().to(GPU))
+            assert_close(eng.logits[:2], ref[:2], torch.bfloat16, context=what)
+        else:
+            assert int(eng.bufs.error[0]) == ERR_ALIAS, f"{what}: {eng.bufs.error.tolist()}"
+            for b in range(2):
+                blk, off = int(table[b, int(positions[b]) // BLOCK]), int(positions[b]) % BLOCK
+                assert not torch.equal(eng.k_cache[:, blk, off], cache.k[:, blk, off]), f"{what}: row {b}'s k not written"
+            with pytest.raises(MegakernelError, match="maps two positions to one slot"):
+                eng.check()

@@ -535,9 +535,10 @@ class FakeEngine:
     built: list["FakeEngine"] = []
 
     def __init__(self, weights, batch, max_seq_len, *, block_size=16, device="cpu", own_kv_cache=True,
-                 lm_head=True):
+                 lm_head=True, scratch_block=-1):
         c = weights.config
-        self.weights, self.batch, self.options = weights, batch, dict(own_kv_cache=own_kv_cache, lm_head=lm_head)
+        self.weights, self.batch = weights, batch
+        self.options = dict(own_kv_cache=own_kv_cache, lm_head=lm_head, scratch_block=scratch_block)
         i32 = dict(dtype=torch.int32)
         self.bufs = SimpleNamespace(tokens=torch.full((batch,), -5, **i32), positions=torch.full((batch,), -5, **i32),
                                     block_table=torch.full((batch, -(-max_seq_len // block_size)), -5, **i32),
@@ -598,7 +599,8 @@ def test_adapter_decode_batch_runs_one_engine_launch(n, bucket, seed):
     ctx_s = f"n={n} seed={seed}"
     assert out is not None and out.shape == (n, cfg.hidden_size) and out.dtype == torch.bfloat16, ctx_s
     [eng] = FakeEngine.built
-    assert eng.batch == bucket and eng.launches == 1 and eng.options == dict(own_kv_cache=False, lm_head=False)
+    assert eng.batch == bucket and eng.launches == 1 and eng.options == dict(own_kv_cache=False, lm_head=False,
+                                                                     scratch_block=0)
     k, v = eng.bound
     assert len(k) == len(v) == cfg.num_layers
     tok = torch.where(valid, ids, 0)

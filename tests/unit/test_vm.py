@@ -195,6 +195,35 @@ def test_block_tables_whose_append_aliases_a_read_slot_raise(name, table, positi
     assert bool((vm.ctx.bufs.logits == 7.0).all()), f"{name}: the step ran before the table was refused"
 
 
+def test_appends_into_the_scratch_block_are_exempt_from_the_aliasing_rule():
+    """vLLM's padded rows: position 0 and an all-zero table row, so they all append to slot 0 of block 0, which no
+    sequence reads. Named as the layout's scratch block, those appends pass; without it they are refused; and a real
+    sequence's append onto a slot it reads is refused either way (aliased_appends names it, and only it)."""
+    from megakernel.instructions.layout import aliased_appends, check_block_aliasing
+
+    table = contiguous_block_table(4, 32, 8) + 1             # blocks 1..16: block 0 is nobody's
+    table[2:] = 0                                            # rows 2 and 3 are padding
+    pos = torch.tensor([11, 30, 0, 0])
+    assert aliased_appends(table, pos, 8, scratch_block=0) == {}
+    check_block_aliasing(table, pos, 8, scratch_block=0)
+    assert set(aliased_appends(table, pos, 8)) == {2, 3}
+    with pytest.raises(ValueError, match="both append their token to KV slot 0 of block 0"):
+        check_block_aliasing(table, pos, 8)
+    table[0, 1] = table[0, 0]                                # sequence 0's position 11 lands on its position 3
+    assert set(aliased_appends(table, pos, 8, scratch_block=0)) == {0}
+    with pytest.raises(ValueError, match="sequence 0 appends to at position 11"):
+        check_block_aliasing(table, pos, 8, scratch_block=0)
+
+
+def test_a_layout_refuses_a_negative_scratch_block():
+    from megakernel.instructions.layout import StepLayout
+
+    layout = StepLayout(config=get_preset("tiny-llama"), batch=1, kv_splits=1, block_size=16, max_blocks_per_seq=2,
+                        num_sms=4, scratch_block=-2)
+    with pytest.raises(ValueError, match="scratch_block=-2"):
+        layout.validate()
+
+
 def test_prefix_shared_full_blocks_are_accepted():
     """Two sequences may share full blocks they only read (prefix sharing); each appends in its own block."""
     weights = random_weights(get_preset("tiny-llama"), seed=9, dtype=torch.float32)
