@@ -7,6 +7,7 @@ from __future__ import annotations
 from . import argmax, attention, embed, matvec_stages
 from .deepseek import DEEPSEEK_STAGE_MODULES
 from .kimi_linear import KIMI_LINEAR_STAGE_MODULES
+from .tensor_parallel import TP_STAGE_MODULES
 from .opcodes import Opcode, Stage
 from .record import WORDS, Instruction, deserialize, serialize
 
@@ -22,6 +23,7 @@ STAGE_MODULES = {
     Opcode.ARGMAX: argmax,
     **DEEPSEEK_STAGE_MODULES,
     **KIMI_LINEAR_STAGE_MODULES,
+    **TP_STAGE_MODULES,
 }
 
 __all__ = ["Opcode", "Stage", "Instruction", "WORDS", "serialize", "deserialize", "STAGE_MODULES"]

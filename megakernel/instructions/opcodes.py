@@ -35,6 +35,11 @@ class Opcode(IntEnum):
     KDA_PROJ = 23        # rows of the fused [q | k | v | f_a | g_a | beta] projection . rmsnorm(x[l])
     KDA_STATE = 24       # one (sequence, head group): short conv, l2norm, decay + delta rule on the state
     KDA_OUT_NORM = 25    # rows of Wo . (rmsnorm(o) * sigmoid(gate)) + residual
+    # Tensor parallel (dense models, several GPUs); stage modules in megakernel/instructions/tensor_parallel/
+    TP_O_PROJ = 26       # rows of this rank's partial Wo . attn, stored into every rank's receive slot
+    TP_DOWN = 27         # rows of this rank's partial Wdown . act, stored into every rank's receive slot
+    TP_REDUCE = 28       # rows: residual + the received partials summed in rank order -> h[l] or x[l+1]
+    TP_LM_HEAD = 29      # rows of this rank's vocabulary; the tile's (max, argmax) into every rank's slot
 
 
 # Counter stages, one counter per (layer, stage): a producer adds 1 per finished instruction,
