@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, fields
 
 import pytest
@@ -41,6 +42,7 @@ from megakernel.model.config import ModelConfig
 from megakernel.model.weights import ModelWeights, random_weights
 from megakernel.schedule import build_program
 from megakernel.schedule.dag import StepProgram
+from megakernel.testing.plugin import FUZZ_EXAMPLES_ENV
 from megakernel.testing.strategies import DecodeShape, StageCase, layout_requests, stage_cases
 from megakernel.testing.tolerances import assert_close, tolerance_for
 
@@ -51,9 +53,10 @@ CPU_CASES = stage_cases(max_hidden=1024, max_intermediate=1024, max_heads=16, ma
 GPU_CASES = stage_cases(max_hidden=4096, max_intermediate=8192, max_heads=64, max_batch=8, max_blocks=32,
                         max_vocab=8192, max_splits=16)
 CPU_SMS = st.sampled_from((1, 7, 132))   # 1 SM: one tile per stage; 132: the H200's ragged small tiles
-# Each GPU example compiles a kernel (~3 s): keep the GPU run short unless a long profile was asked for.
-GPU_EXAMPLES = max(1, min(settings.default.max_examples, 12)) if settings.default.max_examples < 1000 \
-    else settings.default.max_examples
+# Each GPU example compiles a kernel (~3 s): keep the GPU run short unless a long profile was asked for (the fuzz
+# profile, sized by MEGAKERNEL_FUZZ_EXAMPLES or not).
+GPU_EXAMPLES = settings.default.max_examples if settings.default.max_examples >= 1000 or os.environ.get(FUZZ_EXAMPLES_ENV) \
+    else max(1, min(settings.default.max_examples, 12))
 
 GPU = "cuda"
 F32 = torch.float32
@@ -674,6 +677,7 @@ def test_stages_on_gpu_match_reference_with_long_splits(case):
 
 def run_gpu_stages(case: StageCase, expect_slabs: bool = False, **engine_kw) -> None:
     bench, engine = _gpu_bench(case, **engine_kw)
+    print(f"[gpu stages] {bench.what()}", flush=True)     # (shown with -s: a fuzz run's progress, example by example)
     if expect_slabs:
         from megakernel.kernel.stream import StreamPlan
 
