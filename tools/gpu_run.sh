@@ -39,9 +39,10 @@ case "$what" in
     # the layout variants the perf log compares; each sweep checks its variants' logits against the first,
     # then traces the first (per stage: wait, work, and when the producer warp issued the weight slots)
     S="python3 tools/gpu_sweep.py"
-    { $S llama-3.2-1b 1 default: noembed:fold_embed=0 reduce:fuse=0
-      $S qwen3-0.6b 1 default: noembed:fold_embed=0 --no-trace
-      $S llama-3.1-8b 1 default: noembed:fold_embed=0 --no-trace
+    { $S llama-3.2-1b 1 default: heads:qkv_by_head=1 noembed:fold_embed=0 reduce:fuse=0
+      $S qwen3-0.6b 1 default: heads:qkv_by_head=1 --no-trace
+      $S llama-3.1-8b 1 default: heads:qkv_by_head=1 --no-trace
+      $S llama-3.2-1b 8 default: heads:qkv_by_head=1 --no-trace
       $S llama-2-7b 1 default: --no-trace
     } 2>&1 | grep -v Warn | tee "$OUT/sweep.log" ;;
   sweep-batch)

@@ -173,17 +173,23 @@ class AttentionStage:
         # recompile or a new CUDA graph); element offset of (block, offset, kv head) from the strides
         k_base = ld_i64(p.kv_table + Int64(layer) * 16)
         v_base = ld_i64(p.kv_table + Int64(layer) * 16 + 8)
-        slot = self.cached_token(b, kvh, pos, p.block_table)
+        # the new token's cache block: loaded now, its slot address computed where the last split appends, so
+        # the load's round trip runs beside phase A's instead of before it
+        blk = ld_i32(p.block_table + (Int64(b) * self.max_blocks + Int64(pos // self.bs)) * 4)
 
         # ---- phase A: q heads of the group, then k, then v of the new token -> smem
         for hh in range(warp, G + 2, self.warps):
+            # where the q of head hh (hh < G), the k (G) or the v (G + 1) of this kv head start in the qkv row
             off = Int32(0)
-            if hh < G:
-                off = (kvh * G + hh) * D
-            if hh == G:
-                off = Int32(self.Q) + kvh * D
-            if hh == G + 1:
-                off = Int32(self.Q + self.KV) + kvh * D
+            if cutlass.const_expr(self.layout.qkv_by_head):
+                off = (kvh * (G + 2) + hh) * D
+            else:
+                if hh < G:
+                    off = (kvh * G + hh) * D
+                if hh == G:
+                    off = Int32(self.Q) + kvh * D
+                if hh == G + 1:
+                    off = Int32(self.Q + self.KV) + kvh * D
             vals = cute.make_rmem_tensor((E,), Float32)
             for e in cutlass.range_constexpr(E):
                 vals[e] = ld_f32(row + Int64(off + lane * E + e) * 4)
@@ -222,6 +228,7 @@ class AttentionStage:
                     if last and not bad and aliased == 0:
                         # (a step with a bad position or an aliased slot writes no cache slot: the error is
                         # raised, the cache kept)
+                        slot = Int64(blk) * self.kv_sb + Int64(pos % self.bs) * self.kv_st + Int64(kvh) * self.kv_sh
                         st_bf16(cache + (slot + Int64(lane * E + e)) * 2, rv)
         self.consumer_sync()
 
