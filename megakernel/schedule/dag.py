@@ -2,7 +2,8 @@
 on one counter (the stage it reads from) and signalling the counter of its own stage.
 
 Every edge is a (layer, stage) counter: a consumer waits until all instructions of the producing
-stage have signalled. Release/acquire chains make that transitive, so an instruction sees every
+stage have signalled (with StepLayout.qkv_by_head, attention waits on a (layer, kv head) counter: the QKV
+tiles of its own head). Release/acquire chains make that transitive, so an instruction sees every
 store that happened before the stage it waits on (e.g. O_PROJ reads x[l], written by DOWN of layer
 l-1, two stages before the ATTN_REDUCE it waits for). Where the layout stages matvec inputs in shared
 memory, O_PROJ waits on ATTN_PARTIAL directly and merges the splits itself (`StepLayout.fused_reduce`).
