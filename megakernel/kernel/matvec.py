@@ -23,9 +23,9 @@ from cutlass import Boolean, Float32, Int32, Int64
 
 from ..instructions.layout import ROW_GROUP
 from ..instructions.opcodes import Opcode
-from .ptx import (ex2, globaltimer_lo, ld_f32, ld_i32, ld_shared_f32x2, load_f32x4, load_shared_raw,
-                  load_weights_bf16x4, mbarrier_arrive, mma_bf16_16816, rsqrt, split_bf16x2, st_f32, st_i32,
-                  warp_max_index, warp_sum)
+from .ptx import (ex2, globaltimer_lo, ld_f32, ld_i32, ld_shared_f32x2, load_f32x4, load_nc_b32x2,
+                  load_shared_raw, load_weights_bf16x4, mbarrier_arrive, mma_bf16_16816, rsqrt, split_bf16x2, st_f32,
+                  st_i32, unpack_bf16x2, warp_max_index, warp_sum)
 from .stream import (ITEM_ROWS, SLOT_BYTES, TR_CONSUMED, TR_LANDED_FIRST, TR_LANDED_LAST, TR_STAGED, X_PAD,
                      item_cols)
 
@@ -387,30 +387,48 @@ class MatvecStage:
                             tok = Int32(0)            # EMBED reports it in the error word
                         rows[b] = p.w_embed + Int64(tok) * (self.H * 2)
             for q0 in range(tidx, kw // 4, self.cthreads * U):
+                # every load of the round first (raw words: nothing uses a value before the last load is out),
+                # so the round is one memory round trip; then the products, sums and stores
+                nw = cute.make_rmem_tensor((U * 2,), Int32)           # the norm weights' packed bf16
+                xv = cute.make_rmem_tensor((U * B * 4,), Float32)     # the input quads
+                for i in cutlass.range_constexpr(U * 2):
+                    nw[i] = Int32(0)
+                for i in cutlass.range_constexpr(U * B * 4):
+                    xv[i] = Float32(0.0)
                 for v in cutlass.range_constexpr(U):
                     q = q0 + v * self.cthreads
                     if q < kw // 4:
                         k = s0 + q * 4
-                        nv = load_weights_bf16x4(norm_addr + Int64(k) * 2)
+                        nw[2 * v], nw[2 * v + 1] = load_nc_b32x2(norm_addr + Int64(k) * 2)
                         for b in cutlass.range_constexpr(B):
-                            xv = cute.make_rmem_tensor((4,), Float32)
+                            j = v * B + b
                             if cutlass.const_expr(self.layout.embed_folded):
                                 if from_embed:
+                                    # (layer 0's embedding row, unpacked as it lands: the step's first stage)
                                     xe = load_weights_bf16x4(rows[b] + Int64(k) * 2)
                                     for e in cutlass.range_constexpr(4):
-                                        xv[e] = xe[e]
+                                        xv[4 * j + e] = xe[e]
                                 else:
                                     xg = load_f32x4(rows[b] + Int64(k) * 4)
                                     for e in cutlass.range_constexpr(4):
-                                        xv[e] = xg[e]
+                                        xv[4 * j + e] = xg[e]
                             else:
                                 xg = load_f32x4(rows[b] + Int64(k) * 4)
                                 for e in cutlass.range_constexpr(4):
-                                    xv[e] = xg[e]
+                                    xv[4 * j + e] = xg[e]
+                for v in cutlass.range_constexpr(U):
+                    q = q0 + v * self.cthreads
+                    if q < kw // 4:
+                        nv = cute.make_rmem_tensor((4,), Float32)
+                        nv[0], nv[1] = unpack_bf16x2(nw[2 * v])
+                        nv[2], nv[3] = unpack_bf16x2(nw[2 * v + 1])
+                        for b in cutlass.range_constexpr(B):
+                            j = v * B + b
                             for e in cutlass.range_constexpr(4):
+                                x = xv[4 * j + e]
                                 if gather:
-                                    ss[b] = ss[b] + xv[e] * xv[e]
-                                s_x[b * stride + q * 4 + e] = xv[e] * nv[e]
+                                    ss[b] = ss[b] + x * x
+                                s_x[b * stride + q * 4 + e] = x * nv[e]
 
     @cute.jit
     def stage_merged_attention(self, tidx: Int32, layer: Int32, p, s, s0: Int32,

@@ -285,6 +285,14 @@ def load_weights_bf16x4(addr: Int64):
 
 
 @cute.jit
+def load_nc_b32x2(addr: Int64):
+    """Two raw 32-bit words at an 8-byte aligned address by the read-only path (4 packed bf16 of a weight
+    row, unpacked with unpack_bf16x2 where they are used, so that loads can go out together first)."""
+    return cute.arch.inline_ptx("ld.global.nc.v2.b32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Int32] * 2,
+                                read_only_args=[addr])
+
+
+@cute.jit
 def globaltimer_lo() -> Int32:
     return Int32(cute.arch.globaltimer() & Int64(0x7FFFFFFF))
 
