@@ -442,40 +442,58 @@ class MatvecStage:
         S, D = self.S, self.D
         GB = (MERGE_PAIRS if self.warps <= 8 else MERGE_PAIRS // 2) // S   # sequences per round (0: more splits
                                                                             # than a round holds)
-        for q in range(tidx, kw // 4, self.cthreads):
-            k = s0 + q * 4
+        # quads per thread per round: two where one round's loads of both fit the registers (batch 1, at most 4
+        # splits: the widest input, 2048 columns, is 512 quads over 480 threads), their loads out together
+        UQ = 2 if GB > 0 and self.B * S <= 4 else 1
+        for q0 in range(tidx, kw // 4, self.cthreads * UQ):
             if cutlass.const_expr(GB == 0):
+                q = q0
+                k = s0 + q * 4
                 for b in cutlass.range_constexpr(self.B):
                     xv = cute.make_rmem_tensor((4,), Float32)
                     self.merge_quad(layer, b, k, p.attn_part_o, p.attn_part_lse, xv)
                     for e in cutlass.range_constexpr(4):
                         s_x[b * stride + q * 4 + e] = xv[e]
             else:
-                head = k // D
-                d = k - head * D
                 for b0 in cutlass.range_constexpr(0, self.B, GB):
                     nb = min(GB, self.B - b0)
-                    lse = cute.make_rmem_tensor((nb * S,), Float32)
-                    ov = cute.make_rmem_tensor((nb * S * 4,), Float32)
-                    for bb in cutlass.range_constexpr(nb):
-                        base = ((Int64(layer) * self.B + Int64(b0 + bb)) * self.Hq + Int64(head)) * S
-                        for sp in cutlass.range_constexpr(S):
-                            lse[bb * S + sp] = ld_f32(p.attn_part_lse + (base + sp) * 4)
-                            o4 = load_f32x4(p.attn_part_o + ((base + sp) * D + Int64(d)) * 4)
-                            for e in cutlass.range_constexpr(4):
-                                ov[(bb * S + sp) * 4 + e] = o4[e]
-                    for bb in cutlass.range_constexpr(nb):
-                        mx = lse[bb * S]
-                        for sp in cutlass.range_constexpr(1, S):
-                            mx = cute.arch.fmax(mx, lse[bb * S + sp])
-                        tot = Float32(0.0)
-                        acc = cute.make_rmem_tensor((4,), Float32)
+                    n = nb * S                       # (sequence, split) pairs of a quad
+                    lse = cute.make_rmem_tensor((UQ * n,), Float32)
+                    ov = cute.make_rmem_tensor((UQ * n * 4,), Float32)
+                    for i in cutlass.range_constexpr(UQ * n):
+                        lse[i] = Float32(0.0)
                         for e in cutlass.range_constexpr(4):
-                            acc[e] = Float32(0.0)
-                        for sp in cutlass.range_constexpr(S):
-                            f = ex2((lse[bb * S + sp] - mx) * Float32(LOG2E))
-                            tot = tot + f
-                            for e in cutlass.range_constexpr(4):
-                                acc[e] = acc[e] + f * ov[(bb * S + sp) * 4 + e]
-                        for e in cutlass.range_constexpr(4):
-                            s_x[(b0 + bb) * stride + q * 4 + e] = acc[e] / tot
+                            ov[i * 4 + e] = Float32(0.0)
+                    for u in cutlass.range_constexpr(UQ):        # every load of the round first
+                        qu = q0 + u * self.cthreads
+                        if qu < kw // 4:
+                            ku = s0 + qu * 4
+                            head = ku // D
+                            d = ku - head * D
+                            for bb in cutlass.range_constexpr(nb):
+                                base = ((Int64(layer) * self.B + Int64(b0 + bb)) * self.Hq + Int64(head)) * S
+                                for sp in cutlass.range_constexpr(S):
+                                    i = u * n + bb * S + sp
+                                    lse[i] = ld_f32(p.attn_part_lse + (base + sp) * 4)
+                                    o4 = load_f32x4(p.attn_part_o + ((base + sp) * D + Int64(d)) * 4)
+                                    for e in cutlass.range_constexpr(4):
+                                        ov[i * 4 + e] = o4[e]
+                    for u in cutlass.range_constexpr(UQ):
+                        qu = q0 + u * self.cthreads
+                        if qu < kw // 4:
+                            for bb in cutlass.range_constexpr(nb):
+                                i0 = u * n + bb * S
+                                mx = lse[i0]
+                                for sp in cutlass.range_constexpr(1, S):
+                                    mx = cute.arch.fmax(mx, lse[i0 + sp])
+                                tot = Float32(0.0)
+                                acc = cute.make_rmem_tensor((4,), Float32)
+                                for e in cutlass.range_constexpr(4):
+                                    acc[e] = Float32(0.0)
+                                for sp in cutlass.range_constexpr(S):
+                                    f = ex2((lse[i0 + sp] - mx) * Float32(LOG2E))
+                                    tot = tot + f
+                                    for e in cutlass.range_constexpr(4):
+                                        acc[e] = acc[e] + f * ov[(i0 + sp) * 4 + e]
+                                for e in cutlass.range_constexpr(4):
+                                    s_x[(b0 + bb) * stride + qu * 4 + e] = acc[e] / tot

@@ -35,10 +35,12 @@ REAL_CASES = [(name, batch) for name in REAL_PRESETS for batch in BATCHES]
 
 
 @functools.lru_cache(maxsize=None)
-def compiled(name: str, batch: int, slab_staging: bool = True, qkv_by_head: bool = False) -> dict:
-    """PTX, SASS and resource usage of the kernel for a preset at a batch size (compiled once per module)."""
+def compiled(name: str, batch: int, slab_staging: bool = True, qkv_by_head: bool = False,
+             split_seq_len: int = 4096) -> dict:
+    """PTX, SASS and resource usage of the kernel for a preset at a batch size (compiled once per module), its KV
+    splits those the engine picks for a cache of split_seq_len positions."""
     config = get_preset(name)
-    layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, NUM_SMS),
+    layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, NUM_SMS, split_seq_len),
                         block_size=BLOCK_SIZE, max_blocks_per_seq=MAX_SEQ_LEN // BLOCK_SIZE, num_sms=NUM_SMS,
                         slab_staging=slab_staging, qkv_by_head=qkv_by_head)
     program = build_program(layout)
@@ -165,3 +167,17 @@ def test_qkv_by_head_compiles_without_spills(name, batch):
     assert art["spills"] == 0 and art["usage"].get("frame_bytes", 0) == 0, \
         f"{what}: local-memory loads/stores in the SASS"
     assert art["sass"] != compiled(name, batch)["sass"], f"{what}: the same code as the default layout's"
+
+
+# A short cache (the perf suite's 32-token context: a 256-position cache) gets 4 KV splits where the cases above
+# get 16 at batch 1; O_PROJ's merge then loads two quads per thread per round.
+SHORT_CASES = [(name, batch) for name in REAL_PRESETS for batch in (1, 2)]
+
+
+@pytest.mark.parametrize("name,batch", SHORT_CASES)
+def test_short_cache_layouts_compile_without_spills(name, batch):
+    art = compiled(name, batch, split_seq_len=256)
+    what = _what(name, batch, art) + f" splits={art['device_code'].S}"
+    assert art["device_code"].S < compiled(name, batch)["device_code"].S, what
+    assert art["spills"] == 0 and art["usage"].get("frame_bytes", 0) == 0, \
+        f"{what}: local-memory loads/stores in the SASS"
