@@ -56,6 +56,11 @@ class AttentionStage:
         """Element offset, in a layer's K (or V) cache, of sequence b's position t, kv head kvh: its block
         from the block table, then the cache's strides."""
         tb = ld_i32(block_table + (Int64(b) * self.max_blocks + Int64(t // self.bs)) * 4)
+        return self.token_offset(tb, kvh, t)
+
+    @cute.jit
+    def token_offset(self, tb: Int32, kvh: Int32, t: Int32) -> Int64:
+        """Element offset of position t (in block tb), kv head kvh, in a layer's K (or V) cache: the strides."""
         return Int64(tb) * self.kv_sb + Int64(t % self.bs) * self.kv_st + Int64(kvh) * self.kv_sh
 
     @cute.jit
@@ -228,8 +233,7 @@ class AttentionStage:
                     if last and not bad and aliased == 0:
                         # (a step with a bad position or an aliased slot writes no cache slot: the error is
                         # raised, the cache kept)
-                        slot = Int64(blk) * self.kv_sb + Int64(pos % self.bs) * self.kv_st + Int64(kvh) * self.kv_sh
-                        st_bf16(cache + (slot + Int64(lane * E + e)) * 2, rv)
+                        st_bf16(cache + (self.token_offset(blk, kvh, pos) + Int64(lane * E + e)) * 2, rv)
         self.consumer_sync()
 
         lo, hi = self.split_bounds(pos, split, num_splits)

@@ -115,9 +115,8 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
         if folded and l == 0:
             # layer 0's QKV stages embed[token] itself: no wait; a3 = 1 marks the embedding input
             counts = qkv_stage(l, (NO_COUNTER, 0), a3=1)
-            counts[0] += 1
-            if not by_head:
-                counts = [counts[0]] * Hkv
+            # EMBED's signal: on kv head 0's counter, or on the one every head waits on
+            counts = [n + (1 if h == 0 or not by_head else 0) for h, n in enumerate(counts)]
         else:
             counts = qkv_stage(l, prev, a3=0)
         for b in range(B):

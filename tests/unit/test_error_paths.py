@@ -204,6 +204,16 @@ def test_steps_with_another_kernel_holding_an_sm_wait_for_it_and_give_the_same_t
     assert beside == alone, f"{name}: tokens {beside} with a kernel on a second stream, {alone} alone"
 
 
+def _launch_unchecked(eng, tokens, positions, table) -> None:
+    """Outputs poisoned, the step inputs copied in and one bare launch (no host check), finished."""
+    eng.bufs.poison()
+    eng.bufs.tokens.copy_(tokens)
+    eng.bufs.positions.copy_(positions)
+    eng.bufs.block_table.copy_(table)
+    eng.launch()
+    torch.cuda.synchronize()
+
+
 def _block_table(batch: int, blocks_per_seq: int, positions: torch.Tensor, gen: torch.Generator, copy: bool):
     """A random permutation of the engine's blocks (no two positions share a slot); with `copy`, the entry of one
     sequence's new position replaced by an entry at or below some sequence's position (its own or another's):
@@ -241,12 +251,7 @@ def test_the_kernel_enforces_the_aliasing_rule_on_the_unchecked_path(batch):
         what = f"batch {batch} case {case}: positions {positions.tolist()}, table {table.tolist()}, aliased {sorted(bad)}"
         cache = PagedKVCache(k=eng.k_cache.clone(), v=eng.v_cache.clone(), block_size=BLOCK)
         before = _state(eng)
-        eng.bufs.poison()
-        eng.bufs.tokens.copy_(tokens)
-        eng.bufs.positions.copy_(positions)
-        eng.bufs.block_table.copy_(table)
-        eng.launch()
-        torch.cuda.synchronize()
+        _launch_unchecked(eng, tokens, positions, table)
         code = int(eng.bufs.error[0])
         if bad:
             assert code == ERR_ALIAS, f"{what}: error word {eng.bufs.error.tolist()}"
@@ -283,12 +288,7 @@ def test_padded_rows_that_append_to_the_scratch_block_pass_the_kernels_aliasing_
                                  dtype=torch.int32)
         tokens = torch.randint(0, c.vocab_size, (4,), generator=gen).int()
         cache = PagedKVCache(k=eng.k_cache.clone(), v=eng.v_cache.clone(), block_size=BLOCK)
-        eng.bufs.poison()
-        eng.bufs.tokens.copy_(tokens)
-        eng.bufs.positions.copy_(positions)
-        eng.bufs.block_table.copy_(table)
-        eng.launch()
-        torch.cuda.synchronize()
+        _launch_unchecked(eng, tokens, positions, table)
         what = f"scratch_block={scratch}: positions {positions.tolist()}"
         if scratch == 0:
             eng.check()

@@ -221,11 +221,16 @@ def test_tiny_presets_fully(name, batch, fuse, fold):
         program = _program(name, batch, num_sms, fuse=fuse, fold=fold)
         assert program.layout.fused_reduce == (fuse is None), _what(program)
         assert program.layout.embed_folded == fold, _what(program)
-        check_program(program)
-        races = find_races(program)
-        assert races == [], f"{_what(program)}: {races}"
-        for policy in POLICIES:
-            check_queues(program, assign(program, policy), policy)
+        check_fully(program)
+
+
+def check_fully(program: StepProgram) -> None:
+    """The program's checks, the race check, and every policy's queues."""
+    check_program(program)
+    races = find_races(program)
+    assert races == [], f"{_what(program)}: {races}"
+    for policy in POLICIES:
+        check_queues(program, assign(program, policy), policy)
 
 
 @pytest.mark.parametrize("batch", BATCHES)
@@ -279,12 +284,8 @@ def _head_waits(program: StepProgram) -> None:
 def test_qkv_by_head_programs_wait_per_kv_head_and_are_race_free(name, batch, fuse, fold):
     for num_sms in (NUM_SMS, FEW_SMS):
         program = _program(name, batch, num_sms, fuse=fuse, fold=fold, by_head=True)
-        check_program(program)
+        check_fully(program)
         _head_waits(program)
-        races = find_races(program)
-        assert races == [], f"{_what(program)}: {races}"
-        for policy in POLICIES:
-            check_queues(program, assign(program, policy), policy)
 
 
 @pytest.mark.parametrize("name", REAL_PRESETS)
