@@ -30,19 +30,21 @@ case "$what" in
   sanitizer) python3 tools/sanitize.py "$@" 2>&1 | tee "$OUT/sanitizer.log" ;;
   vllm)
     # after `source tools/vllm_bundle.sh stage` (docs/vllm.md); one preset's parity per call (~4 min):
-    # bash tools/gpu_run.sh vllm llama-3.2-1b, then bash tools/gpu_run.sh vllm qwen3-0.6b
+    # bash tools/gpu_run.sh vllm llama-3.2-1b, then bash tools/gpu_run.sh vllm qwen3-0.6b (each also runs
+    # tests/e2e/test_vllm_error_path.py: a kernel error inside vLLM's serving loop, ~2 min)
     preset=${1:-llama-3.2-1b}; shift || true
     { python3 -m pytest -m vllm -q -p no:cacheprovider -rs tests/unit/test_vllm_plugin.py "$@"
       python3 -m pytest -m vllm -q -p no:cacheprovider -rs tests/e2e/test_vllm_parity.py -k "$preset" "$@"
+      python3 -m pytest -m vllm -q -p no:cacheprovider -rs tests/e2e/test_vllm_error_path.py "$@"
     } 2>&1 | tee "$OUT/vllm_tests_$preset.log" ;;
   sweep)
     # the layout variants the perf log compares; each sweep checks its variants' logits against the first,
     # then traces the first (per stage: wait, work, and when the producer warp issued the weight slots)
     S="python3 tools/gpu_sweep.py"
-    { $S llama-3.2-1b 1 default: heads:qkv_by_head=1 noembed:fold_embed=0 reduce:fuse=0
-      $S qwen3-0.6b 1 default: heads:qkv_by_head=1 --no-trace
-      $S llama-3.1-8b 1 default: heads:qkv_by_head=1 --no-trace
-      $S llama-3.2-1b 8 default: heads:qkv_by_head=1 --no-trace
+    { $S llama-3.2-1b 1 default: noembed:fold_embed=0 reduce:fuse=0
+      $S qwen3-0.6b 1 default: --no-trace
+      $S llama-3.1-8b 1 default: --no-trace
+      $S llama-3.2-1b 8 default: --no-trace
       $S llama-2-7b 1 default: --no-trace
     } 2>&1 | grep -v Warn | tee "$OUT/sweep.log" ;;
   sweep-batch)

@@ -165,7 +165,7 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
                    "res_addr = p.x + (l64 * (B * H) + Int64(a0)) * 4\n            has_res = Boolean(False)"),))
     + _pair("gqa_kv_head_interleaved",
             "GQA mapping: query head h attends with kv head h % num_kv_heads instead of h // group",
-            (Patch(ATTN, "q = row[q0:q0 + g * d].view(g, d)",
+            (Patch(ATTN, "q = row[kvh * g * d:(kvh + 1) * g * d].view(g, d)",
                    "q = row[:c.q_size].view(g, c.num_kv_heads, d)[:, kvh]"),),
             CPU_PROBES_ATTENTION,
             (Patch(K_ATTN, "off = (kvh * G + hh) * D", "off = (hh * self.Hkv + kvh) * D"),))
@@ -176,8 +176,7 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
             (Patch(K_INTERP, "self.scale_log2 = LOG2E / math.sqrt(self.D)", "self.scale_log2 = LOG2E / self.D"),))
     + _pair("missing_wait",
             "DAG builder: ATTN_PARTIAL no longer waits for its layer's QKV stage",
-            (Patch(DAG, "wait_id=qkv_head_counter(L, Hkv, l, kvh) if by_head else counter_id(l, Stage.QKV),\n"
-                        "                        wait_count=counts[kvh],",
+            (Patch(DAG, "wait_id=counter_id(l, Stage.QKV), wait_count=n,",
                    "wait_id=NO_COUNTER, wait_count=0,"),),
             (Probe("schedule", (SCHEDULE, "-k", "tiny_presets_fully")), VM_PROBE, E2E_CPU_PROBE),
             (Patch(K_INTERP, "if tidx == 0 and wait_id >= 0:",

@@ -1,8 +1,7 @@
 """ATTN_PARTIAL and ATTN_REDUCE: flash-decoding over the paged KV cache.
 
 ATTN_PARTIAL operands: a0 = sequence b, a1 = kv head, a2 = split index, a3 = number of splits.
-It takes the raw q/k/v of the new token from qkv[l][b] (where layout.qkv_offsets puts its kv head's), applies
-QK-norm (Qwen3) and RoPE at
+It takes the raw q/k/v of the new token from qkv[l][b], applies QK-norm (Qwen3) and RoPE at
 positions[b], and scores the group's query heads against the cached tokens of its split:
 split s of n covers cached positions [s*c, min((s+1)*c, pos)) with c = ceil(pos / n). The new token
 is never read back from the cache within the step: the last split adds it from registers and is the
@@ -21,7 +20,6 @@ import math
 import torch
 
 from .context import StageContext, f32, rms_normalize
-from .layout import qkv_offsets
 from .opcodes import Opcode
 from .record import Instruction
 
@@ -44,12 +42,13 @@ def reads(ins: Instruction, layout) -> list:
     c = layout.config
     g, d = c.gqa_group, c.head_dim
     if ins.opcode == Opcode.ATTN_PARTIAL:
+        kvh = ins.a1
         row = ins.a0 * c.qkv_rows
-        q0, k0, v0 = qkv_offsets(c, layout.qkv_by_head, ins.a1)
         return [("positions", 0, ins.a0, ins.a0 + 1),
-                ("qkv", ins.layer, row + q0, row + q0 + g * d),
-                ("qkv", ins.layer, row + k0, row + k0 + d),
-                ("qkv", ins.layer, row + v0, row + v0 + d)]
+                ("qkv", ins.layer, row + kvh * g * d, row + (kvh + 1) * g * d),
+                ("qkv", ins.layer, row + c.q_size + kvh * d, row + c.q_size + (kvh + 1) * d),
+                ("qkv", ins.layer, row + c.q_size + c.kv_size + kvh * d,
+                 row + c.q_size + c.kv_size + (kvh + 1) * d)]
     first = (ins.a0 * c.num_heads + ins.a1 * g) * ins.a3      # all splits of the group's heads
     return [("attn_part", ins.layer, first, first + g * ins.a3)]
 
@@ -78,10 +77,9 @@ def new_token_qkv(ctx: StageContext, layer: int, b: int, kvh: int):
     c, w, bufs = ctx.layout.config, ctx.weights, ctx.bufs
     g, d = c.gqa_group, c.head_dim
     row = bufs.qkv[layer, b]
-    q0, k0, v0 = qkv_offsets(c, ctx.layout.qkv_by_head, kvh)
-    q = row[q0:q0 + g * d].view(g, d)
-    k = row[k0:k0 + d].view(1, d)
-    v = row[v0:v0 + d]
+    q = row[kvh * g * d:(kvh + 1) * g * d].view(g, d)
+    k = row[c.q_size + kvh * d:c.q_size + (kvh + 1) * d].view(1, d)
+    v = row[c.q_size + c.kv_size + kvh * d:c.q_size + c.kv_size + (kvh + 1) * d]
     if c.qk_norm:
         q = rms_normalize(q, w.q_norm[layer], c.rms_norm_eps)
         k = rms_normalize(k, w.k_norm[layer], c.rms_norm_eps)

@@ -51,9 +51,6 @@ class StepLayout:
     fold_embed: bool = False               # layer 0's QKV stages embed[token] itself (embed_folded)
     scratch_block: int = -1                # a cache block no sequence reads (vLLM's null block 0, where its padded
                                            # rows append): appends there are exempt from the aliasing rule; -1 none
-    qkv_by_head: bool = False              # QKV rows (weights and the qkv buffer) grouped per kv head, [q; k; v] of
-                                           # each: QKV tiles never straddle two heads and attention waits for its own
-                                           # head's tiles only (a counter per layer and kv head), not all of them
 
     @property
     def max_seq_len(self) -> int:
@@ -317,28 +314,6 @@ def streamed_rows(weights, rows: torch.Tensor) -> torch.Tensor:
     return fragment_unpack(rows) if isinstance(weights, PackedWeights) else rows
 
 
-def qkv_head_order(config: ModelConfig) -> torch.Tensor:
-    """The fused QKV rows ([q of every head; k of every kv head; v of every kv head]) reordered per kv head:
-    q of its G query heads, then its k, then its v (qkv_by_head layouts). -> the source row of each row."""
-    c = config
-    g, d = c.gqa_group, c.head_dim
-    rows = []
-    for h in range(c.num_kv_heads):
-        rows += [torch.arange(h * g * d, (h + 1) * g * d), torch.arange(c.q_size + h * d, c.q_size + (h + 1) * d),
-                 torch.arange(c.q_size + c.kv_size + h * d, c.q_size + c.kv_size + (h + 1) * d)]
-    return torch.cat(rows)
-
-
-def qkv_offsets(config: ModelConfig, by_head: bool, kvh: int) -> tuple[int, int, int]:
-    """Where kv head kvh's q (its G heads, G * D values), k and v (D each) start in a sequence's qkv row."""
-    c = config
-    g, d = c.gqa_group, c.head_dim
-    if by_head:
-        q0 = kvh * (g + 2) * d
-        return q0, q0 + g * d, q0 + (g + 1) * d
-    return kvh * g * d, c.q_size + kvh * d, c.q_size + c.kv_size + kvh * d
-
-
 def interleave_gate_up(gate_up: torch.Tensor, intermediate_size: int) -> torch.Tensor:
     """[2F, H] (gate rows then up rows) -> [2F, H] with groups of ROW_GROUP gate/up rows alternating."""
     f, h = intermediate_size, gate_up.shape[-1]
@@ -347,9 +322,7 @@ def interleave_gate_up(gate_up: torch.Tensor, intermediate_size: int) -> torch.T
     return torch.stack([gate, up], dim=1).reshape(2 * f, h)
 
 
-def pack_weights(weights: ModelWeights, max_seq_len: int, qkv_by_head: bool = False) -> PackedWeights:
-    """The weights as the kernel streams them (PackedWeights), RoPE tables for max_seq_len positions;
-    qkv_by_head: the QKV rows grouped per kv head (qkv_head_order), for layouts with StepLayout.qkv_by_head."""
+def pack_weights(weights: ModelWeights, max_seq_len: int) -> PackedWeights:
     c = weights.config
     layers = weights.layers
     dtype = weights.embed.dtype
@@ -363,8 +336,7 @@ def pack_weights(weights: ModelWeights, max_seq_len: int, qkv_by_head: bool = Fa
     angles = torch.arange(max_seq_len, dtype=torch.float32)[:, None] * rope_inv_freq(c).float()[None, :]
     return PackedWeights(
         embed=weights.embed,
-        qkv=fragment_pack(torch.stack([lw.qkv[qkv_head_order(c).to(lw.qkv.device)] if qkv_by_head else lw.qkv
-                                       for lw in layers])),
+        qkv=fragment_pack(torch.stack([lw.qkv for lw in layers])),
         o_proj=fragment_pack(torch.stack([lw.o_proj for lw in layers])),
         gate_up=fragment_pack(torch.stack([interleave_gate_up(lw.gate_up, c.intermediate_size) for lw in layers])),
         down=fragment_pack(torch.stack([lw.down for lw in layers])),

@@ -75,9 +75,3 @@ def argmax_counter(num_layers: int) -> int:
 
 def num_counters(num_layers: int) -> int:
     return num_layers * NUM_LAYER_STAGES + 3
-
-
-def qkv_head_counter(num_layers: int, num_kv_heads: int, layer: int, kvh: int) -> int:
-    """qkv_by_head layouts: the counter of layer `layer`'s QKV tiles of kv head `kvh` (after the counters above;
-    a program has num_layers * num_kv_heads of them)."""
-    return num_counters(num_layers) + layer * num_kv_heads + kvh

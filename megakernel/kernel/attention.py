@@ -186,15 +186,12 @@ class AttentionStage:
         for hh in range(warp, G + 2, self.warps):
             # where the q of head hh (hh < G), the k (G) or the v (G + 1) of this kv head start in the qkv row
             off = Int32(0)
-            if cutlass.const_expr(self.layout.qkv_by_head):
-                off = (kvh * (G + 2) + hh) * D
-            else:
-                if hh < G:
-                    off = (kvh * G + hh) * D
-                if hh == G:
-                    off = Int32(self.Q) + kvh * D
-                if hh == G + 1:
-                    off = Int32(self.Q + self.KV) + kvh * D
+            if hh < G:
+                off = (kvh * G + hh) * D
+            if hh == G:
+                off = Int32(self.Q) + kvh * D
+            if hh == G + 1:
+                off = Int32(self.Q + self.KV) + kvh * D
             vals = cute.make_rmem_tensor((E,), Float32)
             for e in cutlass.range_constexpr(E):
                 vals[e] = ld_f32(row + Int64(off + lane * E + e) * 4)

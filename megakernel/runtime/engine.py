@@ -13,9 +13,7 @@ graph capture) is a valid step.
 
 Layout options (profiles/RESULTS.md has the sweeps behind the defaults): `fold_embed=True` (the
 default since 2026-11-30) folds the embedding into layer 0's QKV (`StepLayout.embed_folded`): those
-tiles read embed[token] themselves and wait on nothing. `qkv_by_head=True` (off by default until a
-sweep on the GPU decides) groups the QKV rows per kv head, so each attention item waits for its own
-head's QKV tiles only (`StepLayout.qkv_by_head`).
+tiles read embed[token] themselves and wait on nothing.
 
 Three constructor options serve callers that bring their own LM head and KV cache (the vLLM
 integration, docs/vllm.md):
@@ -99,7 +97,7 @@ class MegakernelEngine:
                  num_blocks: int | None = None, num_sms: int | None = None, policy: str = "balanced",
                  kv_splits: int | None = None, options: KernelOptions = KernelOptions(),
                  fuse_attn_reduce: bool | None = None, slab_staging: bool = True, fold_embed: bool = True,
-                 scratch_block: int = -1, qkv_by_head: bool = False,
+                 scratch_block: int = -1,
                  device: str | torch.device = "cuda",
                  own_kv_cache: bool = True, packed_weights: PackedWeights | None = None, lm_head: bool = True):
         config = weights.config
@@ -127,7 +125,7 @@ class MegakernelEngine:
                                  kv_splits=kv_splits or default_kv_splits(config, batch, num_sms, blocks_per_seq * block_size),
                                  block_size=block_size, max_blocks_per_seq=blocks_per_seq, num_sms=num_sms,
                                  fuse_attn_reduce=fuse_attn_reduce, slab_staging=slab_staging, fold_embed=fold_embed,
-                                 scratch_block=scratch_block, qkv_by_head=qkv_by_head)
+                                 scratch_block=scratch_block)
         self.layout.validate()
         self.program = build_program(self.layout, lm_head=lm_head)
         self.queues = assign(self.program, policy)
@@ -140,15 +138,12 @@ class MegakernelEngine:
         self.queue_lengths = lengths.to(self.device)
 
         if packed_weights is not None:
-            if qkv_by_head:
-                raise ValueError("qkv_by_head=True packs its own weights (QKV rows grouped per kv head); "
-                                 "leave packed_weights out")
             validate_packed_weights(packed_weights, self.layout, self.device)
             self.weights = packed_weights
         else:
             # the kernel streams bf16 weights: other dtypes are converted here (exact for bf16-representable values)
             self.weights = pack_weights(weights.to(device=self.device, dtype=torch.bfloat16),
-                                        self.layout.max_seq_len, qkv_by_head=qkv_by_head).to(self.device)
+                                        self.layout.max_seq_len).to(self.device)
         c = config
         self.ones = torch.ones(max(c.hidden_size, c.q_size, c.intermediate_size), dtype=torch.bfloat16,
                                device=self.device)
@@ -413,7 +408,7 @@ class MegakernelEngine:
 
 # MegakernelEngine keywords that parse_engine_options accepts beside the KernelOptions fields
 LAYOUT_OPTIONS = {"fold_embed": bool, "kv_splits": int, "slab_staging": bool,
-                  "fuse_attn_reduce": bool, "policy": str, "num_sms": int, "qkv_by_head": bool}
+                  "fuse_attn_reduce": bool, "policy": str, "num_sms": int}
 
 
 def parse_engine_options(spec: str) -> dict:

@@ -2,8 +2,7 @@
 on one counter (the stage it reads from) and signalling the counter of its own stage.
 
 Every edge is a (layer, stage) counter: a consumer waits until all instructions of the producing
-stage have signalled (with StepLayout.qkv_by_head, attention waits on a (layer, kv head) counter: the QKV
-tiles of its own head). Release/acquire chains make that transitive, so an instruction sees every
+stage have signalled. Release/acquire chains make that transitive, so an instruction sees every
 store that happened before the stage it waits on (e.g. O_PROJ reads x[l], written by DOWN of layer
 l-1, two stages before the ATTN_REDUCE it waits for). Where the layout stages matvec inputs in shared
 memory, O_PROJ waits on ATTN_PARTIAL directly and merges the splits itself (`StepLayout.fused_reduce`).
@@ -22,7 +21,7 @@ from ..instructions.attention import split_range  # noqa: F401  (re-exported for
 from ..instructions.layout import ROW_GROUP, StepLayout
 from ..instructions.matvec_stages import weight_rows
 from ..instructions.opcodes import (Opcode, Stage, argmax_counter, counter_id, embed_counter,
-                                    lm_head_counter, num_counters, qkv_head_counter)
+                                    lm_head_counter, num_counters)
 from ..instructions.record import NO_COUNTER, Instruction
 
 # Cost model: bytes a stage reads from HBM plus a fixed cost per instruction (in bytes of time).
@@ -74,57 +73,32 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
     def add(**kw) -> None:
         out.append(Instruction(index=len(out), **kw))
 
-    def matvec_stage(op: Opcode, layer: int, wait: tuple[int, int], signal: int, a3: int = 0,
-                     rows: tuple[int, int] | None = None, first_tile: int = 0) -> int:
-        """The stage's tiles (over rows [lo, hi) of its matrix when `rows` is given; tile indices from
-        first_tile), each waiting on `wait` and signalling `signal`; -> their number."""
-        total, k = weight_rows(op, layout)
-        lo0, hi0 = rows or (0, total)
-        tiles = _tiles(hi0 - lo0, rows_per_tile(op))
+    def matvec_stage(op: Opcode, layer: int, wait: tuple[int, int], signal: int, a3: int = 0) -> int:
+        rows, k = weight_rows(op, layout)
+        tiles = _tiles(rows, rows_per_tile(op))
         for t, (lo, n) in enumerate(tiles):
-            add(opcode=op, layer=layer, a0=lo0 + lo, a1=n, a2=first_tile + t, a3=a3, wait_id=wait[0],
-                wait_count=wait[1], signal_id=signal, cost=n * k * elem + FIXED_COST_BYTES)
+            add(opcode=op, layer=layer, a0=lo, a1=n, a2=t, a3=a3, wait_id=wait[0], wait_count=wait[1],
+                signal_id=signal, cost=n * k * elem + FIXED_COST_BYTES)
         return len(tiles)
 
-    by_head = layout.qkv_by_head
-    Hkv = c.num_kv_heads
-    head_rows = (c.gqa_group + 2) * c.head_dim
-
-    def qkv_stage(layer: int, wait: tuple[int, int], a3: int) -> list[int]:
-        """Layer `layer`'s QKV tiles -> the count each attention item waits for: of every tile, signalling the
-        layer's QKV counter, or (qkv_by_head) of its own kv head's, which never straddle two heads and
-        signal that head's counter."""
-        if not by_head:
-            return [matvec_stage(Opcode.QKV, layer, wait, counter_id(layer, Stage.QKV), a3=a3)] * Hkv
-        counts, first = [], 0
-        for h in range(Hkv):
-            counts.append(matvec_stage(Opcode.QKV, layer, wait, qkv_head_counter(L, Hkv, layer, h), a3=a3,
-                                       rows=(h * head_rows, (h + 1) * head_rows), first_tile=first))
-            first += counts[-1]
-        return counts
-
     folded = layout.embed_folded
-    # folded: EMBED is one more producer of layer 0's QKV counter (x[0] is layer 0's residual; qkv_by_head:
-    # of kv head 0's, whose attention items every O_PROJ tile of layer 0 waits for)
-    qkv0 = qkv_head_counter(L, Hkv, 0, 0) if by_head else counter_id(0, Stage.QKV)
-    add(opcode=Opcode.EMBED, signal_id=qkv0 if folded else embed_counter(L),
+    # folded: EMBED is one more producer of layer 0's QKV counter (x[0] is layer 0's residual)
+    add(opcode=Opcode.EMBED, signal_id=counter_id(0, Stage.QKV) if folded else embed_counter(L),
         cost=B * c.hidden_size * elem + FIXED_COST_BYTES)
     prev = (embed_counter(L), 1)
     kv_bytes_per_split = 2 * c.head_dim * elem * max(1, layout.max_seq_len // S)
     for l in range(L):
         if folded and l == 0:
             # layer 0's QKV stages embed[token] itself: no wait; a3 = 1 marks the embedding input
-            counts = qkv_stage(l, (NO_COUNTER, 0), a3=1)
-            # EMBED's signal: on kv head 0's counter, or on the one every head waits on
-            counts = [n + (1 if h == 0 or not by_head else 0) for h, n in enumerate(counts)]
+            n = matvec_stage(Opcode.QKV, l, (NO_COUNTER, 0), counter_id(l, Stage.QKV), a3=1) + 1
         else:
-            counts = qkv_stage(l, prev, a3=0)
+            n = matvec_stage(Opcode.QKV, l, prev, counter_id(l, Stage.QKV))
         for b in range(B):
-            for kvh in range(Hkv):
+            for kvh in range(c.num_kv_heads):
                 for s in range(S):
                     add(opcode=Opcode.ATTN_PARTIAL, layer=l, a0=b, a1=kvh, a2=s, a3=S,
-                        wait_id=qkv_head_counter(L, Hkv, l, kvh) if by_head else counter_id(l, Stage.QKV),
-                        wait_count=counts[kvh], signal_id=counter_id(l, Stage.ATTN_PARTIAL),
+                        wait_id=counter_id(l, Stage.QKV), wait_count=n,
+                        signal_id=counter_id(l, Stage.ATTN_PARTIAL),
                         cost=kv_bytes_per_split + FIXED_COST_BYTES)
         n_attn = B * c.num_kv_heads * S
         if layout.fused_reduce:
@@ -143,13 +117,12 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
         n = matvec_stage(Opcode.GATE_UP, l, (counter_id(l, Stage.O_PROJ), n), counter_id(l, Stage.GATE_UP))
         n = matvec_stage(Opcode.DOWN, l, (counter_id(l, Stage.GATE_UP), n), counter_id(l, Stage.DOWN))
         prev = (counter_id(l, Stage.DOWN), n)
-    n_counters = num_counters(L) + (L * Hkv if by_head else 0)
     if not lm_head:
-        return StepProgram(layout=layout, instructions=tuple(out), num_counters=n_counters, lm_tiles=0)
+        return StepProgram(layout=layout, instructions=tuple(out), num_counters=num_counters(L), lm_tiles=0)
     lm_tiles = matvec_stage(Opcode.LM_HEAD, 0, prev, lm_head_counter(L))
     add(opcode=Opcode.ARGMAX, a0=lm_tiles, wait_id=lm_head_counter(L), wait_count=lm_tiles,
         signal_id=argmax_counter(L), cost=FIXED_COST_BYTES)
-    return StepProgram(layout=layout, instructions=tuple(out), num_counters=n_counters, lm_tiles=lm_tiles)
+    return StepProgram(layout=layout, instructions=tuple(out), num_counters=num_counters(L), lm_tiles=lm_tiles)
 
 
 def producers(program: StepProgram) -> dict[int, list[int]]:

@@ -69,7 +69,7 @@ class VMDecoder:
 
     def __init__(self, weights, batch: int, max_seq_len: int, block_size: int = 16, num_sms: int = 132,
                  policy: str = "balanced", kv_splits: int | None = None, num_blocks: int | None = None,
-                 lm_head: bool = True, fold_embed: bool = False, qkv_by_head: bool = False):
+                 lm_head: bool = True, fold_embed: bool = False):
         from ..instructions.layout import StepLayout, allocate_buffers, default_kv_splits, pack_weights
         from ..instructions.record import serialize
         from .assign import assign
@@ -80,11 +80,11 @@ class VMDecoder:
         self.layout = StepLayout(config=config, batch=batch,
                                  kv_splits=kv_splits or default_kv_splits(config, batch, num_sms, blocks_per_seq * block_size),
                                  block_size=block_size, max_blocks_per_seq=blocks_per_seq, num_sms=num_sms,
-                                 fold_embed=fold_embed, qkv_by_head=qkv_by_head)
+                                 fold_embed=fold_embed)
         self.program = build_program(self.layout, lm_head=lm_head)
         self.queues = assign(self.program, policy)
         table, lengths = serialize(self.queues)
-        packed = pack_weights(weights, self.layout.max_seq_len, qkv_by_head=qkv_by_head)
+        packed = pack_weights(weights, self.layout.max_seq_len)
         bufs = allocate_buffers(self.layout, self.program.lm_tiles, self.program.num_counters)
         nb = num_blocks or batch * blocks_per_seq
         shape = (config.num_layers, nb, block_size, config.num_kv_heads, config.head_dim)

@@ -126,7 +126,6 @@ class StageCase:
     rope_theta: float = 10000.0
     rope_scaling: object = None        # a model.config.RopeScaling or None
     tie_word_embeddings: bool = False
-    qkv_by_head: bool = False          # the layout's QKV row order (StepLayout.qkv_by_head)
 
     def to_config(self):
         return self.shape.to_config(architecture=self.architecture, num_layers=self.num_layers,
@@ -141,8 +140,7 @@ class StageCase:
                 f"{s.num_kv_heads} D={s.head_dim} V={self.vocab_size} L={self.num_layers} layer={self.layer} "
                 f"B={s.batch} kv_lens={s.kv_lens} block={s.block_size} max_seq={s.max_seq_len} "
                 f"splits={self.kv_splits} eps={self.rms_norm_eps} theta={self.rope_theta} "
-                f"rope_scaling={self.rope_scaling} tied={self.tie_word_embeddings} qkv_by_head={self.qkv_by_head} "
-                f"seed={self.seed}")
+                f"rope_scaling={self.rope_scaling} tied={self.tie_word_embeddings} seed={self.seed}")
 
 
 def _accepted_head_counts(head_dim: int, max_heads: int, col_pass: int = 256) -> list[tuple[int, int]]:
@@ -191,7 +189,7 @@ def stage_cases(draw, max_hidden: int = 4096, max_intermediate: int | None = Non
                      kv_splits=draw(st.integers(1, max_splits)), seed=draw(seeds()),
                      rms_norm_eps=draw(st.sampled_from([1e-5, 1e-6, 1e-2])),
                      rope_theta=draw(st.sampled_from([10000.0, 500000.0, 1e6])), rope_scaling=scaling,
-                     tie_word_embeddings=draw(st.booleans()), qkv_by_head=draw(st.booleans()))
+                     tie_word_embeddings=draw(st.booleans()))
 
 
 @dataclass(frozen=True)

@@ -488,28 +488,25 @@ def test_bare_launch_uses_the_engines_own_contiguous_block_table(name):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("variant", ("fold_embed", "attn_reduce", "qkv_by_head"))
+@pytest.mark.parametrize("variant", ("fold_embed", "attn_reduce"))
 @pytest.mark.parametrize("name", ("tiny-llama", "llama-3.2-1b", "qwen3-0.6b"))
 def test_layout_variants_give_the_logits_of_the_shipped_engine(name, variant):
     """Against the shipped engine (fold_embed, the attention merge folded into O_PROJ): fold_embed off
     changes only where layer 0's QKV reads its input (x[0] that EMBED wrote instead of the embedding table:
-    the same float32 values), and qkv_by_head only the order of the QKV rows (each row's products and sums
-    are the same) and which counters attention waits on, so the logits and tokens are bit-identical;
-    fuse_attn_reduce off adds the ATTN_REDUCE stage, which merges the splits with the same formula in its own
-    instructions (within bf16 tolerance). Fresh random inputs, the logits poisoned before every launch."""
+    the same float32 values), so the logits and tokens are bit-identical; fuse_attn_reduce off adds the
+    ATTN_REDUCE stage, which merges the splits with the same formula in its own instructions (within bf16
+    tolerance). Fresh random inputs, the logits poisoned before every launch."""
     from megakernel.runtime.engine import MegakernelEngine
 
     config = dataclasses.replace(get_preset(name), num_layers=min(get_preset(name).num_layers, 4))
     weights = random_weights(config, seed=43, dtype=BF16, device=GPU, rng_device=GPU)
     batch = 2
     ref = MegakernelEngine(weights, batch, MAX_SEQ_LEN, block_size=BLOCK_SIZE, device=GPU)
-    kw = {"fold_embed": {"fold_embed": False}, "attn_reduce": {"fuse_attn_reduce": False},
-          "qkv_by_head": {"qkv_by_head": True}}[variant]
+    kw = {"fold_embed": False} if variant == "fold_embed" else {"fuse_attn_reduce": False}
     other = MegakernelEngine(weights, batch, MAX_SEQ_LEN, block_size=BLOCK_SIZE, device=GPU, **kw)
-    assert ref.layout.embed_folded and ref.layout.fused_reduce and not ref.layout.qkv_by_head, name
-    assert (other.layout.embed_folded, other.layout.fused_reduce, other.layout.qkv_by_head) == \
-        {"fold_embed": (False, True, False), "attn_reduce": (True, False, False),
-         "qkv_by_head": (True, True, True)}[variant], variant
+    assert ref.layout.embed_folded and ref.layout.fused_reduce, name
+    assert (other.layout.embed_folded, other.layout.fused_reduce) == \
+        ((False, True) if variant == "fold_embed" else (True, False)), variant
     table = contiguous_block_table(batch, MAX_SEQ_LEN, BLOCK_SIZE, GPU)
     gen = torch.Generator().manual_seed(43)
     for t in range(6):
@@ -521,20 +518,8 @@ def test_layout_variants_give_the_logits_of_the_shipped_engine(name, variant):
             out.append((eng.step(tokens, positions, table).clone(), eng.logits.clone()))
         what = f"{name} (4 layers) {variant} step {t} positions {positions.tolist()}"
         assert not torch.isnan(out[1][1]).any(), f"{what}: logits not written"
-        if variant in ("fold_embed", "qkv_by_head"):
+        if variant == "fold_embed":
             assert torch.equal(out[0][1], out[1][1]), f"{what}: logits differ from the shipped engine's"
             assert torch.equal(out[0][0], out[1][0]), what
         else:
             assert_close(out[1][1], out[0][1], torch.bfloat16, context=what)
-
-
-@pytest.mark.gpu
-@pytest.mark.hopper
-def test_qkv_by_head_refuses_weights_packed_in_the_other_order():
-    from megakernel.runtime.engine import MegakernelEngine
-
-    weights = random_weights(get_preset("tiny-llama"), seed=44, dtype=BF16, device=GPU, rng_device=GPU)
-    packed = pack_weights(weights, MAX_SEQ_LEN).to(GPU)
-    with pytest.raises(ValueError, match="qkv_by_head=True packs its own weights"):
-        MegakernelEngine(weights, 1, MAX_SEQ_LEN, block_size=BLOCK_SIZE, device=GPU, packed_weights=packed,
-                         qkv_by_head=True)

@@ -35,14 +35,13 @@ REAL_CASES = [(name, batch) for name in REAL_PRESETS for batch in BATCHES]
 
 
 @functools.lru_cache(maxsize=None)
-def compiled(name: str, batch: int, slab_staging: bool = True, qkv_by_head: bool = False,
-             split_seq_len: int = 4096) -> dict:
+def compiled(name: str, batch: int, slab_staging: bool = True, split_seq_len: int = 4096) -> dict:
     """PTX, SASS and resource usage of the kernel for a preset at a batch size (compiled once per module), its KV
     splits those the engine picks for a cache of split_seq_len positions."""
     config = get_preset(name)
     layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, NUM_SMS, split_seq_len),
                         block_size=BLOCK_SIZE, max_blocks_per_seq=MAX_SEQ_LEN // BLOCK_SIZE, num_sms=NUM_SMS,
-                        slab_staging=slab_staging, qkv_by_head=qkv_by_head)
+                        slab_staging=slab_staging)
     program = build_program(layout)
     table, _ = serialize(assign(program, "balanced"))
     # the engine's own cache geometry: one contiguous block range per sequence, default strides
@@ -154,19 +153,6 @@ def test_slab_staging_compiles_without_spills(name, batch):
     assert plan.x_floats == batch * max(g.x_stride for g in plan.by_k.values()) < batch * config.intermediate_size, what
     assert art["spills"] == 0 and art["usage"].get("frame_bytes", 0) == 0, \
         f"{what}: local-memory loads/stores in the SASS"
-
-
-# The QKV rows grouped per kv head (StepLayout.qkv_by_head): attention reads its q, k, v at other offsets.
-BY_HEAD_CASES = [(name, batch) for name in REAL_PRESETS for batch in (1, 4, 8)]
-
-
-@pytest.mark.parametrize("name,batch", BY_HEAD_CASES)
-def test_qkv_by_head_compiles_without_spills(name, batch):
-    art = compiled(name, batch, qkv_by_head=True)
-    what = _what(name, batch, art) + " qkv_by_head"
-    assert art["spills"] == 0 and art["usage"].get("frame_bytes", 0) == 0, \
-        f"{what}: local-memory loads/stores in the SASS"
-    assert art["sass"] != compiled(name, batch)["sass"], f"{what}: the same code as the default layout's"
 
 
 # A short cache (the perf suite's 32-token context: a 256-position cache) gets 4 KV splits where the cases above

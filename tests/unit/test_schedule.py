@@ -38,13 +38,13 @@ BLOCKS_PER_SEQ = 8
 
 @functools.lru_cache(maxsize=None)
 def _program(name: str, batch: int, num_sms: int = NUM_SMS, num_layers: int | None = None,
-             fuse: bool | None = None, lm_head: bool = True, fold: bool = False, by_head: bool = False) -> StepProgram:
+             fuse: bool | None = None, lm_head: bool = True, fold: bool = False) -> StepProgram:
     config = get_preset(name)
     if num_layers is not None:
         config = dataclasses.replace(config, num_layers=num_layers)
     layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, num_sms),
                         block_size=BLOCK_SIZE, max_blocks_per_seq=BLOCKS_PER_SEQ, num_sms=num_sms,
-                        fuse_attn_reduce=fuse, fold_embed=fold, qkv_by_head=by_head)
+                        fuse_attn_reduce=fuse, fold_embed=fold)
     return build_program(layout, lm_head=lm_head)
 
 
@@ -130,16 +130,9 @@ def check_program(program: StepProgram) -> None:
             continue
         assert 0 <= ins.wait_id < program.num_counters, f"{name} waits on no counter"
         group = signallers[ins.wait_id]
-        stages = {(i.opcode, i.layer) for i in group}
-        whole = sum(stage_size[p] for p in producers)
-        if layout.qkv_by_head and ins.opcode == Opcode.ATTN_PARTIAL:
-            # an attention item waits for its own kv head's share of the QKV stage (_head_waits checks which),
-            # EMBED's signal only on kv head 0's counter
-            producers = producers & stages
-            whole = len(group)
-        assert stages == producers, \
+        assert {(i.opcode, i.layer) for i in group} == producers, \
             f"{name} waits on {sorted({(i.opcode.name, i.layer) for i in group})}, its producers are {producers}"
-        assert ins.wait_count == len(group) == whole, \
+        assert ins.wait_count == len(group) == sum(stage_size[p] for p in producers), \
             f"{name} waits for {ins.wait_count}, the stages {producers} have {len(group)} instructions"
         late = [i.index for i in group if i.index >= ins.index]
         assert not late, f"{name} precedes its producers {late[:4]} in the global order"
@@ -221,16 +214,11 @@ def test_tiny_presets_fully(name, batch, fuse, fold):
         program = _program(name, batch, num_sms, fuse=fuse, fold=fold)
         assert program.layout.fused_reduce == (fuse is None), _what(program)
         assert program.layout.embed_folded == fold, _what(program)
-        check_fully(program)
-
-
-def check_fully(program: StepProgram) -> None:
-    """The program's checks, the race check, and every policy's queues."""
-    check_program(program)
-    races = find_races(program)
-    assert races == [], f"{_what(program)}: {races}"
-    for policy in POLICIES:
-        check_queues(program, assign(program, policy), policy)
+        check_program(program)
+        races = find_races(program)
+        assert races == [], f"{_what(program)}: {races}"
+        for policy in POLICIES:
+            check_queues(program, assign(program, policy), policy)
 
 
 @pytest.mark.parametrize("batch", BATCHES)
@@ -250,64 +238,6 @@ def test_real_preset_shapes_are_race_free(name, batch, fold):
     check_program(program)
     races = find_races(program)
     assert races == [], f"{_what(program)}: {races}"
-
-
-def _head_waits(program: StepProgram) -> None:
-    """qkv_by_head: no QKV tile straddles two kv heads' rows, and each attention item waits on a counter whose
-    signallers are exactly its own head's tiles of its layer (and, for kv head 0 of layer 0 with the embedding
-    folded, EMBED), for exactly their number."""
-    c, lay = program.layout.config, program.layout
-    head_rows = (c.gqa_group + 2) * c.head_dim
-    signallers = defaultdict(list)
-    for ins in program.instructions:
-        signallers[ins.signal_id].append(ins)
-    for ins in program.instructions:
-        if ins.opcode == Opcode.QKV:
-            assert ins.a0 // head_rows == (ins.a0 + ins.a1 - 1) // head_rows, \
-                f"{_what(program)}: QKV #{ins.index} rows [{ins.a0}, {ins.a0 + ins.a1}) straddle two kv heads"
-        if ins.opcode != Opcode.ATTN_PARTIAL:
-            continue
-        got = signallers[ins.wait_id]
-        tiles = {i.index for i in got if i.opcode == Opcode.QKV}
-        want = {i.index for i in program.instructions if i.opcode == Opcode.QKV and i.layer == ins.layer
-                and i.a0 // head_rows == ins.a1}
-        assert tiles == want, f"{_what(program)}: ATTN_PARTIAL #{ins.index} (kv head {ins.a1}) waits on other tiles"
-        embed = [i for i in got if i.opcode == Opcode.EMBED]
-        assert len(embed) == (1 if lay.embed_folded and ins.layer == 0 and ins.a1 == 0 else 0), _what(program)
-        assert ins.wait_count == len(got), f"{_what(program)}: #{ins.index} waits for {ins.wait_count} of {len(got)}"
-
-
-@pytest.mark.parametrize("fuse,fold", [(None, False), (False, False), (None, True)],
-                         ids=("fused-reduce", "reduce-stage", "fused-reduce-folded-embed"))
-@pytest.mark.parametrize("batch", (1, 3, 8))
-@pytest.mark.parametrize("name", TINY_PRESETS)
-def test_qkv_by_head_programs_wait_per_kv_head_and_are_race_free(name, batch, fuse, fold):
-    for num_sms in (NUM_SMS, FEW_SMS):
-        program = _program(name, batch, num_sms, fuse=fuse, fold=fold, by_head=True)
-        check_fully(program)
-        _head_waits(program)
-
-
-@pytest.mark.parametrize("name", REAL_PRESETS)
-def test_real_preset_shapes_by_head_keep_the_tiles_balanced(name):
-    """Per-head tiles on the real presets: as many QKV tiles of the same rows as the stage has without them,
-    and race free (2 layers)."""
-    plain, by_head = _program(name, 1), _program(name, 1, by_head=True)
-    rows = [sorted(i.a1 for i in p.instructions if i.opcode == Opcode.QKV and i.layer == 0) for p in (plain, by_head)]
-    assert rows[0] == rows[1], f"{name}: QKV tile rows {rows[0][:4]}.. vs {rows[1][:4]}.. by head"
-    _head_waits(by_head)
-    program = _program(name, 1, num_layers=2, fold=True, by_head=True)
-    assert find_races(program) == [], _what(program)
-
-
-def test_find_races_catches_attention_waiting_on_another_heads_tiles():
-    """The race check sees per-head regions: an attention item of kv head 1 that waits on kv head 0's tiles
-    reads q, k, v rows nothing orders before it."""
-    program = _program("tiny-llama", 2, FEW_SMS, by_head=True)
-    a0 = next(i for i in program.instructions if i.opcode == Opcode.ATTN_PARTIAL and i.a1 == 0)
-    a1 = next(i for i in program.instructions if i.opcode == Opcode.ATTN_PARTIAL and i.a1 == 1 and i.layer == a0.layer)
-    races = find_races(_with(program, a1.index, wait_id=a0.wait_id, wait_count=a0.wait_count))
-    assert any(f"#{a1.index} ATTN_PARTIAL" in r for r in races), races
 
 
 @pytest.mark.parametrize("change", ("attention-one-short", "qkv0-waits-on-x"))

@@ -92,7 +92,7 @@ class Bench:
 def _layout(case: StageCase, num_sms: int) -> StepLayout:
     s = case.shape
     return StepLayout(config=case.to_config(), batch=s.batch, kv_splits=case.kv_splits, block_size=s.block_size,
-                      max_blocks_per_seq=s.blocks_per_seq, num_sms=num_sms, qkv_by_head=case.qkv_by_head)
+                      max_blocks_per_seq=s.blocks_per_seq, num_sms=num_sms)
 
 
 def _num_blocks(case: StageCase) -> int:
@@ -110,7 +110,7 @@ def cpu_bench(case: StageCase, num_sms: int) -> Bench:
     layout = _layout(case, num_sms)
     program = build_program(layout)
     weights = random_weights(layout.config, seed=case.seed, dtype=BF16)
-    packed = pack_weights(weights, layout.max_seq_len, qkv_by_head=case.qkv_by_head)
+    packed = pack_weights(weights, layout.max_seq_len)
     ctx = _cpu_context(layout, program, packed, _num_blocks(case))
     return Bench(case, layout.config, layout, program, weights, ctx, torch.Generator().manual_seed(case.seed))
 
@@ -254,25 +254,11 @@ def _rows(ins):
     return slice(ins.a0, ins.a0 + ins.a1)
 
 
-def _qkv_source_rows(bench) -> torch.Tensor:
-    """Row i of the qkv buffer holds row src[i] of the model's fused [q; k; v] projection: the same rows, or
-    (qkv_by_head) per kv head its G query heads' rows, its k rows, its v rows."""
-    c = bench.config
-    if not bench.case.qkv_by_head:
-        return torch.arange(c.qkv_rows)
-    g, d = c.gqa_group, c.head_dim
-    src = []
-    for h in range(c.num_kv_heads):
-        src += list(range(h * g * d, (h + 1) * g * d)) + list(range(c.q_size + h * d, c.q_size + (h + 1) * d)) \
-            + list(range(c.q_size + c.kv_size + h * d, c.q_size + c.kv_size + (h + 1) * d))
-    return torch.tensor(src)
-
-
 def check_qkv(bench, ins, before, after, what):
     c, l, rows = bench.config, ins.layer, _rows(ins)
     lw = bench.weights.layers[l]
     normed = ops.rms_norm(f64(before.bufs.x[l]), f64(lw.attn_norm), c.rms_norm_eps)
-    expected = normed @ f64(lw.qkv[_qkv_source_rows(bench)[rows]]).T
+    expected = normed @ f64(lw.qkv[rows]).T
     assert_region(after.bufs.qkv, (l, slice(None), rows), expected, F32, what)
 
 
@@ -349,8 +335,6 @@ def _new_token_qkv(bench, l: int, b: int, kvh: int, pos: int, before):
     c = bench.config
     g, d = c.gqa_group, c.head_dim
     row = f64(before.bufs.qkv[l, b])
-    # the buffer's row in the model's [q; k; v] order
-    row = torch.empty_like(row).index_copy_(0, _qkv_source_rows(bench), row)
     q = row[kvh * g * d:(kvh + 1) * g * d].view(g, d)
     k = row[c.q_size + kvh * d:c.q_size + (kvh + 1) * d].view(1, d)
     v = row[c.q_size + c.kv_size + kvh * d:c.q_size + c.kv_size + (kvh + 1) * d]
@@ -583,7 +567,6 @@ def _gpu_bench(case: StageCase, **engine_kw):
     # each stage in its plain form: layer 0's QKV reading x[0] (not the folded embedding), the LM head in
     # static tiles (tests/unit/test_engine_options.py checks the folded and pooled layouts end to end)
     engine_kw.setdefault("fold_embed", False)
-    engine_kw.setdefault("qkv_by_head", case.qkv_by_head)
     engine = MegakernelEngine(weights, s.batch, s.max_seq_len, block_size=s.block_size,
                               num_blocks=_num_blocks(case), kv_splits=case.kv_splits, device=GPU, **engine_kw)
     packed = engine.weights.to("cpu")

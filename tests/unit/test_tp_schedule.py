@@ -586,13 +586,3 @@ def test_reversed_queues_on_one_rank_deadlock_naming_that_rank():
     tp.vm.queues[1] = [list(reversed(q)) for q in tp.vm.queues[1]]
     with pytest.raises(ScheduleError, match=r"deadlock: .*rank 1 SM \d+: #\d+ "):
         tp.step(torch.tensor([4]), torch.tensor([0]), contiguous_block_table(1, 16, 16))
-
-
-def test_a_tp_program_refuses_qkv_rows_by_head():
-    from megakernel.schedule.tensor_parallel import build_tp_program
-
-    layout = StepLayout(config=get_preset("tiny-llama"), batch=1, kv_splits=1, block_size=16, max_blocks_per_seq=2,
-                        num_sms=4, qkv_by_head=True)
-    with pytest.raises(ValueError, match="qkv_by_head"):
-        build_tp_program(layout, 2)
-    build_tp_program(dataclasses.replace(layout, qkv_by_head=False), 2)

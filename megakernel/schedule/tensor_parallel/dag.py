@@ -104,8 +104,6 @@ def build_tp_program(layout: StepLayout, world_size: int) -> TPStepProgram:
     the field where the model does not split that way (ShardLayout.of, ShardLayout.validate). Whether O
     projections merge the attention splits and layer 0's QKV stages the embedding follow the shard's own
     StepLayout rules (its matvec inputs are the ones a rank stages)."""
-    if layout.qkv_by_head:
-        raise ValueError("qkv_by_head=True: the tensor-parallel program keeps the QKV rows in [q; k; v] order")
     shard = ShardLayout.of(layout, world_size)
     shard.validate()
     c, W = shard.config, world_size
