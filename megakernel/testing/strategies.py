@@ -171,25 +171,58 @@ def kernel_decode_shapes(draw, max_hidden: int = 4096, max_intermediate: int | N
                        max_seq_len=max_seq_len)
 
 
+@dataclass(frozen=True)
+class ModelAxes:
+    """The config fields real checkpoints vary beyond the layer shapes: an injected bug that only shows on one
+    of them must show in the tests that draw them (stage, VM and end-to-end)."""
+
+    architecture: str               # Llama, or Qwen3 with QK-norm
+    vocab_size: int                 # any multiple of 8, so the LM head's tiles have ragged ends
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: object            # a model.config.RopeScaling or None
+    tie_word_embeddings: bool
+
+    def apply(self, config):
+        """`config` (a ModelConfig) with these fields (QK-norm follows the architecture)."""
+        import dataclasses
+
+        return dataclasses.replace(config, architecture=self.architecture, qk_norm=self.architecture == "Qwen3ForCausalLM",
+                                   vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
+                                   rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+                                   tie_word_embeddings=self.tie_word_embeddings)
+
+
 @st.composite
-def stage_cases(draw, max_hidden: int = 4096, max_intermediate: int | None = None, max_heads: int = 64,
-                max_batch: int = 8, max_blocks: int = 16, max_vocab: int = 4096, max_splits: int = 8) -> StageCase:
-    """A StageCase over `kernel_decode_shapes`: Llama or Qwen3 (QK-norm), 1-2 layers (the instruction in
-    either), a vocabulary that is any multiple of 8 (so LM head tiles have ragged ends), 1..max_splits KV splits."""
+def model_axes(draw, max_vocab: int = 4096, min_vocab: int = 8) -> ModelAxes:
+    """Llama or Qwen3; a vocabulary that is any multiple of 8 in [min_vocab, max_vocab]; rms_norm_eps 1e-5 / 1e-6 / 1e-2; rope_theta 1e4 /
+    5e5 / 1e6; no RoPE scaling, llama3 scaling (with its frequency bands inside a short cache, or Llama 3.2's) or
+    linear; tied or untied embeddings."""
     from megakernel.model.config import RopeScaling
 
-    shape = draw(kernel_decode_shapes(max_hidden=max_hidden, max_intermediate=max_intermediate,
-                                      max_heads=max_heads, max_batch=max_batch, max_blocks=max_blocks))
-    num_layers = draw(st.integers(1, 2))
-    # RoPE scaling whose bands fall inside the drawn cache (original length below max_seq_len sometimes)
     scaling = draw(st.sampled_from([None, RopeScaling("llama3", 8.0, 1.0, 4.0, 8),
                                     RopeScaling("llama3", 32.0, 1.0, 4.0, 8192), RopeScaling("linear", 2.0)]))
-    return StageCase(shape=shape, architecture=draw(st.sampled_from(ARCHITECTURES)), num_layers=num_layers,
-                     layer=draw(st.integers(0, num_layers - 1)), vocab_size=8 * draw(st.integers(1, max_vocab // 8)),
-                     kv_splits=draw(st.integers(1, max_splits)), seed=draw(seeds()),
+    return ModelAxes(architecture=draw(st.sampled_from(ARCHITECTURES)),
+                     vocab_size=8 * draw(st.integers(-(-min_vocab // 8), max_vocab // 8)),
                      rms_norm_eps=draw(st.sampled_from([1e-5, 1e-6, 1e-2])),
                      rope_theta=draw(st.sampled_from([10000.0, 500000.0, 1e6])), rope_scaling=scaling,
                      tie_word_embeddings=draw(st.booleans()))
+
+
+@st.composite
+def stage_cases(draw, max_hidden: int = 4096, max_intermediate: int | None = None, max_heads: int = 64,
+                max_batch: int = 8, max_blocks: int = 16, max_vocab: int = 4096, max_splits: int = 8) -> StageCase:
+    """A StageCase over `kernel_decode_shapes` and `model_axes`: 1-2 layers (the instruction in either),
+    1..max_splits KV splits."""
+    shape = draw(kernel_decode_shapes(max_hidden=max_hidden, max_intermediate=max_intermediate,
+                                      max_heads=max_heads, max_batch=max_batch, max_blocks=max_blocks))
+    num_layers = draw(st.integers(1, 2))
+    axes = draw(model_axes(max_vocab=max_vocab))
+    return StageCase(shape=shape, architecture=axes.architecture, num_layers=num_layers,
+                     layer=draw(st.integers(0, num_layers - 1)), vocab_size=axes.vocab_size,
+                     kv_splits=draw(st.integers(1, max_splits)), seed=draw(seeds()),
+                     rms_norm_eps=axes.rms_norm_eps, rope_theta=axes.rope_theta, rope_scaling=axes.rope_scaling,
+                     tie_word_embeddings=axes.tie_word_embeddings)
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
 
 from megakernel.integrations.backends import generate, get_backend
 from megakernel.model.config import ModelConfig
@@ -30,6 +32,7 @@ from megakernel.model.kv_cache import contiguous_block_table
 from megakernel.model.presets import get_preset
 from megakernel.model.weights import ModelWeights, load_checkpoint, random_weights, to_hf_state_dict
 from megakernel.schedule.vm import VMDecoder
+from megakernel.testing.strategies import ModelAxes, model_axes, seeds
 from megakernel.testing.tolerances import GreedyTolerance, assert_close, greedy_tolerance_for
 
 pytestmark = pytest.mark.e2e
@@ -269,6 +272,45 @@ def test_vm_batch_equals_each_sequence_alone(name, one_cpu_thread):
         assert_close(batch.logits[b], alone.logits[0], torch.float32, context=what)
 
 
+# ---- drawn model axes (the fields real checkpoints vary), on the tiny-llama layer shapes ----------------------
+
+# Each example writes and reloads a checkpoint and runs transformers' generate: a few per run unless a long profile
+# was asked for (fuzz).
+AXES = model_axes(max_vocab=2048, min_vocab=264)
+AXES_EXAMPLES = max(1, min(settings.default.max_examples, 6)) if settings.default.max_examples < 1000 \
+    else settings.default.max_examples
+AXES_STEPS = 24
+
+
+def check_parity_on_drawn_axes(axes: ModelAxes, seed: int, make_backend, dtype: torch.dtype, device: str,
+                               what: str) -> None:
+    """tiny-llama's layer shapes with the drawn axes: a checkpoint saved by transformers, loaded as `dtype`,
+    decoded greedily by make_backend(weights) and by transformers' generate; tokens and logprobs within
+    `dtype`'s greedy tolerance, teacher-forced agreement past any near-tie."""
+    config = dataclasses.replace(axes.apply(_shape("tiny-llama")), name="tiny-llama-axes")
+    what = f"{what}, {axes} seed={seed}"
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = write_checkpoint(config, seed, Path(tmp) / "ckpt", device=device)
+        weights = load_and_check(ckpt, dtype, device=device)
+        prompts = _prompts(config, seed)
+        out = generate(make_backend(weights), prompts, AXES_STEPS, keep_logits=True)
+        tol = greedy_tolerance_for(dtype)
+        refs = [hf_greedy(ckpt.model, p, AXES_STEPS) for p in prompts]
+        for b, (prompt, (ref_tokens, ref_logits)) in enumerate(zip(prompts, refs)):
+            seq = f"{what} sequence {b} prompt_len={len(prompt)}"
+            check_greedy_parity(out.tokens[b], out.logits[b], ref_tokens, ref_logits, tol, seq)
+            check_teacher_forced(out.tokens[b], out.logits[b], hf_teacher_forced(ckpt.model, prompt, out.tokens[b]),
+                                 tol, seq)
+        _not_degenerate([r[0] for r in refs], what)
+
+
+@pytest.mark.usefixtures("one_cpu_thread")
+@settings(max_examples=AXES_EXAMPLES)
+@given(axes=AXES, seed=seeds())
+def test_vm_matches_transformers_generate_on_drawn_model_axes(axes, seed):
+    check_parity_on_drawn_axes(axes, seed, VMBackend, torch.float32, "cpu", "VM vs transformers generate, float32")
+
+
 # ---- GPU: the megakernel -----------------------------------------------------------------------------------------
 
 GPU_MODELS = {
@@ -379,4 +421,25 @@ def test_megakernel_float32_weights_are_cast_or_refused():
         assert got == expected, f"{what}: {got} vs {expected}"
     finally:
         del backend
+        _free_gpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@settings(max_examples=AXES_EXAMPLES)
+@given(axes=AXES, seed=seeds())
+def test_megakernel_matches_transformers_generate_on_drawn_model_axes(axes, seed):
+    backends = []
+
+    def make(weights):
+        backends.append(get_backend("megakernel", weights, GPU))
+        return backends[-1]
+
+    try:
+        check_parity_on_drawn_axes(axes, seed, make, torch.bfloat16, GPU,
+                                   "megakernel vs transformers generate (float32, cuda), bf16 weights and KV cache")
+        for backend in backends:
+            backend.check()
+    finally:
+        del backends
         _free_gpu()
