@@ -222,8 +222,8 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
             (Patch(LAYOUT, "return v.permute(*range(n), n, n + 2, n + 1, n + 5, n + 3, n + 4, n + 6)",
                    "return v.permute(*range(n), n, n + 2, n + 1, n + 5, n + 4, n + 3, n + 6)"),),
             (FRAGMENT_PROBE, VM_PROBE),
-            (Patch(K_MATVEC, "d = mma_bf16_16816(a[q], a[q + 4], a[q + 1], a[q + 5], b01[part], b89[part],",
-                   "d = mma_bf16_16816(a[q], a[q + 1], a[q + 4], a[q + 5], b01[part], b89[part],"),),
+            (Patch(K_MATVEC, "d = mma_bf16_16816(a[q], a[q + 4], a[q + 1], a[q + 5], bw[2 * half], bw[2 * half + 1],",
+                   "d = mma_bf16_16816(a[q], a[q + 1], a[q + 4], a[q + 5], bw[2 * half], bw[2 * half + 1],"),),
             "the MMA's A operand registers in the wrong order: the second 8-row block's registers where the first "
             "block's columns k+8 belong")
     + [Mutation("aliasing_shared_append_allowed",
@@ -243,11 +243,18 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
                 (Patch(K_MATVEC, "self.wait_full(full + mb, (k_slot // self.ring_slots) % 2, p.error)",
                        "self.wait_full(full + mb, (k_slot // self.ring_slots + 1) % 2, p.error)"),),
                 GPU_PROBES, kernel=True),
-       Mutation("ring_slot_freed_by_one_warp.kernel",
-                "a weight slot's empty barrier completes on the first consumer warp's arrival, so the producer "
-                "refills the slot while other warps still read it",
-                (Patch(K_INTERP, "mbarrier_init(empty + j * 8, Int32(self.warps))",
-                       "mbarrier_init(empty + j * 8, Int32(1))"),),
+       Mutation("ring_slot_freed_before_read.kernel",
+                "a warp that reads a weight slot frees its part (arrives on the slot's empty barrier) as soon as the "
+                "slot has landed, before reading it, so the producer may refill the slot under its readers",
+                (Patch(K_MATVEC, "self.wait_full(full + mb, (k_slot // self.ring_slots) % 2, p.error)\n",
+                       "self.wait_full(full + mb, (k_slot // self.ring_slots) % 2, p.error)\n"
+                       "                            if lane == 0:\n"
+                       "                                mbarrier_arrive(empty + mb)\n"),
+                 Patch(K_MATVEC, "                            cute.arch.sync_warp()\n"
+                                 "                            if lane == 0:\n"
+                                 "                                mbarrier_arrive(empty + mb)       # this part's reader is "
+                                 "done with the slot\n",
+                       "                            cute.arch.sync_warp()\n")),
                 GPU_PROBES, kernel=True)]
 )
 

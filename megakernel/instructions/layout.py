@@ -15,8 +15,7 @@ from ..model.weights import ModelWeights
 
 # Rows a CTA's 8 consumer warps process side by side: every matvec tile is a multiple of it.
 ROW_GROUP = 8
-# The unit of a matrix's K columns: a consumer work item's columns at batch 2-8 (16 k-steps of the m16n8k16
-# tensor-core MMA; 128 at batch 1, kernel.stream.item_cols), and the unit of a slot's column slabs.
+# The unit of a matrix's K columns (16 k-steps of the m16n8k16 tensor-core MMA) and of a slot's column slabs.
 COL_PASS = 256
 # The weight matrices the kernel streams are stored in blocks of FRAG_ROWS rows x FRAG_COLS columns, each
 # 512 bytes in the order of the MMA's A-operand registers (fragment_pack).

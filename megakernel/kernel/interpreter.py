@@ -76,6 +76,10 @@ class KernelOptions:
     trace: bool = False                      # record per-instruction globaltimer stamps (profiles/RESULTS.md
                                              # has what each measured)
     timeout_ns: int = 2_000_000_000          # bound on every spin: a step counter, a weight-ring slot
+    # a diagnostic (wrong results, for timing only): the producer copies no weights, each slot completes at once
+    # over zeroed shared memory, so a step takes what the dependency chain and the consumers' work take without
+    # the weight stream (tools/gpu_sweep.py 'nocopy:diag_no_copy=1'; profiles/RESULTS.md, 2026-12-03)
+    diag_no_copy: bool = False
 
 OP_EMBED, OP_ATTN_PARTIAL, OP_ATTN_REDUCE = int(Opcode.EMBED), int(Opcode.ATTN_PARTIAL), int(Opcode.ATTN_REDUCE)
 OP_QKV, OP_O_PROJ, OP_GATE_UP, OP_DOWN = int(Opcode.QKV), int(Opcode.O_PROJ), int(Opcode.GATE_UP), int(Opcode.DOWN)
@@ -253,7 +257,7 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
         if tidx == 0:
             for j in range(self.ring_slots):
                 mbarrier_init(full + j * 8, Int32(1))                # the producer's arrive + the copy bytes
-                mbarrier_init(empty + j * 8, Int32(self.warps))      # one arrival per consumer warp
+                mbarrier_init(empty + j * 8, Int32(self.plan.parts))  # one arrival per part's reader warp
             mbarrier_init_fence()
             s_ctrl[0] = ld_i32(sync)
             s_ctrl[1] = Int32(0)
@@ -277,6 +281,9 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
         qbase = queue + Int64(sm) * (self.max_queue_len * WORDS * 4)
         for wi in range(tidx, n * WORDS, self.threads):
             s_queue[wi] = ld_i32(qbase + Int64(wi) * 4)
+        if cutlass.const_expr(self.options.diag_no_copy):
+            for wi in range(tidx, self.ring_slots * SLOT_BYTES // 4, self.threads):
+                s_ring[wi] = Int32(0)          # the slots are never written: zero weights, finite results
         cute.arch.sync_threads()
 
         if warp == self.warps:

@@ -4,11 +4,12 @@ The stage's record, operands and torch reference are in megakernel.instructions.
   1. the input row of every sequence (x * norm weight, O_PROJ's merge of the attention splits, or layer
      0's embedding row) is staged in shared memory as float32, whole or one column slab at a time, with
      sum(x^2) for the RMSNorm of the stages that have one;
-  2. the tile's weight slots arrive in the ring (megakernel.kernel.stream); each slot's work items
-     (16 rows x item_cols columns) go to the consumer warps in turn; a warp multiplies an item on the tensor
-     cores (m16n8k16 MMAs: the weights, fragment-packed at load time, are A, read 16 bytes per lane; the
-     batch, padded to 8, is B, each float32 input split into bf16 hi + lo and multiplied twice) into one
-     float32 partial per (row, segment, sequence);
+  2. the tile's weight slots arrive in the ring (megakernel.kernel.stream); each slot's P parts (whole slots
+     at batch 2-8, halves at batch 1: stream.slot_parts) go to P consumer warps, each of which waits for
+     the slot, multiplies its part on the tensor cores (m16n8k16 MMAs: the weights, fragment-packed at load
+     time, are A, read 16 bytes per lane; the batch, padded to 8, is B, its float32 input staged already
+     split into bf16 hi + lo, multiplied twice) into one float32 partial per (row, slab, part, sequence), and
+     frees its part;
   3. per chunk of rows, one thread per output adds its partials in a fixed order (the same bits every
      run) and runs the epilogue: store, residual add, SiLU-and-multiply, or logits + tile argmax.
 """
@@ -23,11 +24,11 @@ from cutlass import Boolean, Float32, Int32, Int64
 
 from ..instructions.layout import ROW_GROUP
 from ..instructions.opcodes import Opcode
-from .ptx import (ex2, globaltimer_lo, ld_f32, ld_i32, ld_shared_f32x2, load_f32x4, load_nc_b32x2,
-                  load_shared_raw, load_weights_bf16x4, mbarrier_arrive, mma_bf16_16816, rsqrt, split_bf16x2, st_f32,
-                  st_i32, unpack_bf16x2, warp_max_index, warp_sum)
-from .stream import (ITEM_ROWS, SLOT_BYTES, TR_CONSUMED, TR_LANDED_FIRST, TR_LANDED_LAST, TR_STAGED, X_PAD,
-                     item_cols)
+from .ptx import (ex2, globaltimer_lo, ld_f32, ld_i32, load_f32x4, load_nc_b32x2, load_shared_raw, load_weights_bf16x4,
+                  mbarrier_arrive, mma_bf16_16816, rsqrt, split_bf16x2, st_f32, st_i32, st_shared_b32, unpack_bf16x2,
+                  warp_max_index, warp_sum)
+from .stream import (ITEM_ROWS, SLAB_COLS, SLOT_BYTES, TR_CONSUMED, TR_LANDED_FIRST, TR_LANDED_LAST, TR_STAGED,
+                     X_PAD)
 
 LOAD_KP = 4                # 32-column blocks whose weight loads are in flight at once (8 x 16 bytes per lane)
 
@@ -53,9 +54,10 @@ class MatvecStage:
         B, H = self.B, self.H
         l64 = Int64(layer)
         w_addr, _ = self.weight_tile(op, layer, a0, p.w_qkv, p.w_o, p.w_gate_up, p.w_down, p.w_lm_head)
-        K, slab, n_slab, rps, segs, chunk, xsl = self.tile_geometry(op)
+        K, slab, n_slab, rps, chunk, xsl = self.tile_geometry(op)
         whole = xsl >= n_slab
-        n_seg = n_slab * segs
+        P = self.plan.parts
+        n_seg = n_slab * P              # one partial sum per (row, slab, part, sequence)
         # input rows (one per sequence, width K), norm weights, output rows, residual rows
         in_addr = Int64(0)
         norm_addr = p.ones
@@ -124,7 +126,6 @@ class MatvecStage:
             s_red[tidx] = Float32(-math.inf)
             s_ired[tidx] = Int32(0x7FFFFFFF)
         x_base = s.x_addr
-        rot = Int32(0)           # work items so far in this tile, mod the warps: the next slot's first owner
         for c0 in range(0, a1, chunk):
             rows = a1 - c0
             if rows > chunk:
@@ -153,26 +154,28 @@ class MatvecStage:
                             if tidx == 0 and c0 == 0 and sl == 0:
                                 st_i32(rec + TR_STAGED * 4, globaltimer_lo())     # the first window staged
                 for g0 in range(0, rows, rps):
-                    nr = rows - g0
-                    if nr > rps:
-                        nr = rps
                     slot = k_slot % self.ring_slots
-                    mb = slot * 8
-                    self.wait_full(full + mb, (k_slot // self.ring_slots) % 2, p.error)
-                    if cutlass.const_expr(self.options.trace):
-                        if tidx == 0:
-                            if c0 == 0 and sl == 0 and g0 == 0:
-                                st_i32(rec + TR_LANDED_FIRST * 4, globaltimer_lo())     # the first slot landed
-                            st_i32(rec + TR_LANDED_LAST * 4, globaltimer_lo())      # the last (the latest wins)
-                    n_items = ((nr + ITEM_ROWS - 1) // ITEM_ROWS) * segs
-                    j0 = (warp - rot % self.warps + self.warps) % self.warps
-                    for j in range(j0, n_items, self.warps):
-                        self.consume_item(lane, j, segs, slab, width, ring + slot * SLOT_BYTES, x_base, xw, col0,
-                                          g0, nr, n_seg, sl * segs, s)
-                    cute.arch.sync_warp()
-                    if lane == 0:
-                        mbarrier_arrive(empty + mb)
-                    rot = rot + n_items
+                    # part p of ring slot r is read by warp (r * P + p) % warps in every use of the slot, in order,
+                    # so a warp's wait for use u never sees the completed phase u - 2 of the same parity
+                    for part in cutlass.range_constexpr(P):
+                        if warp == (slot * P + part) % self.warps:
+                            nr = rows - g0
+                            if nr > rps:
+                                nr = rps
+                            mb = slot * 8
+                            self.wait_full(full + mb, (k_slot // self.ring_slots) % 2, p.error)
+                            if cutlass.const_expr(self.options.trace):
+                                if lane == 0 and part == 0:
+                                    if c0 == 0 and sl == 0 and g0 == 0:
+                                        st_i32(rec + TR_LANDED_FIRST * 4, globaltimer_lo())  # the tile's first slot landed
+                                    if c0 + rows >= a1 and sl == n_slab - 1 and g0 + rps >= rows:
+                                        st_i32(rec + TR_LANDED_LAST * 4, globaltimer_lo())   # ... and its last
+                            for rg in range((nr + ITEM_ROWS - 1) // ITEM_ROWS):
+                                self.consume_item(lane, rg, part, slab, width, ring + slot * SLOT_BYTES, x_base, xw,
+                                                  col0, g0, nr, n_seg, sl, s)
+                            cute.arch.sync_warp()
+                            if lane == 0:
+                                mbarrier_arrive(empty + mb)       # this part's reader is done with the slot
                     k_slot = k_slot + 1
             if not whole and c0 == 0 and has_norm:
                 self.rms_statistic(tidx, warp, lane, K, ss, s)
@@ -188,38 +191,38 @@ class MatvecStage:
         return k_slot
 
     @cute.jit
-    def consume_item(self, lane: Int32, j: Int32, segs: Int32, slab: Int32, width: Int32, slot_addr: Int32,
-                     x_base: Int32, xw: Int32, col0: Int32, g0: Int32, nr: Int32, n_seg: Int32, seg0: Int32, s):
-        """Work item j of a slot of nr rows: 16 rows (row group j // segs; its second 8-row block absent where
-        the slot ends after the first) x item_cols(B) columns (segment j % segs of the slab), against every
-        sequence's staged input; one partial per (row, sequence) into s.part at ((row * n_seg + segment) * B
-        + b).
+    def consume_item(self, lane: Int32, rg: Int32, part: int, slab: Int32, width: Int32, slot_addr: Int32,
+                     x_base: Int32, xw: Int32, col0: Int32, g0: Int32, nr: Int32, n_seg: Int32, sl: Int32, s):
+        """Row group rg x part `part` of a slot of nr rows: 16 rows (the second 8-row block absent where the slot
+        ends after the first) x slab / P columns of slab sl, against every sequence's staged input; one partial
+        per (row, sequence) into s.part at ((row * n_seg + sl * P + part) * B + b).
 
         The slot holds, per 8-row block (slab * 16 bytes apart), 512-byte blocks of 32 columns in fragment
         order: lane l's 16 bytes of one are its A registers of two MMAs (k = 0..15 and 16..31) for those 8
         rows. The input of sequence n = l // 4 (zero for n >= B) is staged at row stride xw, the slab's first
-        column at col0; its float32 pairs (k = 2t, 2t + 1 and 2t + 8, 2t + 9, t = l % 4) become the B
-        registers, split into bf16 hi and lo. Columns past the slab's width (a narrower last slab) load
-        nothing and add nothing."""
+        column at col0, already split into bf16 hi and lo in B-register order (store_staged_quad): one 16-byte
+        load per k-step gives lane (n, t) its B registers of the hi and the lo MMA. Columns past the slab's
+        width (a narrower last slab) load nothing and add nothing."""
         s_part = s.part
         B = self.B
-        rg = j // segs
-        sg = j - rg * segs
+        P = self.plan.parts
         kp_slab = slab // 32                  # 512-byte blocks per 8-row block of the slot
-        kp_w = width // 32                    # ... that hold columns of this slab
-        IC = item_cols(B)                     # columns of a work item
-        IKP = IC // 32                        # ... in 32-column blocks
-        kp0 = sg * IKP
+        kp_item = kp_slab // P                # ... per work item
+        kp0 = part * kp_item                  # the item's first block
+        kp_w = width // 32 - kp0              # ... and how many of its blocks hold columns of this slab
+        if kp_w > kp_item:
+            kp_w = kp_item
+        IKP = SLAB_COLS // 32 // P            # blocks of an item of the widest slab (the unrolled loop's length)
         two = rg * ITEM_ROWS + 8 < nr         # the item's second 8-row block is in the slot
         n = lane // 4
         t = lane - n * 4
         top = slot_addr + (2 * rg * kp_slab + kp0) * 512 + lane * 16
-        # four independent accumulator chains (hi and lo, even and odd 32-column blocks) of 8 MMAs each,
-        # summed at the end: one chain of 32 dependent MMAs would be the item's latency
+        # four independent accumulator chains (hi and lo, even and odd 32-column blocks) of 16 MMAs each,
+        # summed at the end: one chain of 64 dependent MMAs would be the item's latency
         c = cute.make_rmem_tensor((16,), Float32)
         for i in cutlass.range_constexpr(16):
             c[i] = Float32(0.0)
-        xa = x_base + (n * xw + col0 + sg * IC + 2 * t) * 4
+        xa = x_base + (n * xw + col0 + kp0 * 32 + 4 * t) * 4
         # groups of LOAD_KP blocks (all of an item's weights would not fit the registers beside the rest):
         # each group's weight loads, then its MMAs
         LK = min(LOAD_KP, IKP)
@@ -229,7 +232,7 @@ class MatvecStage:
                 u = hf * LK + uu
                 for e in cutlass.range_constexpr(8):
                     a[uu * 8 + e] = Int32(0)
-                if kp0 + u < kp_w:
+                if u < kp_w:
                     v = load_shared_raw(top + u * 512)
                     for e in cutlass.range_constexpr(4):
                         a[uu * 8 + e] = v[e]
@@ -239,33 +242,27 @@ class MatvecStage:
                             a[uu * 8 + 4 + e] = v[e]
             for uu in cutlass.range_constexpr(LK):
                 u = hf * LK + uu
-                if kp0 + u < kp_w:
+                if u < kp_w:
                     for kb in cutlass.range_constexpr(2):
-                        x0 = Float32(0.0)
-                        x1 = Float32(0.0)
-                        x8 = Float32(0.0)
-                        x9 = Float32(0.0)
+                        bw = cute.make_rmem_tensor((4,), Int32)    # [hi01, hi89, lo01, lo89] (store_staged_quad)
+                        for e in cutlass.range_constexpr(4):
+                            bw[e] = Int32(0)
                         if n < B:
-                            lo = ld_shared_f32x2(xa + (u * 32 + kb * 16) * 4)
-                            hi = ld_shared_f32x2(xa + (u * 32 + kb * 16 + 8) * 4)
-                            x0 = lo[0]
-                            x1 = lo[1]
-                            x8 = hi[0]
-                            x9 = hi[1]
-                        b01 = split_bf16x2(x0, x1)
-                        b89 = split_bf16x2(x8, x9)
+                            xq = load_shared_raw(xa + (u * 32 + kb * 16) * 4)
+                            for e in cutlass.range_constexpr(4):
+                                bw[e] = xq[e]
                         q = uu * 8 + kb * 2
-                        for part in cutlass.range_constexpr(2):       # the hi halves, then the lo halves
-                            ch = (part * 2 + u % 2) * 4
-                            d = mma_bf16_16816(a[q], a[q + 4], a[q + 1], a[q + 5], b01[part], b89[part],
+                        for half in cutlass.range_constexpr(2):       # the hi halves, then the lo halves
+                            ch = (half * 2 + u % 2) * 4
+                            d = mma_bf16_16816(a[q], a[q + 4], a[q + 1], a[q + 5], bw[2 * half], bw[2 * half + 1],
                                                c[ch], c[ch + 1], c[ch + 2], c[ch + 3])
                             for i in cutlass.range_constexpr(4):
                                 c[ch + i] = d[i]
         for i in cutlass.range_constexpr(4):
             c[i] = (c[i] + c[4 + i]) + (c[8 + i] + c[12 + i])
         # C: rows n and n + 8 of the item, sequences 2t and 2t + 1
-        seg = seg0 + sg
         row = g0 + rg * ITEM_ROWS + n
+        seg = sl * P + part
         for e in cutlass.range_constexpr(2):
             if 2 * t + e < B:
                 s_part[(row * n_seg + seg) * B + 2 * t + e] = c[e]
@@ -364,6 +361,24 @@ class MatvecStage:
             s_rstd[tidx] = rsqrt(tot / Float32(K) + Float32(self.eps))
 
     @cute.jit
+    def store_staged_quad(self, s, w: Int32, y: cute.Tensor):
+        """Four consecutive input columns (float32 y[0..3]; word w of s.x, a sequence's row start plus a column
+        that is a multiple of 4) split into bf16 hi + lo pairs and stored where consume_item's lanes read their
+        B registers: per 32-column block and 16-column k-step, lane quad t's 16 bytes are the packed pairs
+        [hi(2t, 2t+1), hi(2t+8, 2t+9), lo(2t, 2t+1), lo(2t+8, 2t+9)]. A row keeps its word count (one word per
+        column), so one split per input element per instruction, instead of one per element per row group."""
+        r = w % 16                   # (rows start at a multiple of 16 words: the stride and the window are)
+        h = r // 8                   # columns 8..15 of the k-step: the second word of the pair
+        t0 = (r % 8) // 2            # the lane quad of the first pair (the second pair's is t0 + 1)
+        base = s.x_addr + (w - r + t0 * 4 + h) * 4
+        hi0, lo0 = split_bf16x2(y[0], y[1])
+        hi1, lo1 = split_bf16x2(y[2], y[3])
+        st_shared_b32(base, hi0)
+        st_shared_b32(base + 8, lo0)
+        st_shared_b32(base + 16, hi1)
+        st_shared_b32(base + 24, lo1)
+
+    @cute.jit
     def stage(self, tidx: Int32, layer: Int32, K: Int32, merge: Boolean, from_embed: Boolean, gather: Boolean,
               in_addr: Int64, norm_addr: Int64, p, s, ss: cute.Tensor, s0: Int32,
               kw: Int32, stride: Int32):
@@ -424,11 +439,13 @@ class MatvecStage:
                         nv[2], nv[3] = unpack_bf16x2(nw[2 * v + 1])
                         for b in cutlass.range_constexpr(B):
                             j = v * B + b
+                            y = cute.make_rmem_tensor((4,), Float32)
                             for e in cutlass.range_constexpr(4):
                                 x = xv[4 * j + e]
                                 if gather:
                                     ss[b] = ss[b] + x * x
-                                s_x[b * stride + q * 4 + e] = x * nv[e]
+                                y[e] = x * nv[e]
+                            self.store_staged_quad(s, b * stride + q * 4, y)
 
     @cute.jit
     def stage_merged_attention(self, tidx: Int32, layer: Int32, p, s, s0: Int32,
@@ -452,8 +469,7 @@ class MatvecStage:
                 for b in cutlass.range_constexpr(self.B):
                     xv = cute.make_rmem_tensor((4,), Float32)
                     self.merge_quad(layer, b, k, p.attn_part_o, p.attn_part_lse, xv)
-                    for e in cutlass.range_constexpr(4):
-                        s_x[b * stride + q * 4 + e] = xv[e]
+                    self.store_staged_quad(s, b * stride + q * 4, xv)
             else:
                 for b0 in cutlass.range_constexpr(0, self.B, GB):
                     nb = min(GB, self.B - b0)
@@ -496,4 +512,5 @@ class MatvecStage:
                                     for e in cutlass.range_constexpr(4):
                                         acc[e] = acc[e] + f * ov[(i0 + sp) * 4 + e]
                                 for e in cutlass.range_constexpr(4):
-                                    s_x[(b0 + bb) * stride + qu * 4 + e] = acc[e] / tot
+                                    acc[e] = acc[e] / tot
+                                self.store_staged_quad(s, (b0 + bb) * stride + qu * 4, acc)

@@ -146,6 +146,11 @@ def load_shared_b32(addr: Int32) -> Int32:
 
 
 @cute.jit
+def st_shared_b32(addr: Int32, v: Int32):
+    cute.arch.inline_ptx("st.shared.b32 [{$r0}], {$r1};", read_only_args=[addr, v])
+
+
+@cute.jit
 def load_shared_raw(addr: Int32):
     """16 bytes of shared memory at a 16-byte aligned address as 4 raw 32-bit words (weights a bulk
     copy put there; unpack_bf16x8 converts them as it does the global loads')."""

@@ -9,10 +9,10 @@ A slot is one bulk-copy unit: `rows` consecutive rows of a tile times one column
 the fragment order of the packed weights (megakernel.instructions.layout.fragment_pack): per 8-row block,
 the slab's 512-byte blocks of 32 columns, row blocks `slab_cols * 16` bytes apart. Each slot has a `full`
 mbarrier (the producer arms it with the slot's byte count, the copy engine completes it) and an `empty`
-mbarrier (each consumer warp arrives once it is past the slot). Producer and consumers enumerate a tile's
-slots in the same order, chunk by chunk (the rows whose partial sums fit shared memory at once), slab by
-slab, row group by row group, so slot number k of the CTA is ring slot k % slots in use k // slots by
-both sides.
+mbarrier (each of the `parts` consumer warps that read the slot arrives once it has read its part: part p of
+ring slot r, in every use, is warp (r * parts + p) % warps's). Producer and consumers enumerate a tile's slots in the same order, chunk by chunk (the rows whose
+partial sums fit shared memory at once), slab by slab, row group by row group, so slot number k of the CTA
+is ring slot k % slots in use k // slots by both sides.
 
 `StreamPlan` is the host-side geometry (pure Python, tested on the CPU); `WeightStream` is the producer's
 device code, a mixin of the interpreter (megakernel.kernel.interpreter).
@@ -57,15 +57,27 @@ def is_matvec(op: Int32) -> Boolean:
 
 
 ITEM_ROWS = 16              # rows of a consumer work item: the M of one m16n8k16 MMA, two 8-row fragment blocks
-X_PAD = 8                   # floats between the staged input rows of two sequences (conflict-free B loads)
+SLAB_COLS = SLOT_BYTES // (ITEM_ROWS * 2)   # the widest slab: ITEM_ROWS rows of it fill a slot
 
 
-def item_cols(batch: int) -> int:
-    """Columns of a consumer work item: 128 at batch 1 (twice the items: more warps on a tile whose weights
-    are already in the ring; measured 1-6% faster than 256 on llama-3.2-1b, qwen3-0.6b and llama-3.1-8b, and
-    than 64 on llama-3.2-1b, not on qwen3-0.6b), 256 above (half the partial sums; 3% faster at batch 8 on
-    llama-3.2-1b). profiles/RESULTS.md, 2026-12-01 (tensor cores)."""
-    return 128 if batch == 1 else COL_PASS
+def slot_parts(batch: int) -> int:
+    """Work items across a slot's slab: part p of ring slot r is read by one consumer warp, which frees it, so a
+    slot is freed after `parts` arrivals instead of one per warp. Whole slots (one item of up to 512 columns) at
+    batch 2-8, where the consumers' instructions per weight byte bound the step; halves at batch 1, where the
+    critical path also waits on each small tile's last slot (llama-3.2-1b, one sweep: halves 0.882 ms/step,
+    whole slots 0.891, quarters 0.959; profiles/RESULTS.md, 2026-12-03)."""
+    return 2 if batch == 1 else 1
+
+
+# Weight slots a producer keeps issued and not yet landed: enough to keep an SM's share of the read bandwidth in
+# flight; more only lengthens the memory queue that every load and signal of the dependency chain waits in
+# (llama-3.2-1b with whole-slot items, one sweep: 3 slots 0.885 ms/step at batch 1 and 1.141 at batch 8; 2 / 4 /
+# 6 / the whole ring 0.890 / 0.894 / 0.902 / 0.898, and 1.154 at batch 8; profiles/RESULTS.md, 2026-12-03).
+MAX_IN_FLIGHT = 3
+
+
+X_PAD = 16                  # words between the staged input rows of two sequences: rows start on a 16-word k-step
+                            # and two sequences' 64-byte k-steps fall in different banks (conflict-free B loads)
 
 
 @dataclass(frozen=True)
@@ -76,14 +88,14 @@ class SlotGeometry:
     slab_cols: int       # columns of a slot row, a multiple of COL_PASS (the last slab: what is left of K)
     n_slab: int
     rows_per_slot: int   # a multiple of ITEM_ROWS; the last slot of a tile may hold fewer (a multiple of 8)
-    segs_per_slab: int   # work items across a slab row: slab_cols / item_cols(batch)
+    parts: int           # work items across a slab row (slot_parts), slab_cols / parts columns each
     chunk_rows: int      # rows whose partials share memory at once: a multiple of rows_per_slot
     x_slabs: int         # slabs of the input staged at a time (n_slab: the whole input, once per instruction)
 
     @property
     def n_seg(self) -> int:
-        """Partial sums per (row, sequence): the epilogue adds them in this fixed order."""
-        return self.n_slab * self.segs_per_slab
+        """Partial sums per (row, sequence), one per (slab, part): the epilogue adds them in this fixed order."""
+        return self.n_slab * self.parts
 
     def slab_width(self, sl: int) -> int:
         """Columns of slab sl."""
@@ -113,9 +125,10 @@ class SlotGeometry:
         return n
 
 
-def slot_geometry(k: int, batch: int) -> SlotGeometry:
+def slot_geometry(k: int, batch: int, parts: int | None = None) -> SlotGeometry:
     """The slot geometry of a K-column matrix at a batch size: the fewest slabs whose ITEM_ROWS rows fit a
-    slot, slots as many rows as fit, chunks as many rows as PART_FLOATS partials allow."""
+    slot, slots as many rows as fit, `parts` work items across a slab (slot_parts(batch) unless given),
+    chunks as many rows as PART_FLOATS partials allow."""
     if k % COL_PASS:
         raise ValueError(f"K={k} must be a multiple of {COL_PASS}")
     ppr = k // COL_PASS
@@ -127,12 +140,13 @@ def slot_geometry(k: int, batch: int) -> SlotGeometry:
     slab = per_slab * COL_PASS
     n_slab = -(-ppr // per_slab)
     rows_per_slot = ITEM_ROWS * max(1, SLOT_BYTES // (slab * 2 * ITEM_ROWS))
-    segs = slab // item_cols(batch)
-    n_seg = n_slab * segs
+    parts = parts or slot_parts(batch)
+    if slab % (32 * parts):
+        raise ValueError(f"a slab of {slab} columns cannot be cut into {parts} work items of whole 32-column blocks")
     # (at least one slot of rows: the partial buffer grows past PART_FLOATS where one needs more)
-    chunk = max(rows_per_slot, PART_FLOATS // (n_seg * batch) // rows_per_slot * rows_per_slot)
-    return SlotGeometry(k=k, slab_cols=slab, n_slab=n_slab, rows_per_slot=rows_per_slot, segs_per_slab=segs,
-                        chunk_rows=chunk, x_slabs=n_slab if batch * k * 4 <= X_WHOLE_BYTES
+    chunk = max(rows_per_slot, PART_FLOATS // (n_slab * parts * batch) // rows_per_slot * rows_per_slot)
+    return SlotGeometry(k=k, slab_cols=slab, n_slab=n_slab, rows_per_slot=rows_per_slot, parts=parts, chunk_rows=chunk,
+                        x_slabs=n_slab if batch * k * 4 <= X_WHOLE_BYTES
                         else max(1, X_WHOLE_BYTES // (batch * 4 * slab)))
 
 
@@ -148,6 +162,11 @@ class StreamPlan:
     def for_config(cls, config, batch: int) -> "StreamPlan":
         ks = sorted({config.hidden_size, config.q_size, config.intermediate_size})
         return cls(batch=batch, by_k={k: slot_geometry(k, batch) for k in ks})
+
+    @property
+    def parts(self) -> int:
+        """Work items per slot row (every width of a plan has the same)."""
+        return next(iter(self.by_k.values())).parts
 
     def geometry(self, k: int) -> SlotGeometry:
         return self.by_k[k]
@@ -184,25 +203,26 @@ class WeightStream:
 
     @cute.jit
     def tile_geometry(self, op: Int32):
-        """(K, slab_cols, n_slab, rows_per_slot, segs_per_slab, chunk_rows, x_slabs) of a matvec opcode as
-        runtime values: O_PROJ's K is q_size, DOWN's the intermediate size, the others' the hidden size."""
+        """(K, slab_cols, n_slab, rows_per_slot, chunk_rows, x_slabs) of a matvec opcode as runtime values:
+        O_PROJ's K is q_size, DOWN's the intermediate size, the others' the hidden size."""
         g, go, gd = self.plan.geometry(self.H), self.plan.geometry(self.Q), self.plan.geometry(self.F)
         k, slab, n_slab, rps = Int32(g.k), Int32(g.slab_cols), Int32(g.n_slab), Int32(g.rows_per_slot)
-        segs, chunk, xsl = Int32(g.segs_per_slab), Int32(g.chunk_rows), Int32(g.x_slabs)
+        chunk, xsl = Int32(g.chunk_rows), Int32(g.x_slabs)
         if op == OP_O_PROJ:
             k, slab, n_slab, rps = Int32(go.k), Int32(go.slab_cols), Int32(go.n_slab), Int32(go.rows_per_slot)
-            segs, chunk, xsl = Int32(go.segs_per_slab), Int32(go.chunk_rows), Int32(go.x_slabs)
+            chunk, xsl = Int32(go.chunk_rows), Int32(go.x_slabs)
         if op == OP_DOWN:
             k, slab, n_slab, rps = Int32(gd.k), Int32(gd.slab_cols), Int32(gd.n_slab), Int32(gd.rows_per_slot)
-            segs, chunk, xsl = Int32(gd.segs_per_slab), Int32(gd.chunk_rows), Int32(gd.x_slabs)
-        return k, slab, n_slab, rps, segs, chunk, xsl
+            chunk, xsl = Int32(gd.chunk_rows), Int32(gd.x_slabs)
+        return k, slab, n_slab, rps, chunk, xsl
 
     @cute.jit
     def produce(self, lane: Int32, sm: Int32, s_queue: cute.Tensor, n: Int32, ring: Int32, full: Int32,
                 empty: Int32, abort_addr: Int32, w_qkv: Int64, w_o: Int64, w_gate_up: Int64, w_down: Int64,
                 w_lm_head: Int64, error: Int64, trace: Int64):
         """The producer warp's whole life: every matvec tile of the queue, slot by slot, each into the next
-        ring slot once every consumer warp has left it; then wait until every copy issued has landed (a CTA
+        ring slot once the consumer warps that read its last use have left it and the slot MAX_IN_FLIGHT before
+        it has landed; then wait until every copy issued has landed (a CTA
         must not exit with a bulk copy in flight). Stops issuing when the consumers abort (abort_addr) or a
         slot stays occupied past the timeout (error word ERR_RING). The slot loops are the consumers' (chunk,
         slab, row group), stepped by additions: the producer is on the critical path whenever the ring has
@@ -224,7 +244,7 @@ class WeightStream:
                         st_i32(self.trace_record(trace, sm, i) + TR_ISSUED_FIRST * 4, globaltimer_lo())
                 w_addr, _ = self.weight_tile(op, s_queue[ins + W_LAYER], s_queue[ins + W_A0], w_qkv, w_o,
                                              w_gate_up, w_down, w_lm_head)
-                K, slab, n_slab, rps, _, chunk, _ = self.tile_geometry(op)
+                K, slab, n_slab, rps, chunk, _ = self.tile_geometry(op)
                 a1 = s_queue[ins + W_A1]
                 for c0 in range(0, a1, chunk):
                     crows = a1 - c0
@@ -238,23 +258,29 @@ class WeightStream:
                             slot = k % NS
                             if stop == 0:
                                 stop = self.wait_slot(empty + slot * 8, ((k // NS) % 2) ^ 1, abort_addr, error)
+                            kf = k - MAX_IN_FLIGHT          # at most MAX_IN_FLIGHT slots on their way at once
+                            if stop == 0 and kf >= 0:
+                                self.wait_full(full + (kf % NS) * 8, (kf // NS) % 2, error)
                             if stop == 0 and lane == 0:     # (stop is the same on every lane)
                                 dst = ring + slot * SLOT_BYTES
                                 width = K - sl * slab              # the last slab may be narrower
                                 if width > slab:
                                     width = slab
                                 nbytes = nr * width * 2
+                                if cutlass.const_expr(self.options.diag_no_copy):
+                                    nbytes = Int32(0)
                                 mbarrier_arrive_expect_tx(full + slot * 8, nbytes)
                                 row0 = Int64(c0 + g0)
-                                if n_slab == 1:
-                                    bulk_copy_g2s(dst, w_addr + row0 * Int64(K) * 2, nbytes, full + slot * 8, policy)
-                                else:
-                                    # one copy per 8-row block (its slab's 512-byte blocks are contiguous),
-                                    # landed slab_cols * 16 bytes apart
-                                    for rb in range(nr // 8):
-                                        bulk_copy_g2s(dst + rb * slab * 16,
-                                                      w_addr + ((row0 + rb * 8) * Int64(K) + Int64(sl * slab) * 8) * 2,
-                                                      width * 16, full + slot * 8, policy)
+                                if cutlass.const_expr(not self.options.diag_no_copy):
+                                    if n_slab == 1:
+                                        bulk_copy_g2s(dst, w_addr + row0 * Int64(K) * 2, nbytes, full + slot * 8, policy)
+                                    else:
+                                        # one copy per 8-row block (its slab's 512-byte blocks are contiguous),
+                                        # landed slab_cols * 16 bytes apart
+                                        for rb in range(nr // 8):
+                                            bulk_copy_g2s(dst + rb * slab * 16,
+                                                          w_addr + ((row0 + rb * 8) * Int64(K) + Int64(sl * slab) * 8) * 2,
+                                                          width * 16, full + slot * 8, policy)
                             if stop == 0:
                                 k = k + 1
                 if cutlass.const_expr(self.options.trace):

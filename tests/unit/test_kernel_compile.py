@@ -19,7 +19,7 @@ from megakernel.instructions.record import serialize
 from megakernel.kernel.compile import (KernelKey, compile_decode_kernel, nvdisasm_path, resource_usage, sass,
                                        spill_instructions)
 from megakernel.kernel.interpreter import DecodeKernel, KernelOptions
-from megakernel.kernel.stream import item_cols
+from megakernel.kernel.stream import SLAB_COLS, slot_parts
 from megakernel.model.presets import get_preset
 from megakernel.schedule import assign, build_program
 
@@ -35,7 +35,8 @@ REAL_CASES = [(name, batch) for name in REAL_PRESETS for batch in BATCHES]
 
 
 @functools.lru_cache(maxsize=None)
-def compiled(name: str, batch: int, slab_staging: bool = True, split_seq_len: int = 4096) -> dict:
+def compiled(name: str, batch: int, slab_staging: bool = True, split_seq_len: int = 4096,
+             options: KernelOptions = KernelOptions()) -> dict:
     """PTX, SASS and resource usage of the kernel for a preset at a batch size (compiled once per module), its KV
     splits those the engine picks for a cache of split_seq_len positions."""
     config = get_preset(name)
@@ -47,7 +48,7 @@ def compiled(name: str, batch: int, slab_staging: bool = True, split_seq_len: in
     # the engine's own cache geometry: one contiguous block range per sequence, default strides
     known = {"layout": layout, "lm_tiles": program.lm_tiles, "num_counters": program.num_counters,
              "max_queue_len": table.shape[1], "num_blocks": batch * layout.max_blocks_per_seq, "kv_strides": None,
-             "options": KernelOptions()}
+             "options": options}
     key = KernelKey(**{f.name: known[f.name] for f in dataclasses.fields(KernelKey)})
     kernel = compile_decode_kernel(key, keep_artifacts=True)
     device_code = DecodeKernel(key.layout, key.lm_tiles, key.num_counters, key.max_queue_len, key.kv_strides,
@@ -102,6 +103,15 @@ def test_weights_stream_through_bulk_copies_into_shared_memory(name, batch):
         f"{what}: {dk.ring_slots} ring slots, {dk.smem_bytes()} bytes of shared memory"
 
 
+def test_the_no_copy_diagnostic_copies_no_weights_and_still_multiplies():
+    """KernelOptions(diag_no_copy=True), the timing-only build behind the step-without-weight-copies figures: no
+    bulk copy is left in it, and the consumers' MMAs are."""
+    art = compiled("llama-3.2-1b", 1, options=KernelOptions(diag_no_copy=True))
+    what = _what("llama-3.2-1b", 1, art)
+    assert not re.search(r"\bUBLKCP\b", art["sass"]), f"{what}: a bulk copy in the no-copy build"
+    assert re.findall(r"\bHMMA\.16816\.F32\.BF16\b", art["sass"]), f"{what}: no MMA in the no-copy build"
+
+
 @pytest.mark.parametrize("name,batch", CASES)
 def test_matvecs_multiply_on_the_tensor_cores(name, batch):
     """Every matvec work item is m16n8k16 bf16 MMAs with float32 accumulation (SASS HMMA.16816.F32.BF16),
@@ -110,7 +120,7 @@ def test_matvecs_multiply_on_the_tensor_cores(name, batch):
     what = _what(name, batch, art)
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in art["ptx"], f"{what}: no bf16 MMA in the PTX"
     hmma = re.findall(r"\bHMMA\.16816\.F32\.BF16\b", art["sass"])
-    want = item_cols(batch) // 16 * 2       # an item: its 16-column steps x (hi, lo)
+    want = SLAB_COLS // slot_parts(batch) // 16 * 2       # an item: its 16-column steps x (hi, lo)
     assert len(hmma) >= want, f"{what}: {len(hmma)} HMMA.16816.F32.BF16 in the SASS, expected a work item's {want}"
 
 

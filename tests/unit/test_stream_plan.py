@@ -1,8 +1,8 @@
 """The weight stream's geometry (megakernel/kernel/stream.py), on the CPU: for any matrix width and batch, the
 slots of a tile cover every weight of it exactly once in the order both sides walk (chunk, slab, row group),
-every (row, 256-column pass) is one consumer work item's exactly once (items are 16 rows, the M of one MMA;
-a tile of an odd number of 8-row blocks ends with a half item), each work item's partial sums land in
-slots of their own, and the sizes fit the shared memory the kernel reserves for them.
+every (row, slab part) is one consumer work item's exactly once (items are 16 rows, the M of one MMA, x a
+slot's slab or a part of it; a tile of an odd number of 8-row blocks ends with a half item), each work item's
+partial sums land in slots of their own, and the sizes fit the shared memory the kernel reserves for them.
 
 The walk below restates the device loops of WeightStream.produce and MatvecStage.matvec from their
 docstrings; the GPU stage tests run the device code itself on the same geometry.
@@ -15,15 +15,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from megakernel.instructions.layout import COL_PASS, ROW_GROUP
-from megakernel.kernel.stream import (ITEM_ROWS, PART_FLOATS, SLOT_BYTES, X_PAD, X_WHOLE_BYTES, StreamPlan,
-                                      item_cols, slot_geometry)
+from megakernel.kernel.stream import (ITEM_ROWS, PART_FLOATS, SLAB_COLS, SLOT_BYTES, X_PAD, X_WHOLE_BYTES,
+                                      StreamPlan, slot_geometry, slot_parts)
 from megakernel.model.presets import get_preset
 
 
 def walk(g, rows: int, batch: int):
     """(slots, weights copied, items consumed, partial slots written) of one tile of `rows` rows, per
-    (row, item_cols(batch)-column segment)."""
-    ic = item_cols(batch)
+    (row, first column of the item's part of its slab)."""
+    ic = g.slab_cols // g.parts
     copied: dict[tuple[int, int], int] = {}
     consumed: dict[tuple[int, int], int] = {}
     partials: dict[tuple[int, int], int] = {}
@@ -41,36 +41,38 @@ def walk(g, rows: int, batch: int):
                         for col in range(sl * g.slab_cols, sl * g.slab_cols + width, COL_PASS):
                             key = (c0 + g0 + 8 * rb + r, col)
                             copied[key] = copied.get(key, 0) + 1
-                for j in range(-(-nr // ITEM_ROWS) * g.segs_per_slab):
-                    rg, sg = divmod(j, g.segs_per_slab)
-                    two = rg * ITEM_ROWS + 8 < nr     # the item's second 8-row block is in the slot
-                    for h in range(16 if two else 8):
-                        row = g0 + rg * ITEM_ROWS + h                    # row within the chunk
-                        slot = row * g.n_seg + sl * g.segs_per_slab + sg
-                        assert 0 <= slot < g.chunk_rows * g.n_seg
-                        partials[(c0 + row, slot)] = partials.get((c0 + row, slot), 0) + 1
-                        if sg < width // ic:
-                            key = (c0 + row, sl * g.slab_cols + sg * ic)
-                            consumed[key] = consumed.get(key, 0) + 1
+                for part in range(g.parts):                 # each part of the slot read by one warp ...
+                    for rg in range(-(-nr // ITEM_ROWS)):       # ... all of its row groups
+                        two = rg * ITEM_ROWS + 8 < nr     # the item's second 8-row block is in the slot
+                        for h in range(16 if two else 8):
+                            row = g0 + rg * ITEM_ROWS + h                    # row within the chunk
+                            slot = row * g.n_seg + sl * g.parts + part
+                            assert 0 <= slot < g.chunk_rows * g.n_seg
+                            partials[(c0 + row, slot)] = partials.get((c0 + row, slot), 0) + 1
+                            if part * ic < width:         # (a narrower last slab: parts past it add nothing)
+                                key = (c0 + row, sl * g.slab_cols + part * ic)
+                                consumed[key] = consumed.get(key, 0) + 1
     return slots, copied, consumed, partials
 
 
-@given(passes=st.integers(1, 64), batch=st.integers(1, 8), blocks=st.integers(1, 400))
-def test_slots_cover_every_weight_once_and_items_every_pass_once(passes, batch, blocks):
+@given(passes=st.integers(1, 64), batch=st.integers(1, 8), blocks=st.integers(1, 400),
+       parts=st.sampled_from([None, 1, 2, 4]))
+def test_slots_cover_every_weight_once_and_items_every_pass_once(passes, batch, blocks, parts):
     k = passes * COL_PASS
     rows = blocks * ROW_GROUP          # tiles are whole 8-row blocks (GATE_UP's whole pairs of them)
-    g = slot_geometry(k, batch)
+    g = slot_geometry(k, batch, parts)
     what = f"K={k} batch={batch} rows={rows}: {g}"
     assert g.slab_cols % COL_PASS == 0 and g.slab_cols * 2 * ITEM_ROWS <= SLOT_BYTES, what
     assert (g.n_slab - 1) * g.slab_cols < k <= g.n_slab * g.slab_cols, what
     assert g.rows_per_slot % ITEM_ROWS == 0 and g.rows_per_slot * g.slab_cols * 2 <= SLOT_BYTES, what
     assert g.chunk_rows % g.rows_per_slot == 0, what
-    assert g.segs_per_slab == g.slab_cols // item_cols(batch), what
+    assert g.parts == (parts or slot_parts(batch)) and g.n_seg == g.n_slab * g.parts, what
+    assert g.slab_cols <= SLAB_COLS and g.slab_cols % (32 * g.parts) == 0, what
     assert g.x_whole == (batch * k * 4 <= X_WHOLE_BYTES), what
-    assert g.x_stride == g.x_cols + X_PAD and (g.x_stride * 4) % 128 == 32, what   # conflict-free B loads
+    assert g.x_stride == g.x_cols + X_PAD and (g.x_stride * 4) % 128 == 64, what   # conflict-free B loads
     slots, copied, consumed, partials = walk(g, rows, batch)
     every = {(r, col) for r in range(rows) for col in range(0, k, COL_PASS)}
-    items = {(r, col) for r in range(rows) for col in range(0, k, item_cols(batch))}
+    items = {(r, col) for r in range(rows) for col in range(0, k, g.slab_cols // g.parts)}
     assert slots == g.slots(rows), what
     assert set(copied) == every and set(copied.values()) == {1}, f"{what}: a weight copied twice or never"
     assert set(consumed) == items and set(consumed.values()) == {1}, f"{what}: a segment consumed twice or never"
