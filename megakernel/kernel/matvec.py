@@ -137,7 +137,7 @@ class MatvecStage:
                 width = K - sl * slab     # the slab's columns (the last slab may be narrower)
                 if width > slab:
                     width = slab
-                xw = K + X_PAD            # floats between two sequences' staged rows
+                xw = K + X_PAD            # words between two sequences' staged rows
                 if not whole:
                     w0 = sl - sl % xsl            # the first slab of the staged window
                     col0 = (sl - w0) * slab
