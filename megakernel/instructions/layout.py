@@ -20,7 +20,11 @@ COL_PASS = 256
 # The weight matrices the kernel streams are stored in blocks of FRAG_ROWS rows x FRAG_COLS columns, each
 # 512 bytes in the order of the MMA's A-operand registers (fragment_pack).
 FRAG_ROWS, FRAG_COLS = 8, 32
-MAX_BATCH = 8
+# Batch buckets of a step layout (the schedule, the VM, the batch-aware buffers), and the batches the device code
+# runs: the megakernel refuses more than KERNEL_MAX_BATCH sequences before it compiles (the consumers' partial sums
+# per sequence in shared memory do not scale past it; profiles/RESULTS.md, 2026-12-03).
+MAX_BATCH = 64
+KERNEL_MAX_BATCH = 8
 # The compute capability the kernel is compiled for (sm_90a): Hopper. An sm_90a cubin runs on no other GPU.
 KERNEL_CAPABILITY = (9, 0)
 # The DAG's rule for folding the attention split merge into O_PROJ's input staging (no ATTN_REDUCE
@@ -119,6 +123,14 @@ class StepLayout:
             raise ValueError(f"block_size={self.block_size} and max_blocks_per_seq={self.max_blocks_per_seq} must be >= 1")
         if self.scratch_block < -1:
             raise ValueError(f"scratch_block={self.scratch_block} must be a block id (>= 0) or -1 (none)")
+
+
+def require_kernel_batch(batch: int) -> None:
+    """ValueError for a batch the device code does not run (StepLayout takes buckets up to MAX_BATCH, for the
+    schedule and the VM; the megakernel up to KERNEL_MAX_BATCH)."""
+    if not 1 <= batch <= KERNEL_MAX_BATCH:
+        raise ValueError(f"batch={batch} is outside the megakernel's range 1..{KERNEL_MAX_BATCH} (batch buckets up "
+                         f"to {MAX_BATCH} run on the instruction VM: megakernel.schedule.VMDecoder)")
 
 
 def default_kv_splits(config: ModelConfig, batch: int, num_sms: int, max_seq_len: int = 4096) -> int:

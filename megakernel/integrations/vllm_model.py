@@ -3,7 +3,7 @@
 ``MegakernelLlamaForCausalLM`` / ``MegakernelQwen3ForCausalLM`` subclass vLLM's own classes: weights
 load, prefill, chunked prefill and mixed batches run through the stock layers (torch.compile,
 FlashAttention). A forward whose every request has one query token and whose batch is at most 8
-(``MAX_BATCH``) runs as one megakernel launch instead, in place in vLLM's paged KV cache:
+(``KERNEL_MAX_BATCH``) runs as one megakernel launch instead, in place in vLLM's paged KV cache:
 
     tokens, positions   <- vLLM's input_ids / positions buffers (padded rows masked, see below)
     block table         <- the attention metadata's block_table (rows [:n], first max_blocks columns)
@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from megakernel.instructions.layout import KERNEL_CAPABILITY, MAX_BATCH, StepLayout, pack_weights
+from megakernel.instructions.layout import KERNEL_CAPABILITY, KERNEL_MAX_BATCH, StepLayout, pack_weights
 from megakernel.integrations.vllm_plugin import stock_architecture
 from megakernel.model.config import ModelConfig
 from megakernel.model.ops import rms_norm
@@ -60,7 +60,7 @@ from megakernel.model.weights import LayerWeights, ModelWeights
 logger = logging.getLogger("vllm.megakernel")
 
 ENV_CHECK = "MEGAKERNEL_VLLM_CHECK"   # "1": read the kernel's error word after every eager launch
-ENV_MAX_BATCH = "MEGAKERNEL_VLLM_MAX_BATCH"   # largest decode batch sent to the megakernel (1..MAX_BATCH)
+ENV_MAX_BATCH = "MEGAKERNEL_VLLM_MAX_BATCH"   # largest decode batch sent to the megakernel (1..KERNEL_MAX_BATCH)
 # Default of ENV_MAX_BATCH. tools/vllm_bench.py on the H200 (profiles/RESULTS.md, 2026-11-30, fourth run),
 # megakernel at every batch against stock vLLM, llama-3.2-1b: 1.02x at batch 1, 0.91x at 2, 0.99x at 4,
 # 0.85x at 8. Only batch 1 is not slower, so larger decode batches run stock unless the switch says otherwise.
@@ -131,8 +131,8 @@ def vllm_config_reason(vllm_config: Any) -> str | None:
 
 
 def layout_reason(config: ModelConfig) -> str | None:
-    """Why the megakernel cannot run this model shape at some batch 1..MAX_BATCH, or None."""
-    for batch in (1, MAX_BATCH):
+    """Why the megakernel cannot run this model shape at some batch 1..KERNEL_MAX_BATCH, or None."""
+    for batch in (1, KERNEL_MAX_BATCH):
         try:
             StepLayout(config=config, batch=batch, kv_splits=1, block_size=16, max_blocks_per_seq=1,
                        num_sms=1).validate()
@@ -143,7 +143,7 @@ def layout_reason(config: ModelConfig) -> str | None:
 
 def max_batch_setting(environ: Mapping[str, str] = os.environ) -> int:
     """The largest decode batch the megakernel serves: MEGAKERNEL_VLLM_MAX_BATCH, or DEFAULT_MAX_BATCH.
-    A value that is not an integer in 1..MAX_BATCH is refused with a warning (the default applies):
+    A value that is not an integer in 1..KERNEL_MAX_BATCH is refused with a warning (the default applies):
     a plugin that raised would stop vLLM from starting."""
     raw = environ.get(ENV_MAX_BATCH, "").strip()
     if not raw:
@@ -152,14 +152,14 @@ def max_batch_setting(environ: Mapping[str, str] = os.environ) -> int:
         value = int(raw)
     except ValueError:
         value = 0
-    if not 1 <= value <= MAX_BATCH:
+    if not 1 <= value <= KERNEL_MAX_BATCH:
         logger.warning("%s=%r is not an integer in 1..%d; the megakernel serves decode batches up to %d",
-                       ENV_MAX_BATCH, raw, MAX_BATCH, DEFAULT_MAX_BATCH)
+                       ENV_MAX_BATCH, raw, KERNEL_MAX_BATCH, DEFAULT_MAX_BATCH)
         return DEFAULT_MAX_BATCH
     return value
 
 
-def decode_buckets(capture_sizes: list[int] | None, max_batch: int = MAX_BATCH) -> tuple[int, ...]:
+def decode_buckets(capture_sizes: list[int] | None, max_batch: int = KERNEL_MAX_BATCH) -> tuple[int, ...]:
     """Batch sizes an engine is built for: powers of two up to max_batch, plus every CUDA-graph
     capture size <= max_batch (a graph of n rows then runs an engine of exactly n)."""
     sizes = {b for b in POW2_BUCKETS if b <= max_batch}
@@ -176,7 +176,7 @@ def pick_bucket(n: int, buckets: tuple[int, ...]) -> int | None:
 
 
 def batch_reason(num_tokens: int, num_reqs: int, max_query_len: int, *, has_embeds: bool = False,
-                 has_intermediate: bool = False, max_batch: int = MAX_BATCH) -> str | None:
+                 has_intermediate: bool = False, max_batch: int = KERNEL_MAX_BATCH) -> str | None:
     """Why this forward is not a megakernel decode batch, or None. num_tokens counts rows after
     CUDA-graph padding; num_reqs is the block table's row count."""
     if has_intermediate:
@@ -187,7 +187,7 @@ def batch_reason(num_tokens: int, num_reqs: int, max_query_len: int, *, has_embe
         return QUERY_LEN
     if num_tokens > max_batch:
         return (f"decode batch of {num_tokens} exceeds the megakernel's maximum batch {max_batch}"
-                + ("" if max_batch == MAX_BATCH else f" ({ENV_MAX_BATCH})"))
+                + ("" if max_batch == KERNEL_MAX_BATCH else f" ({ENV_MAX_BATCH})"))
     return None
 
 

@@ -40,7 +40,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Int32, Int64
 
-from ..instructions.layout import StepLayout
+from ..instructions.layout import StepLayout, require_kernel_batch
 from ..instructions.opcodes import Opcode
 from ..instructions.record import (W_A0, W_A1, W_A2, W_A3, W_INDEX, W_LAYER, W_OPCODE, W_SIGNAL_ID,
                                    W_WAIT_COUNT, W_WAIT_ID, WORDS)
@@ -104,6 +104,7 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
     def __init__(self, layout: StepLayout, lm_tiles: int, num_counters: int, max_queue_len: int,
                  kv_strides: tuple[int, int, int] | None = None, options: KernelOptions = KernelOptions()):
         layout.validate()
+        require_kernel_batch(layout.batch)
         c = layout.config
         self.layout, self.options = layout, options
         self.num_sms = layout.num_sms

@@ -39,8 +39,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..instructions.layout import (KERNEL_CAPABILITY, MAX_BATCH, PackedWeights, StepLayout, allocate_buffers, default_kv_splits,
-                                   pack_weights, validate_packed_weights, validate_step_inputs)
+from ..instructions.layout import (KERNEL_CAPABILITY, KERNEL_MAX_BATCH, PackedWeights, StepLayout, allocate_buffers,
+                                   default_kv_splits, pack_weights, require_kernel_batch, validate_packed_weights,
+                                   validate_step_inputs)
 from ..instructions.opcodes import Opcode
 from ..instructions.record import serialize
 from ..kernel.interpreter import ARG_NAMES, ERR_ALIAS, ERR_POSITION, ERR_RING, ERR_TIMEOUT, ERR_TOKEN, KernelOptions
@@ -91,7 +92,7 @@ def _sm_count(device: torch.device) -> int:
 class MegakernelEngine:
     """One model, one batch bucket, one KV-cache geometry: a compiled kernel and its buffers."""
 
-    max_batch = MAX_BATCH
+    max_batch = KERNEL_MAX_BATCH
 
     def __init__(self, weights: ModelWeights, batch: int, max_seq_len: int, *, block_size: int = 16,
                  num_blocks: int | None = None, num_sms: int | None = None, policy: str = "balanced",
@@ -101,6 +102,7 @@ class MegakernelEngine:
                  device: str | torch.device = "cuda",
                  own_kv_cache: bool = True, packed_weights: PackedWeights | None = None, lm_head: bool = True):
         config = weights.config
+        require_kernel_batch(batch)
         self.device = torch.device(device)
         if self.device.type != "cuda" or not torch.cuda.is_available():
             raise RuntimeError("the megakernel needs a CUDA GPU (Hopper, sm_90a)")
@@ -454,7 +456,7 @@ class MegakernelBackend:
     """The engine behind the DecodeBackend protocol (megakernel.integrations.backends)."""
 
     name = "megakernel"
-    max_batch = MAX_BATCH
+    max_batch = KERNEL_MAX_BATCH
 
     def __init__(self, weights: ModelWeights, device: str | torch.device = "cuda", **engine_kw):
         # the backend's step returns the kernel's own next tokens, from the engine's own cache
@@ -469,8 +471,7 @@ class MegakernelBackend:
         self._shape: tuple[int, int] | None = None
 
     def reset(self, batch: int, max_seq_len: int) -> None:
-        if batch > MAX_BATCH:
-            raise ValueError(f"batch={batch} exceeds the megakernel's maximum batch {MAX_BATCH}")
+        require_kernel_batch(batch)
         # the cache is sized in whole blocks; round up so equal requests reuse one compiled kernel
         bs = self.engine_kw.get("block_size", 16)
         max_seq_len = max(bs, 1 << math.ceil(math.log2(max(max_seq_len, 1))))

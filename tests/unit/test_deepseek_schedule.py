@@ -14,6 +14,7 @@ import torch
 from megakernel.instructions import STAGE_MODULES, Opcode
 from megakernel.instructions.deepseek.mla_partial import new_latent_row
 from megakernel.instructions.deepseek.router_topk import select_experts
+from megakernel.instructions.layout import MAX_BATCH
 from megakernel.instructions.record import serialize
 from megakernel.model.deepseek import reference as deepseek_reference
 from megakernel.model.deepseek import (
@@ -415,7 +416,7 @@ def test_real_shapes_are_race_free(name, layers, batch):
 
 def test_layout_rejects_unsupported_shapes():
     cfg = get_preset("tiny-deepseek")
-    for batch in (0, 9):
+    for batch in (0, MAX_BATCH + 1):
         with pytest.raises(ValueError, match=f"batch={batch}"):
             DeepseekStepLayout.for_model(cfg, batch, 32)
     with pytest.raises(ValueError, match="head_group=3"):

@@ -21,8 +21,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megakernel.instructions.layout import (PackedWeights, StepLayout, allocate_buffers, default_kv_splits,
-                                            pack_weights, validate_packed_weights)
+from megakernel.instructions.layout import (KERNEL_MAX_BATCH, MAX_BATCH, PackedWeights, StepLayout, allocate_buffers,
+                                            default_kv_splits, pack_weights, validate_packed_weights)
 from megakernel.integrations import vllm_model
 from megakernel.model.kv_cache import contiguous_block_table
 from megakernel.model.presets import get_preset
@@ -523,3 +523,21 @@ def test_layout_variants_give_the_logits_of_the_shipped_engine(name, variant):
             assert torch.equal(out[0][0], out[1][0]), what
         else:
             assert_close(out[1][1], out[0][1], torch.bfloat16, context=what)
+
+
+@pytest.mark.parametrize("batch", [KERNEL_MAX_BATCH + 1, MAX_BATCH])
+def test_the_megakernel_refuses_batch_buckets_past_its_own_before_any_gpu_work(batch):
+    """A step layout takes batch buckets up to MAX_BATCH (the schedule and the VM run them); the engine and the
+    device code refuse more than KERNEL_MAX_BATCH with a ValueError that names the VM, before touching a GPU."""
+    from megakernel.kernel.interpreter import DecodeKernel
+    from megakernel.runtime.engine import MegakernelEngine
+
+    config = get_preset("tiny-llama")
+    refused = f"batch={batch} is outside the megakernel's range 1..{KERNEL_MAX_BATCH} .*VMDecoder"
+    with pytest.raises(ValueError, match=refused):
+        MegakernelEngine(random_weights(config, seed=0), batch, 64)
+    layout = StepLayout(config=config, batch=batch, kv_splits=1, block_size=16, max_blocks_per_seq=4, num_sms=8)
+    layout.validate()
+    program = build_program(layout)
+    with pytest.raises(ValueError, match=refused):
+        DecodeKernel(layout, program.lm_tiles, program.num_counters, max_queue_len=64)

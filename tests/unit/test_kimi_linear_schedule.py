@@ -13,6 +13,7 @@ import torch
 
 from megakernel.instructions import STAGE_MODULES, Opcode
 from megakernel.instructions.kimi_linear.common import kda_offsets, kda_proj_rows
+from megakernel.instructions.layout import MAX_BATCH
 from megakernel.instructions.record import serialize
 from megakernel.model.deepseek.reference import contiguous_block_table
 from megakernel.model.kimi_linear import (
@@ -411,7 +412,7 @@ def test_race_checker_and_simulator_catch_planted_bugs():
 
 def test_layout_rejects_unsupported_shapes():
     cfg = get_preset("tiny-kimi-linear")
-    for batch in (0, 9):
+    for batch in (0, MAX_BATCH + 1):
         with pytest.raises(ValueError, match=f"batch={batch}"):
             KimiLinearStepLayout.for_model(cfg, batch, 32)
     with pytest.raises(ValueError, match="kda_head_group=3"):

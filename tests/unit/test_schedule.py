@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megakernel.instructions import STAGE_MODULES
-from megakernel.instructions.layout import ROW_GROUP, StepLayout, default_kv_splits
+from megakernel.instructions.layout import MAX_BATCH, ROW_GROUP, StepLayout, default_kv_splits
 from megakernel.instructions.matvec_stages import MATVEC_OPCODES
 from megakernel.instructions.opcodes import Opcode
 from megakernel.instructions.record import NO_COUNTER, WORDS, Instruction, deserialize, serialize
@@ -214,6 +214,20 @@ def test_tiny_presets_fully(name, batch, fuse, fold):
         program = _program(name, batch, num_sms, fuse=fuse, fold=fold)
         assert program.layout.fused_reduce == (fuse is None), _what(program)
         assert program.layout.embed_folded == fold, _what(program)
+        check_program(program)
+        races = find_races(program)
+        assert races == [], f"{_what(program)}: {races}"
+        for policy in POLICIES:
+            check_queues(program, assign(program, policy), policy)
+
+
+# Batch buckets past the megakernel's (KERNEL_MAX_BATCH), which the schedule and the VM run: wide inputs that no
+# longer fit the staging rule take the ATTN_REDUCE stage
+@pytest.mark.parametrize("batch", (16, 32, MAX_BATCH))
+@pytest.mark.parametrize("name", TINY_PRESETS)
+def test_large_batch_buckets_are_race_and_deadlock_free(name, batch):
+    for num_sms in (NUM_SMS, FEW_SMS):
+        program = _program(name, batch, num_sms)
         check_program(program)
         races = find_races(program)
         assert races == [], f"{_what(program)}: {races}"
@@ -525,7 +539,7 @@ def _layout(batch: int = 1, **config_changes) -> StepLayout:
 
 REJECTED = {
     "batch-0": (dict(batch=0), "batch=0"),
-    "batch-9": (dict(batch=9), "batch=9"),
+    "batch-past-the-buckets": (dict(batch=MAX_BATCH + 1), f"batch={MAX_BATCH + 1}"),
     "head-dim-96": (dict(head_dim=96, num_heads=8, num_kv_heads=2), "head_dim=96"),
     "hidden-384": (dict(hidden_size=384), "hidden_size=384"),
     "hidden-1000": (dict(hidden_size=1000), "hidden_size=1000"),

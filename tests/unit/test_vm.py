@@ -21,7 +21,6 @@ from megakernel.testing.tolerances import assert_close, greedy_tolerance_for
 
 PROMPT_LENS = (11, 1, 6)     # sequences at different positions (and one that starts at position 0)
 NEW_TOKENS = 8
-LAST_POSITION = max(PROMPT_LENS) - 1 + NEW_TOKENS - 1     # 17
 
 # (preset, policy, interleaving order, num_sms, kv_splits, block_size, shuffled block table)
 VM_CASES = [
@@ -79,14 +78,25 @@ def test_vm_equals_reference_across_model_axes(preset, axes):
                                 label=f"{preset} {axes}")
 
 
-def _check_vm_against_reference(config, policy, order, num_sms, kv_splits, block_size, shuffled, seed, label):
-    """PROMPT_LENS prompts fed through the VM and the float32 reference decoder, then NEW_TOKENS greedy
-    steps: logits within float32 tolerance every step, the same tokens (near-tie rule), the same KV cache
+# Batch buckets past the megakernel's (KERNEL_MAX_BATCH): the schedule and the VM run them; sequences of
+# different lengths, 1 to 11 tokens of prompt
+@pytest.mark.parametrize("batch", [16, 64])
+def test_vm_equals_reference_at_large_batch_buckets(batch):
+    lens = tuple(1 + (7 * b) % 11 for b in range(batch))
+    _check_vm_against_reference(get_preset("tiny-llama"), "balanced", "round-robin", 132, None, 16, True,
+                                seed=400 + batch, label=f"tiny-llama batch {batch}", prompt_lens=lens)
+
+
+def _check_vm_against_reference(config, policy, order, num_sms, kv_splits, block_size, shuffled, seed, label,
+                                prompt_lens=PROMPT_LENS):
+    """Prompts of `prompt_lens` tokens fed through the VM and the float32 reference decoder, then NEW_TOKENS
+    greedy steps: logits within float32 tolerance every step, the same tokens (near-tie rule), the same KV cache
     slots written with the same values, ARGMAX advancing the step inputs in place."""
     weights = random_weights(config, seed=seed, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
-    batch = len(PROMPT_LENS)
-    max_seq_len = LAST_POSITION + 1
+    batch = len(prompt_lens)
+    last_position = max(prompt_lens) - 1 + NEW_TOKENS - 1
+    max_seq_len = last_position + 1
     per_seq = -(-max_seq_len // block_size)
     num_blocks = batch * per_seq + (5 if shuffled else 0)
 
@@ -98,12 +108,12 @@ def _check_vm_against_reference(config, policy, order, num_sms, kv_splits, block
     cache = PagedKVCache.allocate(config, num_blocks, block_size, dtype=torch.float32)
     tol = greedy_tolerance_for(torch.float32)
 
-    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-    longest = max(PROMPT_LENS)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in prompt_lens]
+    longest = max(prompt_lens)
     # right-aligned prompts: a shorter sequence repeats its first token at position 0 until its prompt starts
     padded = torch.tensor([[p[0]] * (longest - len(p)) + p for p in prompts]).T          # [longest, B]
-    offsets = torch.tensor([longest - n for n in PROMPT_LENS])
-    what = (f"{label} seed={seed} batch={batch} prompt_lens={PROMPT_LENS} V={config.vocab_size} "
+    offsets = torch.tensor([longest - n for n in prompt_lens])
+    what = (f"{label} seed={seed} batch={batch} prompt_lens={prompt_lens} V={config.vocab_size} "
             f"splits={vm.layout.kv_splits} float32")
     generated = []
     tokens = padded[0]
@@ -127,9 +137,9 @@ def _check_vm_against_reference(config, policy, order, num_sms, kv_splits, block
         if t >= longest - 1:
             tokens = vm_tokens.long()
             generated.append(tokens.tolist())
-    assert int((LAST_POSITION - offsets).max()) == LAST_POSITION
+    assert int((last_position - offsets).max()) == last_position
     if block_size == 6:   # the cache is exactly full: the last step decoded at the cache limit - 1
-        assert vm.layout.max_seq_len == LAST_POSITION + 1, what
+        assert vm.layout.max_seq_len == last_position + 1, what
     # same KV cache contents, same slots written (the rest still NaN)
     for name, mine, theirs in (("k", vm.ctx.k_cache, cache.k), ("v", vm.ctx.v_cache, cache.v)):
         written = ~torch.isnan(theirs)
