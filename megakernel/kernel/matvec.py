@@ -166,10 +166,11 @@ class MatvecStage:
                             self.wait_full(full + mb, (k_slot // self.ring_slots) % 2, p.error)
                             if cutlass.const_expr(self.options.trace):
                                 if lane == 0 and part == 0:
+                                    # when the tile's first slot had landed, and its last
                                     if c0 == 0 and sl == 0 and g0 == 0:
-                                        st_i32(rec + TR_LANDED_FIRST * 4, globaltimer_lo())  # the tile's first slot landed
+                                        st_i32(rec + TR_LANDED_FIRST * 4, globaltimer_lo())
                                     if c0 + rows >= a1 and sl == n_slab - 1 and g0 + rps >= rows:
-                                        st_i32(rec + TR_LANDED_LAST * 4, globaltimer_lo())   # ... and its last
+                                        st_i32(rec + TR_LANDED_LAST * 4, globaltimer_lo())
                             for rg in range((nr + ITEM_ROWS - 1) // ITEM_ROWS):
                                 self.consume_item(lane, rg, part, slab, width, ring + slot * SLOT_BYTES, x_base, xw,
                                                   col0, g0, nr, n_seg, sl, s)

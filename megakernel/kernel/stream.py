@@ -10,9 +10,10 @@ the fragment order of the packed weights (megakernel.instructions.layout.fragmen
 the slab's 512-byte blocks of 32 columns, row blocks `slab_cols * 16` bytes apart. Each slot has a `full`
 mbarrier (the producer arms it with the slot's byte count, the copy engine completes it) and an `empty`
 mbarrier (each of the `parts` consumer warps that read the slot arrives once it has read its part: part p of
-ring slot r, in every use, is warp (r * parts + p) % warps's). Producer and consumers enumerate a tile's slots in the same order, chunk by chunk (the rows whose
-partial sums fit shared memory at once), slab by slab, row group by row group, so slot number k of the CTA
-is ring slot k % slots in use k // slots by both sides.
+ring slot r, in every use, is warp (r * parts + p) % warps's). Producer and consumers enumerate a tile's
+slots in the same order, chunk by chunk (the rows whose partial sums fit shared memory at once), slab by
+slab, row group by row group, so slot number k of the CTA is ring slot k % slots in use k // slots by
+both sides.
 
 `StreamPlan` is the host-side geometry (pure Python, tested on the CPU); `WeightStream` is the producer's
 device code, a mixin of the interpreter (megakernel.kernel.interpreter).
@@ -145,8 +146,8 @@ def slot_geometry(k: int, batch: int, parts: int | None = None) -> SlotGeometry:
         raise ValueError(f"a slab of {slab} columns cannot be cut into {parts} work items of whole 32-column blocks")
     # (at least one slot of rows: the partial buffer grows past PART_FLOATS where one needs more)
     chunk = max(rows_per_slot, PART_FLOATS // (n_slab * parts * batch) // rows_per_slot * rows_per_slot)
-    return SlotGeometry(k=k, slab_cols=slab, n_slab=n_slab, rows_per_slot=rows_per_slot, parts=parts, chunk_rows=chunk,
-                        x_slabs=n_slab if batch * k * 4 <= X_WHOLE_BYTES
+    return SlotGeometry(k=k, slab_cols=slab, n_slab=n_slab, rows_per_slot=rows_per_slot, parts=parts,
+                        chunk_rows=chunk, x_slabs=n_slab if batch * k * 4 <= X_WHOLE_BYTES
                         else max(1, X_WHOLE_BYTES // (batch * 4 * slab)))
 
 
@@ -222,8 +223,8 @@ class WeightStream:
                 w_lm_head: Int64, error: Int64, trace: Int64):
         """The producer warp's whole life: every matvec tile of the queue, slot by slot, each into the next
         ring slot once the consumer warps that read its last use have left it and the slot MAX_IN_FLIGHT before
-        it has landed; then wait until every copy issued has landed (a CTA
-        must not exit with a bulk copy in flight). Stops issuing when the consumers abort (abort_addr) or a
+        it has landed; then wait until every copy issued has landed (a CTA must not exit with a bulk copy in
+        flight). Stops issuing when the consumers abort (abort_addr) or a
         slot stays occupied past the timeout (error word ERR_RING). The slot loops are the consumers' (chunk,
         slab, row group), stepped by additions: the producer is on the critical path whenever the ring has
         just been freed, and a slot index decoded by divisions measured 7% slower (profiles/RESULTS.md)."""

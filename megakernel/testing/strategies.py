@@ -6,7 +6,7 @@ block_size, block_size + 1, ...), the cache limit itself, RoPE positions 0 and m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hypothesis import strategies as st
 
@@ -185,19 +185,16 @@ class ModelAxes:
 
     def apply(self, config):
         """`config` (a ModelConfig) with these fields (QK-norm follows the architecture)."""
-        import dataclasses
-
-        return dataclasses.replace(config, architecture=self.architecture, qk_norm=self.architecture == "Qwen3ForCausalLM",
-                                   vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
-                                   rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
-                                   tie_word_embeddings=self.tie_word_embeddings)
+        return replace(config, architecture=self.architecture, qk_norm=self.architecture == "Qwen3ForCausalLM",
+                       vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+                       rope_scaling=self.rope_scaling, tie_word_embeddings=self.tie_word_embeddings)
 
 
 @st.composite
 def model_axes(draw, max_vocab: int = 4096, min_vocab: int = 8) -> ModelAxes:
-    """Llama or Qwen3; a vocabulary that is any multiple of 8 in [min_vocab, max_vocab]; rms_norm_eps 1e-5 / 1e-6 / 1e-2; rope_theta 1e4 /
-    5e5 / 1e6; no RoPE scaling, llama3 scaling (with its frequency bands inside a short cache, or Llama 3.2's) or
-    linear; tied or untied embeddings."""
+    """Llama or Qwen3; a vocabulary that is any multiple of 8 in [min_vocab, max_vocab]; rms_norm_eps 1e-5 /
+    1e-6 / 1e-2; rope_theta 1e4 / 5e5 / 1e6; no RoPE scaling, llama3 scaling (with its frequency bands inside a
+    short cache, or Llama 3.2's) or linear; tied or untied embeddings."""
     from megakernel.model.config import RopeScaling
 
     scaling = draw(st.sampled_from([None, RopeScaling("llama3", 8.0, 1.0, 4.0, 8),
