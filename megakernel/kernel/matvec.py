@@ -386,7 +386,6 @@ class MatvecStage:
         """Columns s0 .. s0 + kw of every sequence's matvec input into s.x at row stride `stride`: O_PROJ's
         merged attention splits where `merge`, layer 0's embedding row where `from_embed`, else the input
         row; times the norm weight, with sum(x^2) into ss where `gather`."""
-        s_x = s.x
         B = self.B
         if merge:
             self.stage_merged_attention(tidx, layer, p, s, s0, kw, stride)
@@ -456,7 +455,6 @@ class MatvecStage:
         as fit MERGE_PAIRS (sequence, split) pairs load in one round, then merge without a branch (an empty
         split's lse is -inf, its weight ex2(-inf) = 0; a sequence has at least one token, so the maximum is
         finite); more splits: one sequence at a time (merge_quad)."""
-        s_x = s.x
         S, D = self.S, self.D
         GB = (MERGE_PAIRS if self.warps <= 8 else MERGE_PAIRS // 2) // S   # sequences per round (0: more splits
                                                                             # than a round holds)
