@@ -18,8 +18,10 @@ TOOLS = {
                        [[], ["llama-3.2-1b", "1"]]),
     "gpu_trace.py": ("python3 tools/gpu_trace.py MODEL [BATCH]", [[], ["llama-3.2-1b", "b"]]),
     "gpu_diag.py": ("Usage: gpu_diag.py MODEL BATCH", [[], ["llama-3.2-1b"]]),
-    "ncu_step.py": ("python3 tools/ncu_step.py MODEL BATCH", [[], ["llama-3.2-1b"]]),
+    "ncu_step.py": ("python3 tools/ncu_step.py MODEL BATCH [OPTIONS]",
+                    [[], ["llama-3.2-1b"], ["llama-3.2-1b", "1", "no_such_option=1"]]),
     "gpu_smoke.py": ("python3 tools/gpu_smoke.py [PRESET ...]", None),
+    "ncu_stalls.py": ("Usage: python3 tools/ncu_stalls.py NAME_sass.csv", [[], ["no_such_report.csv"]]),
 }
 
 
@@ -38,3 +40,23 @@ def test_tool_explains_itself_and_refuses_missing_arguments(tool):
         got = _run(tool, *args)
         assert got.returncode != 0, f"{tool} {args}: accepted"
         assert f"usage: {tool}" in got.stderr and "Traceback" not in got.stderr, got.stderr[-2000:]
+
+
+def test_ncu_stalls_reads_a_source_page(tmp_path):
+    """tools/ncu_stalls.py on a source page in Nsight Compute's CSV form: the stall shares, the groups of
+    instructions by execution count (a loop) and the top instruction, from made-up counts."""
+    header = ["Address", "Source", "# Samples", "Instructions Executed", "stall_barrier", "stall_wait",
+              "stall_barrier (Not Issued)"]
+    rows = [["0x10", "LDS R2, [UR17+0x4]", "60", "10", "60", "0", "60"],
+            ["0x20", "IMAD R4, R4, 0xf, RZ", "30", "1000", "0", "30", "0"],
+            ["0x30", "LOP3.LUT R5, R4, 0xffff", "10", "1000", "0", "10", "0"]]
+    path = tmp_path / "k_sass.csv"
+    path.write_text("\n".join(",".join(f'"{v}"' for v in r) for r in [["Kernel Name", "k"], header, *rows]) + "\n")
+    got = _run("ncu_stalls.py", str(path), "--top=1", "--sms=2")
+    assert got.returncode == 0, got.stderr
+    out = got.stdout
+    assert "2,010 warp instructions executed (1,005 per SM); 100 stall samples" in out, out
+    assert "barrier               60.0%" in out and "wait                  40.0%" in out, out
+    assert "ran        1,000 times:    2 instructions,  99.5% of executed,  40.0% of samples" in out, out
+    top = out.split("most samples:")[1]
+    assert "LDS R2" in top and "IMAD" not in top, out
