@@ -654,7 +654,12 @@ def worker_env(args: argparse.Namespace, path: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [os.environ.get("PYTHONPATH")] if p])
     # the host reaches no network: nothing may wait on a hub or a usage-stats server
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
-    env.pop(ENV_SWITCH, None)   # the stock path must stay stock: the plugin path uses hf_overrides
+    # the stock path runs vLLM's own classes (the plugin, installed, maps the stock names to its inert
+    # subclasses unless told off); the plugin path is switched on by hf_overrides alone
+    if path == "stock":
+        env[ENV_SWITCH] = "0"
+    else:
+        env.pop(ENV_SWITCH, None)
     env.pop(ENV_MAX_BATCH, None)
     if path == "plugin" and args.plugin_max_batch is not None:
         env[ENV_MAX_BATCH] = str(args.plugin_max_batch)

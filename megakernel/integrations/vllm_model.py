@@ -26,8 +26,12 @@ FULL graphs (``cudagraph_mode="FULL_DECODE_ONLY"``; FULL_AND_PIECEWISE works the
 decode graphs). Engines are built per batch bucket (1, 2, 4, 8 and any capture size <= 8) at the
 first decode forward of that size, which vLLM runs eagerly as warm-up before it captures.
 
-Batch limit: ``MEGAKERNEL_VLLM_MAX_BATCH`` (1..8, default ``DEFAULT_MAX_BATCH``) is the largest decode
-batch sent to the megakernel; larger decode batches run stock (vLLM's batched GEMMs overtake the
+Switch: an instance decodes through the megakernel only where vLLM's ``additional_config`` says so
+(``{"megakernel": true}``), its architecture is a megakernel name (hf_overrides) or ``MEGAKERNEL_VLLM=1``
+(``switch_setting``); otherwise it is vLLM's stock model in every step.
+
+Batch limit: ``additional_config={"megakernel": {"max_batch": N}}``, else ``MEGAKERNEL_VLLM_MAX_BATCH``
+(1..8, default ``DEFAULT_MAX_BATCH``), is the largest decode batch sent to the megakernel; larger decode batches run stock (vLLM's batched GEMMs overtake the
 megakernel's per-row streaming there, profiles/RESULTS.md).
 
 Fallback: whenever the megakernel cannot serve a batch (unsupported model or vLLM config, batch above
@@ -52,7 +56,7 @@ from typing import Any
 import torch
 
 from megakernel.instructions.layout import KERNEL_CAPABILITY, KERNEL_MAX_BATCH, StepLayout, pack_weights
-from megakernel.integrations.vllm_plugin import stock_architecture
+from megakernel.integrations.vllm_plugin import ARCHITECTURES, ENV_SWITCH, env_override, stock_architecture
 from megakernel.model.config import ModelConfig
 from megakernel.model.ops import rms_norm
 from megakernel.model.weights import LayerWeights, ModelWeights
@@ -60,6 +64,7 @@ from megakernel.model.weights import LayerWeights, ModelWeights
 logger = logging.getLogger("vllm.megakernel")
 
 ENV_CHECK = "MEGAKERNEL_VLLM_CHECK"   # "1": read the kernel's error word after every eager launch
+CONFIG_KEY = "megakernel"             # the key of vLLM's additional_config that switches an instance
 ENV_MAX_BATCH = "MEGAKERNEL_VLLM_MAX_BATCH"   # largest decode batch sent to the megakernel (1..KERNEL_MAX_BATCH)
 # Default of ENV_MAX_BATCH. tools/vllm_bench.py on the H200 (profiles/RESULTS.md, 2026-11-30, fourth run),
 # megakernel at every batch against stock vLLM, llama-3.2-1b: 1.02x at batch 1, 0.91x at 2, 0.99x at 4,
@@ -139,6 +144,36 @@ def layout_reason(config: ModelConfig) -> str | None:
         except ValueError as exc:
             return f"model shape not supported: {exc}"
     return None
+
+
+def switch_setting(vllm_config: Any, environ: Mapping[str, str] = os.environ) -> tuple[bool, int | None, str]:
+    """(on, max_batch or None, why) for one vLLM instance; the first switch that is set wins:
+    additional_config={"megakernel": true | false | {"max_batch": N}} (vLLM's per-instance settings; a dict
+    is on, with N in 1..KERNEL_MAX_BATCH as the largest decode batch sent to the kernel), a megakernel
+    architecture name in the model's config (hf_overrides), MEGAKERNEL_VLLM=1. ValueError, saying what is
+    accepted, for any other value under the key: an explicit setting is not guessed at."""
+    extra = getattr(vllm_config, "additional_config", None)
+    if isinstance(extra, Mapping) and CONFIG_KEY in extra:
+        value = extra[CONFIG_KEY]
+        if isinstance(value, bool):
+            return value, None, f"additional_config {CONFIG_KEY}={value}"
+        if isinstance(value, Mapping) and set(value) <= {"max_batch"}:
+            mb = value.get("max_batch")
+            if mb is None:
+                return True, None, f"additional_config {CONFIG_KEY}={dict(value)}"
+            if isinstance(mb, int) and not isinstance(mb, bool) and 1 <= mb <= KERNEL_MAX_BATCH:
+                return True, mb, f"additional_config {CONFIG_KEY}={dict(value)}"
+        raise ValueError(f"additional_config {CONFIG_KEY!r}: {value!r} is not true, false or "
+                         f"{{\"max_batch\": N}} with N an integer in 1..{KERNEL_MAX_BATCH}")
+    hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+    archs = (hf.get("architectures") if isinstance(hf, Mapping) else getattr(hf, "architectures", None)) or []
+    named = [a for a in archs if a in ARCHITECTURES]
+    if named:
+        return True, None, f"architecture {named[0]} (hf_overrides)"
+    if env_override(environ):
+        return True, None, f"{ENV_SWITCH}=1"
+    return False, None, (f"not switched on (additional_config {{\"{CONFIG_KEY}\": true}}, a megakernel "
+                         f"architecture in hf_overrides, or {ENV_SWITCH}=1)")
 
 
 def max_batch_setting(environ: Mapping[str, str] = os.environ) -> int:
@@ -376,9 +411,16 @@ class MegakernelDecode:
         self.dtype = mc.dtype
         self.block_size = int(getattr(vllm_config.cache_config, "block_size", None) or 16)
         capture = getattr(vllm_config.compilation_config, "cudagraph_capture_sizes", None)
-        self.max_batch = max_batch_setting()
+        on, max_batch, self.switch = switch_setting(vllm_config)
+        self.max_batch = max_batch or max_batch_setting()
         self.buckets = decode_buckets(capture, self.max_batch)
         self.check = os.environ.get(ENV_CHECK, "") == "1"
+        if not on:
+            # vLLM's stock code throughout: nothing viewed, packed or built (quietly: the stock classes map here)
+            self.disabled = self.switch
+            logger.debug("megakernel: %s; this model runs on the stock vLLM path", self.switch)
+            _ADAPTERS.add(self)
+            return
         why = vllm_config_reason(vllm_config)
         if why is None:
             try:
@@ -583,7 +625,8 @@ class MegakernelDecode:
 
     def describe(self) -> dict[str, Any]:
         kv = asdict(self.kv[2]) if self.kv else None
-        return {"disabled": self.disabled, "buckets": list(self.buckets), "max_batch": self.max_batch,
+        return {"switch": self.switch, "disabled": self.disabled, "buckets": list(self.buckets),
+                "max_batch": self.max_batch,
                 "engines": sorted(self.engines), "packed_once": self.packed is not None, "kv": kv,
                 "max_seq_len": self.max_seq_len}
 

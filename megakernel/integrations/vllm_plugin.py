@@ -1,15 +1,19 @@
 """vLLM general plugin (entry point ``vllm.general_plugins: megakernel``): registers the megakernel
 model classes with vLLM's ``ModelRegistry``.
 
-Which models use the megakernel:
+``register()`` maps the two megakernel names and, unless ``MEGAKERNEL_VLLM`` says off, the stock
+``LlamaForCausalLM`` and ``Qwen3ForCausalLM`` names to the megakernel classes. Those classes decode
+through the megakernel only where one of three switches says so (the first that is set wins):
 
+- ``additional_config={"megakernel": true}`` on ``vllm.LLM`` / ``vllm serve --additional-config``
+  (vLLM's own per-instance settings; ``{"megakernel": {"max_batch": 4}}`` also sets the largest decode
+  batch sent to the kernel; ``{"megakernel": false}`` keeps that instance stock whatever else is set);
 - ``hf_overrides={"architectures": ["MegakernelLlamaForCausalLM"]}`` (or
-  ``"MegakernelQwen3ForCausalLM"``) on ``vllm.LLM`` / ``vllm serve --hf-overrides``: that model
-  decodes through the megakernel; every other model is untouched.
-- ``MEGAKERNEL_VLLM=1`` in the environment of every vLLM process: ``register()`` also maps the stock
-  ``LlamaForCausalLM`` and ``Qwen3ForCausalLM`` names to the megakernel classes, so every Llama / Qwen3
-  checkpoint uses them without an override.
-- Neither: the two new names exist in the registry and nothing else changes.
+  ``"MegakernelQwen3ForCausalLM"``; ``vllm serve --hf-overrides``): that model;
+- ``MEGAKERNEL_VLLM=1`` in the environment of every vLLM process: every Llama / Qwen3 checkpoint.
+
+Otherwise an instance runs vLLM's stock code throughout (it builds nothing and packs nothing), and
+``MEGAKERNEL_VLLM=0`` leaves the stock names to vLLM's own classes altogether.
 
 vLLM loads general plugins in every process it starts, through the entry point (so the package must
 be installed); a program that runs vLLM in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) can call
@@ -42,21 +46,27 @@ _FALSE = ("", "0", "false", "no", "off")
 
 
 def env_override(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether MEGAKERNEL_VLLM asks to replace the stock Llama / Qwen3 classes. An unrecognised
-    value counts as off, with a warning (a plugin that raised would stop vLLM from starting)."""
+    """Whether MEGAKERNEL_VLLM switches the megakernel on for every Llama / Qwen3 model."""
+    return environ.get(ENV_SWITCH, "").strip().lower() in _TRUE
+
+
+def env_refuses(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether MEGAKERNEL_VLLM says off (0, false, no, off), which leaves the stock names to vLLM's own
+    classes. An unrecognised value counts as off, with a warning (a plugin that raised would stop vLLM
+    from starting); unset or empty does not."""
     value = environ.get(ENV_SWITCH, "").strip().lower()
-    if value in _TRUE:
-        return True
+    if value in _TRUE or value == "":
+        return False
     if value not in _FALSE:
         logger.warning("%s=%r is not one of %s / %s; the stock vLLM classes stay in place",
                        ENV_SWITCH, environ.get(ENV_SWITCH), "|".join(_TRUE), "|".join(_FALSE[1:]))
-    return False
+    return True
 
 
 def registrations(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """Architecture name -> "module:Class" that register() installs, given the environment."""
     table = {mk: f"{MODEL_MODULE}:{mk}" for mk in ARCHITECTURES}
-    if env_override(environ):
+    if not env_refuses(environ):
         table.update({stock: f"{MODEL_MODULE}:{mk}" for stock, mk in STOCK_TO_MEGAKERNEL.items()})
     return table
 
@@ -67,7 +77,8 @@ def stock_architecture(name: str) -> str:
 
 
 def uses_megakernel(architectures: list[str] | None, environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether a model whose config lists `architectures` is served by a megakernel class."""
+    """Whether a model whose config lists `architectures` is built from a megakernel class (which decodes
+    through the megakernel where a switch says so: megakernel.integrations.vllm_model.switch_setting)."""
     table = registrations(environ)
     return any(table.get(a, "").startswith(MODEL_MODULE + ":") for a in architectures or [])
 
@@ -86,10 +97,9 @@ def register(registry=None, environ: Mapping[str, str] = os.environ) -> bool:
     table = registrations(environ)
     for arch, target in table.items():
         registry.register_model(arch, target)
-    overridden = sorted(a for a in table if a not in ARCHITECTURES)
-    if overridden:
+    if env_override(environ):
         logger.info("megakernel: %s=1, decode of %s goes through the megakernel", ENV_SWITCH,
-                    ", ".join(overridden))
+                    ", ".join(sorted(STOCK_TO_MEGAKERNEL)))
     else:
         logger.debug("megakernel: registered %s", ", ".join(table))
     return True

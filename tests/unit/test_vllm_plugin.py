@@ -75,31 +75,39 @@ def test_env_override_values(value, expected):
     assert vp.env_override(env) is expected, f"{vp.ENV_SWITCH}={value!r}"
 
 
-def test_env_override_unknown_value_is_off_with_a_warning(mk_log):
-    assert vp.env_override({vp.ENV_SWITCH: "maybe"}) is False
+@pytest.mark.parametrize("value,expected", [(None, False), ("", False), ("1", False), ("on", False),
+                                            ("0", True), ("false", True), (" NO ", True), ("off", True)])
+def test_env_refuses_values(value, expected):
+    env = {} if value is None else {vp.ENV_SWITCH: value}
+    assert vp.env_refuses(env) is expected, f"{vp.ENV_SWITCH}={value!r}"
+
+
+def test_env_unknown_value_is_off_with_a_warning(mk_log):
+    env = {vp.ENV_SWITCH: "maybe"}
+    assert vp.env_override(env) is False and vp.env_refuses(env) is True
     assert "maybe" in mk_log.text
+    assert sorted(vp.registrations(env)) == sorted(vp.ARCHITECTURES)
 
 
-def test_without_the_switch_only_new_names_are_registered():
+def test_the_stock_names_map_to_the_megakernel_classes_unless_the_env_says_off():
+    """Installed, the plugin maps the stock Llama / Qwen3 names to the megakernel classes (which run stock
+    unless switched on: test_switch_setting); MEGAKERNEL_VLLM=0 leaves them to vLLM's own classes."""
+    for env in ({}, {vp.ENV_SWITCH: "1"}):
+        reg = FakeRegistry()
+        assert vp.register(reg, environ=env) is True
+        vp.register(reg, environ=env)          # vLLM may load plugins more than once per process
+        for stock, mk in MK_NAME.items():
+            assert reg.models[stock] == reg.models[mk] == f"{vp.MODEL_MODULE}:{mk}", (env, stock)
+        assert vp.uses_megakernel(["LlamaForCausalLM"], environ=env)
+        assert not vp.uses_megakernel(["MistralForCausalLM"], environ=env)
     reg = FakeRegistry()
-    assert vp.register(reg, environ={}) is True
+    vp.register(reg, environ={vp.ENV_SWITCH: "0"})
     assert reg.models == {
         "MegakernelLlamaForCausalLM": "megakernel.integrations.vllm_model:MegakernelLlamaForCausalLM",
         "MegakernelQwen3ForCausalLM": "megakernel.integrations.vllm_model:MegakernelQwen3ForCausalLM",
     }
-    assert not vp.uses_megakernel(["LlamaForCausalLM"], environ={})
-    assert vp.uses_megakernel(["MegakernelQwen3ForCausalLM"], environ={})
-
-
-def test_env_switch_also_replaces_the_stock_classes():
-    env = {vp.ENV_SWITCH: "1"}
-    reg = FakeRegistry()
-    vp.register(reg, environ=env)
-    vp.register(reg, environ=env)          # vLLM may load plugins more than once per process
-    for stock, mk in MK_NAME.items():
-        assert reg.models[stock] == reg.models[mk] == f"{vp.MODEL_MODULE}:{mk}", stock
-    assert vp.uses_megakernel(["LlamaForCausalLM"], environ=env)
-    assert not vp.uses_megakernel(["MistralForCausalLM"], environ=env)
+    assert not vp.uses_megakernel(["LlamaForCausalLM"], environ={vp.ENV_SWITCH: "0"})
+    assert vp.uses_megakernel(["MegakernelQwen3ForCausalLM"], environ={vp.ENV_SWITCH: "0"})
 
 
 def test_every_registered_class_name_exists_in_the_model_module():
@@ -169,7 +177,8 @@ def _vllm_config(**over):
                                      hf_config=get_preset("tiny-qwen3").to_hf_config(), model="/m"),
         cache_config=SimpleNamespace(cache_dtype="auto", block_size=16),
         compilation_config=SimpleNamespace(cudagraph_capture_sizes=[1, 2, 4, 8, 16, 24]),
-        quant_config=None, lora_config=None, speculative_config=None)
+        quant_config=None, lora_config=None, speculative_config=None,
+        additional_config={vm.CONFIG_KEY: True})           # switched on (test_switch_setting: the switches)
     for path, value in over.items():
         obj, _, attr = path.rpartition(".")
         setattr(c if not obj else getattr(c, obj), attr, value)
@@ -189,6 +198,53 @@ def _vllm_config(**over):
 def test_vllm_config_reason(over, needle):
     why = vm.vllm_config_reason(_vllm_config(**over))
     assert (why is None) if needle is None else (needle in why), f"{over}: {why!r}"
+
+
+@pytest.mark.parametrize("extra,archs,env,want", [
+    # additional_config wins over everything else, either way
+    ({"megakernel": True}, ["Qwen3ForCausalLM"], {}, (True, None)),
+    ({"megakernel": {"max_batch": 4}}, ["Qwen3ForCausalLM"], {}, (True, 4)),
+    ({"megakernel": {}}, ["Qwen3ForCausalLM"], {}, (True, None)),
+    ({"megakernel": False}, ["MegakernelQwen3ForCausalLM"], {"MEGAKERNEL_VLLM": "1"}, (False, None)),
+    # then a megakernel architecture name (hf_overrides), then the environment
+    ({}, ["MegakernelLlamaForCausalLM"], {}, (True, None)),
+    ({"other_plugin": 1}, ["LlamaForCausalLM"], {"MEGAKERNEL_VLLM": "1"}, (True, None)),
+    (None, ["LlamaForCausalLM"], {"MEGAKERNEL_VLLM": "true"}, (True, None)),
+    ({}, ["LlamaForCausalLM"], {}, (False, None)),
+    ({}, ["LlamaForCausalLM"], {"MEGAKERNEL_VLLM": "0"}, (False, None)),
+])
+def test_switch_setting(extra, archs, env, want):
+    cfg = _vllm_config(**{"additional_config": extra,
+                          "model_config.hf_config": dict(get_preset("tiny-llama").to_hf_config(), architectures=archs)})
+    on, max_batch, why = vm.switch_setting(cfg, environ=env)
+    assert (on, max_batch) == want, (extra, archs, env, why)
+    assert why, "the switch names where it came from"
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None, {"max_batch": 0}, {"max_batch": 9}, {"max_batch": True},
+                                   {"max_batch": "4"}, {"batch": 4}])
+def test_switch_setting_refuses_a_value_it_does_not_understand(value):
+    with pytest.raises(ValueError, match="max_batch"):
+        vm.switch_setting(_vllm_config(additional_config={"megakernel": value}), environ={})
+
+
+def test_an_instance_not_switched_on_builds_and_logs_nothing(mk_log):
+    """The stock names map to the megakernel classes: an instance nobody switched on is vLLM's stock model
+    (no weights viewed or packed, no engine, no warning)."""
+    model = fake_vllm_model(random_weights(get_preset("tiny-qwen3"), seed=3))
+    a = vm.MegakernelDecode(model, _vllm_config(additional_config={}))
+    assert a.disabled and "not switched on" in a.disabled and not a.switch.startswith("additional_config")
+    a.on_weights_loaded()
+    assert a.weights is None and a.packed is None and a.engine_cls is None and not a.engines
+    assert a.maybe_decode(torch.tensor([1]), torch.tensor([0])) is None
+    assert "WARNING" not in mk_log.text and "disabled" not in mk_log.text
+
+
+def test_additional_config_max_batch_sets_the_buckets(monkeypatch):
+    monkeypatch.setenv(vm.ENV_MAX_BATCH, "8")
+    model = fake_vllm_model(random_weights(get_preset("tiny-qwen3"), seed=3))
+    a = vm.MegakernelDecode(model, _vllm_config(additional_config={"megakernel": {"max_batch": 2}}))
+    assert a.max_batch == 2 and a.buckets == (1, 2) and a.describe()["switch"].startswith("additional_config")
 
 
 @pytest.mark.parametrize("preset", MODEL_PRESETS)
@@ -796,12 +852,12 @@ def vllm_registry():
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("env_on", [False, True])
-def test_register_with_vllm(vllm_registry, env_on, monkeypatch):
-    if env_on:
-        monkeypatch.setenv(vp.ENV_SWITCH, "1")
-    else:
+@pytest.mark.parametrize("env", [None, "1", "0"])
+def test_register_with_vllm(vllm_registry, env, monkeypatch):
+    if env is None:
         monkeypatch.delenv(vp.ENV_SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(vp.ENV_SWITCH, env)
     stock_llama = vllm_registry.models["LlamaForCausalLM"]
     assert vp.register() is True
     archs = vllm_registry.get_supported_archs()
@@ -811,10 +867,10 @@ def test_register_with_vllm(vllm_registry, env_on, monkeypatch):
         assert (entry.module_name, entry.class_name) == (vp.MODEL_MODULE, mk)
         cls = entry.load_model_cls()
         assert cls is getattr(vm, mk)
-    if env_on:
-        assert vllm_registry.models["LlamaForCausalLM"].class_name == "MegakernelLlamaForCausalLM"
-    else:
+    if env == "0":
         assert vllm_registry.models["LlamaForCausalLM"] is stock_llama
+    else:          # (unset: mapped, and each instance stock unless switched on: test_switch_setting)
+        assert vllm_registry.models["LlamaForCausalLM"].class_name == "MegakernelLlamaForCausalLM"
 
 
 @pytest.mark.vllm
