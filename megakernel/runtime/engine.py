@@ -381,31 +381,40 @@ class MegakernelEngine:
         slots began and finished being issued to the copy engine. Nanoseconds from the step's earliest begin."""
         if not self.options.trace:
             raise RuntimeError("trace records need KernelOptions(trace=True)")
-        t = self.trace_buf.cpu()
-        lengths = self.queue_lengths.cpu().tolist()
-        # stamps are globaltimer ns modulo 2^31: unwrap them relative to the earliest begin
-        base = min(int(t[sm, 0, TR_BEGIN]) for sm, n in enumerate(lengths) if n) if any(lengths) else 0
-        wrap = 1 << 31
-        # the record's stamps by name: always these; a matvec's own (0 in other records) each group where its
-        # last word is set
-        always = {"begin": TR_BEGIN, "ready": TR_READY, "end": TR_END}
-        matvec = [{"staged": TR_STAGED},                 # its input staged (the first window)
-                  {"streamed": TR_CONSUMED},             # its last weight slot consumed
-                  # consumer warp 0 past the wait for its first and last slots
-                  {"landed_first": TR_LANDED_FIRST, "landed_last": TR_LANDED_LAST},
-                  # the producer warp: when it began and finished issuing the slots
-                  {"stream_begin": TR_ISSUED_FIRST, "stream_end": TR_ISSUED_LAST}]
-        out = []
-        for sm, n in enumerate(lengths):
-            for i in range(n):
-                w = [int(v) for v in t[sm, i]]
-                rec = {"sm": sm, "index": w[TR_OP] >> 8, "opcode": Opcode(w[TR_OP] & 255).name}
-                rec.update({k: (w[j] - base) % wrap for k, j in always.items()})
-                for group in matvec:
-                    if w[list(group.values())[-1]]:
-                        rec.update({k: (w[j] - base) % wrap for k, j in group.items()})
-                out.append(rec)
-        return out
+        return decode_trace(self.trace_buf.cpu(), self.queue_lengths.cpu().tolist())
+
+
+def decode_trace(t: torch.Tensor, lengths: list[int]) -> list[dict]:
+    """The trace buffer (int32 [num_sms, max_queue_len, TRACE_WORDS]) as MegakernelEngine.trace_records returns
+    it. Stamps are the low 32 bits of globaltimer (ns), stored as int32: each is read as a signed distance from
+    the earliest instruction begin, so a stamp before it (the producer warp starts issuing weight slots before
+    consumer thread 0 stamps its first begin) comes out negative, not wrapped around."""
+    base = min(int(t[sm, 0, TR_BEGIN]) for sm, n in enumerate(lengths) if n) if any(lengths) else 0
+    wrap, half = 1 << 31, 1 << 30          # (a step lasts milliseconds: distances within +-1.07 s)
+
+    def ns(word: int) -> int:
+        return (word - base + half) % wrap - half
+
+    # the record's stamps by name: always these; a matvec's own (0 in other records) each group where its
+    # last word is set
+    always = {"begin": TR_BEGIN, "ready": TR_READY, "end": TR_END}
+    matvec = [{"staged": TR_STAGED},                 # its input staged (the first window)
+              {"streamed": TR_CONSUMED},             # its last weight slot consumed
+              # consumer warp 0 past the wait for its first and last slots
+              {"landed_first": TR_LANDED_FIRST, "landed_last": TR_LANDED_LAST},
+              # the producer warp: when it began and finished issuing the slots
+              {"stream_begin": TR_ISSUED_FIRST, "stream_end": TR_ISSUED_LAST}]
+    out = []
+    for sm, n in enumerate(lengths):
+        for i in range(n):
+            w = [int(v) for v in t[sm, i]]
+            rec = {"sm": sm, "index": w[TR_OP] >> 8, "opcode": Opcode(w[TR_OP] & 255).name}
+            rec.update({k: ns(w[j]) for k, j in always.items()})
+            for group in matvec:
+                if w[list(group.values())[-1]]:
+                    rec.update({k: ns(w[j]) for k, j in group.items()})
+            out.append(rec)
+    return out
 
 
 # MegakernelEngine keywords that parse_engine_options accepts beside the KernelOptions fields
