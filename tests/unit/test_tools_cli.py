@@ -60,3 +60,23 @@ def test_ncu_stalls_reads_a_source_page(tmp_path):
     assert "ran        1,000 times:    2 instructions,  99.5% of executed,  40.0% of samples" in out, out
     top = out.split("most samples:")[1]
     assert "LDS R2" in top and "IMAD" not in top, out
+
+
+def test_gpu_experiment_applies_a_parked_patch_and_lists_its_sweeps(tmp_path):
+    """tools/gpu_experiment.sh --dry-run: the patch applies to a copy of this tree (which stays as it is) and
+    the sweeps its header lists are what would run; a missing patch or one without sweeps exits 2 with usage."""
+    def run(*args):
+        return subprocess.run(["bash", str(REPO / "tools" / "gpu_experiment.sh"), *args], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+    patch = REPO / "profiles" / "experiments" / "stream_cap_and_ring_depth.patch"
+    got = run(str(patch), "--dry-run")
+    assert got.returncode == 0, got.stderr
+    lines = [l.strip() for l in got.stdout.splitlines() if l.strip().startswith("python3 tools/gpu_sweep.py")]
+    assert len(lines) == 3 and "cap_mid=6" in lines[0], got.stdout
+    assert "cap_mid" not in (REPO / "megakernel" / "kernel" / "interpreter.py").read_text()
+    missing = run(str(tmp_path / "none.patch"))
+    assert missing.returncode == 2 and "usage: gpu_experiment.sh" in missing.stderr, missing.stderr
+    empty = tmp_path / "empty.patch"
+    empty.write_text("no sweep here\n")
+    got = run(str(empty))
+    assert got.returncode == 2 and "lists no" in got.stderr, got.stderr

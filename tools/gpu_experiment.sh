@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Run a parked experiment (profiles/experiments/NAME.patch) on the GPU host in one call: copy the working tree to
+# a scratch folder, apply the patch there, and run the sweep commands its header lists (the lines that start with
+# "python3 tools/gpu_sweep.py"), each variant's logits checked against the first's by the sweep itself. The tree
+# this script runs from is not changed. Logs under $OUT/experiment_NAME.log.
+# Usage on the GPU host: bash tools/gpu_experiment.sh profiles/experiments/NAME.patch [--dry-run]
+set -uo pipefail
+patch=${1:-}
+if [ -z "$patch" ] || [ "$patch" = "-h" ] || [ "$patch" = "--help" ]; then
+  sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'; [ -n "$patch" ]; exit $?
+fi
+[ -f "$patch" ] || { echo "usage: gpu_experiment.sh PATCH [--dry-run]  (no such file: $patch)" >&2; exit 2; }
+mapfile -t sweeps < <(grep -E '^[[:space:]]*python3 tools/gpu_sweep\.py ' "$patch" | sed 's/^[[:space:]]*//')
+[ ${#sweeps[@]} -gt 0 ] || { echo "usage: gpu_experiment.sh PATCH  ($patch lists no 'python3 tools/gpu_sweep.py' line)" >&2; exit 2; }
+name=$(basename "$patch" .patch)
+patch=$(realpath "$patch")
+work=$(mktemp -d /tmp/experiment_XXXX)
+tar -cf - --exclude=./.gpu --exclude=./.git --exclude=./profiles . | tar -xf - -C "$work"
+( cd "$work" && git apply "$patch" ) || { echo "gpu_experiment.sh: $patch does not apply to this tree" >&2; rm -rf "$work"; exit 2; }
+if [ "${2:-}" = "--dry-run" ]; then
+  printf 'the patch applies; would run:\n'; printf '  %s\n' "${sweeps[@]}"; rm -rf "$work"; exit 0
+fi
+source tools/gpu_env.sh
+export PYTHONPATH=$work${PYTHONPATH:+:$PYTHONPATH}
+cd "$work" || exit 1
+for s in "${sweeps[@]}"; do
+  echo "## $s"
+  eval "$s" 2>&1 | grep -v Warn
+done | tee "$OUT/experiment_$name.log"
