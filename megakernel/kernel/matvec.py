@@ -27,6 +27,7 @@ from ..instructions.opcodes import Opcode
 from .ptx import (ex2, globaltimer_lo, ld_f32, ld_i32, load_f32x4, load_nc_b32x2, load_shared_raw, load_weights_bf16x4,
                   mbarrier_arrive, mma_bf16_16816, rsqrt, split_bf16x2, st_f32, st_i32, st_shared_b32, unpack_bf16x2,
                   warp_max_index, warp_sum)
+from .ring_model import reader_warp
 from .stream import (ITEM_ROWS, SLAB_COLS, SLOT_BYTES, TR_CONSUMED, TR_LANDED_FIRST, TR_LANDED_LAST, TR_STAGED,
                      X_PAD)
 
@@ -158,7 +159,7 @@ class MatvecStage:
                     # part p of ring slot r is read by warp (r * P + p) % warps in every use of the slot, in order,
                     # so a warp's wait for use u never sees the completed phase u - 2 of the same parity
                     for part in cutlass.range_constexpr(P):
-                        if warp == (slot * P + part) % self.warps:
+                        if warp == reader_warp(slot, part, P, self.warps):
                             nr = rows - g0
                             if nr > rps:
                                 nr = rps

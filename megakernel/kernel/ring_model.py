@@ -1,0 +1,182 @@
+"""A model of the weight ring's protocol on the CPU: one CTA's producer warp and consumer warps over the
+ring's full and empty mbarriers, with the waits' parity semantics as the hardware has them, under random
+timings. It checks what the device code (megakernel.kernel.stream, .matvec) relies on and cannot check itself:
+
+  - a wait passes on the phase it means: a consumer's wait for use u of a ring slot (parity u % 2) passes with
+    exactly u + 1 phases of the slot's full barrier completed, never u - 1 (the same parity: it would read the
+    slot before its copy landed); the producer's wait to refill a slot for use u passes with exactly u phases
+    of its empty barrier completed (every reader of use u - 1 gone), never u - 2;
+  - no deadlock: the producer's in-order refills, the at-most-MAX_IN_FLIGHT rule and the consumers' visiting
+    order never wait on each other in a cycle;
+  - every part of every slot is read once, by the warp the rule names.
+
+`reader_warp` is the rule itself, which the device code calls. Pure Python (no CuTe DSL), so the suite runs it
+on the real presets' slot sequences (tests/unit/test_ring_model.py), as the schedule's VM runs its queues.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from dataclasses import dataclass
+
+
+def reader_warp(ring_slot, part, parts: int, warps: int):
+    """The consumer warp that reads part `part` of ring slot `ring_slot` in every use of that slot: fixed per
+    (ring slot, part), so a warp's wait for use u follows its own read of use u - 1 (the parity argument
+    above). Works on ints and on the kernel's Int32 values alike."""
+    return (ring_slot * parts + part) % warps
+
+
+class RingProtocolError(AssertionError):
+    """A wait passed on the wrong phase, a part was read twice or never, or the CTA deadlocked."""
+
+
+@dataclass
+class RingRun:
+    """What a simulated run did: slots issued, parts read, the most slots in flight (issued, not landed) at once,
+    and how many reads found their slot not landed yet and waited."""
+
+    slots: int = 0
+    reads: int = 0
+    max_in_flight: int = 0
+    waited: int = 0
+
+
+class _Barrier:
+    """An mbarrier: `count` arrivals complete a phase; `completed` phases so far."""
+
+    def __init__(self, count: int):
+        self.count, self.pending, self.completed = count, count, 0
+
+    def arrive(self):
+        self.pending -= 1
+        if self.pending == 0:
+            self.completed += 1
+            self.pending = self.count
+
+    def passes(self, parity: int) -> bool:
+        """mbarrier.try_wait.parity: true once the phase of that parity has completed, i.e. while the
+        current (incomplete) phase has the other parity."""
+        return self.completed % 2 != parity
+
+
+def simulate_ring(chunks: list[int], ring_slots: int, parts: int, warps: int, max_in_flight: int,
+                  seed: int = 0, reader=None, land_ns: tuple[int, int] = (500, 2000),
+                  read_ns: tuple[int, int] = (100, 1500)) -> RingRun:
+    """Run one CTA's ring over `chunks` (the slot counts of the queue's matvec chunks in order: the consumer
+    warps meet at a barrier after each, as the epilogue of a chunk makes them) with random landing and reading
+    times; RingProtocolError on any violation (see the module docstring). `reader(slot_number, part)` -> warp
+    replaces the rule (reader_warp of the slot's ring slot) to test another."""
+    if reader is None:
+        def reader(k, p):
+            return reader_warp(k % ring_slots, p, parts, warps)
+    rng = random.Random(seed)
+    full = [_Barrier(1) for _ in range(ring_slots)]
+    empty = [_Barrier(parts) for _ in range(ring_slots)]
+    total = sum(chunks)
+    # each warp's program, in the device code's order: chunk by chunk, slot by slot, part by part, the parts
+    # the rule gives it; a barrier of all consumer warps after every chunk
+    programs: list[list[tuple[int, int] | None]] = [[] for _ in range(warps)]
+    k0 = 0
+    for n in chunks:
+        for k in range(k0, k0 + n):
+            for p in range(parts):
+                programs[reader(k, p)].append((k, p))
+        for prog in programs:
+            prog.append(None)                       # the chunk's barrier
+        k0 += n
+    read = [[0] * parts for _ in range(total)]
+    run = RingRun(slots=total)
+    now = 0
+    events: list[tuple[int, int, str, int]] = []    # (time, seq, kind, who)
+    seq = 0
+
+    def later(dt: int, kind: str, who: int):
+        nonlocal seq
+        heapq.heappush(events, (now + dt, seq, kind, who))
+        seq += 1
+
+    issued, landed = 0, set()
+    pc = [0] * warps                                # each warp's position in its program
+    busy = [False] * warps                          # a warp reading a slot part
+    at_barrier = [False] * warps
+    blocked = [False] * warps                       # a warp's current read found its slot not landed
+
+    def producer_step() -> bool:
+        """Issue the next slot if its waits pass; True if it did."""
+        nonlocal issued
+        if issued >= total:
+            return False
+        k = issued
+        r, u = k % ring_slots, k // ring_slots
+        if not empty[r].passes((u % 2) ^ 1):
+            return False
+        if empty[r].completed != u:
+            raise RingProtocolError(f"producer refilled ring slot {r} for use {u} with {empty[r].completed} "
+                                    f"phases of its empty barrier complete (its readers of use {u - 1} not all gone)")
+        kf = k - max_in_flight
+        if kf >= 0 and kf not in landed:
+            return False                            # (the device waits on slot kf's full barrier)
+        issued += 1
+        run.max_in_flight = max(run.max_in_flight, issued - len(landed))
+        later(rng.randint(*land_ns), "land", k)
+        return True
+
+    def warp_step(w: int) -> bool:
+        """Advance warp w if it can; True if it did."""
+        if busy[w] or pc[w] >= len(programs[w]):
+            return False
+        item = programs[w][pc[w]]
+        if item is None:                            # the chunk's barrier: all warps meet
+            at_barrier[w] = True
+            if all(at_barrier[v] or pc[v] >= len(programs[v]) for v in range(warps)):
+                for v in range(warps):
+                    if at_barrier[v]:
+                        at_barrier[v] = False
+                        pc[v] += 1
+                return True
+            return False
+        k, p = item
+        r, u = k % ring_slots, k // ring_slots
+        if not full[r].passes(u % 2):
+            blocked[w] = True
+            return False
+        if full[r].completed != u + 1:
+            raise RingProtocolError(f"warp {w} passed its wait for use {u} of ring slot {r} (slot {k}) with "
+                                    f"{full[r].completed} phases of the full barrier complete")
+        run.waited += blocked[w]
+        blocked[w] = False
+        busy[w] = True
+        read[k][p] += 1
+        later(rng.randint(*read_ns), "read", w * total * parts + k * parts + p)
+        return True
+
+    while True:
+        progressed = True
+        while progressed:
+            progressed = producer_step()
+            for w in rng.sample(range(warps), warps):
+                progressed = warp_step(w) or progressed
+        if not events:
+            break
+        now, _, kind, who = heapq.heappop(events)
+        if kind == "land":
+            landed.add(who)
+            full[who % ring_slots].arrive()
+        else:
+            w, rest = divmod(who, total * parts)
+            k, p = divmod(rest, parts)
+            busy[w] = False
+            pc[w] += 1
+            run.reads += 1
+            empty[k % ring_slots].arrive()
+    stuck = [w for w in range(warps) if pc[w] < len(programs[w])]
+    if issued < total or stuck:
+        raise RingProtocolError(f"deadlock: {issued} of {total} slots issued, warps {stuck} stopped at "
+                                f"{[programs[w][pc[w]] for w in stuck]}")
+    for k in range(total):
+        for p in range(parts):
+            if read[k][p] != 1:
+                raise RingProtocolError(f"part {p} of slot {k} read {read[k][p]} times")
+    return run

@@ -1,0 +1,79 @@
+"""The weight ring's protocol (megakernel.kernel.ring_model): the device code's rule for which consumer warp reads
+which part of which ring slot (reader_warp, which megakernel.kernel.matvec calls) keeps every mbarrier wait on its
+own phase and never deadlocks, over the real presets' per-CTA slot sequences at batch 1-8 with the kernel's own
+ring depth, parts, warps and in-flight cap, under random timings; and the model catches the rule that deadlocked
+on the GPU (slot number k read by warp k % warps: profiles/RESULTS.md, 2026-12-03)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from megakernel.instructions.layout import StepLayout, default_kv_splits
+from megakernel.instructions.matvec_stages import MATVEC_OPCODES, weight_rows
+from megakernel.instructions.record import serialize
+from megakernel.kernel.interpreter import DecodeKernel
+from megakernel.kernel.ring_model import RingProtocolError, reader_warp, simulate_ring
+from megakernel.kernel.stream import MAX_IN_FLIGHT
+from megakernel.model.presets import get_preset
+from megakernel.schedule import assign, build_program
+
+NUM_SMS = 132
+
+
+@functools.lru_cache(maxsize=None)
+def ring_case(preset: str, batch: int, sm: int = 0, layers: int = 2):
+    """(chunks, ring slots, parts, warps) of one CTA of the real kernel: the slot counts of its queue's matvec
+    chunks in order (the first `layers` layers' instructions and the LM head's), from the kernel's own geometry."""
+    config = get_preset(preset)
+    layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, NUM_SMS, 4096),
+                        block_size=16, max_blocks_per_seq=16, num_sms=NUM_SMS)
+    program = build_program(layout)
+    queues = assign(program, "balanced")
+    table, _ = serialize(queues)
+    kernel = DecodeKernel(layout, program.lm_tiles, program.num_counters, table.shape[1])
+    chunks = []
+    for ins in queues[sm]:
+        if ins.opcode not in MATVEC_OPCODES or (ins.layer >= layers and ins.opcode.name != "LM_HEAD"):
+            continue
+        _, k = weight_rows(ins.opcode, layout)
+        g = kernel.plan.geometry(k)
+        for c0 in range(0, ins.a1, g.chunk_rows):
+            rows = min(g.chunk_rows, ins.a1 - c0)
+            chunks.append(g.n_slab * -(-rows // g.rows_per_slot))
+    return tuple(chunks), kernel.ring_slots, kernel.plan.parts, kernel.warps
+
+
+@pytest.mark.parametrize("preset,batch", [("llama-3.2-1b", 1), ("llama-3.2-1b", 4), ("llama-3.2-1b", 8),
+                                          ("qwen3-0.6b", 1), ("qwen3-0.6b", 3), ("llama-3.1-8b", 1),
+                                          ("llama-3.1-8b", 8), ("llama-2-7b", 2)])
+def test_the_kernels_reader_rule_keeps_every_wait_on_its_phase(preset, batch):
+    chunks, ring_slots, parts, warps = ring_case(preset, batch)
+    assert sum(chunks) > 2 * ring_slots, "the case must reuse every ring slot"
+    for seed in range(4):
+        run = simulate_ring(list(chunks), ring_slots, parts, warps, MAX_IN_FLIGHT, seed=seed)
+        assert run.reads == run.slots * parts == sum(chunks) * parts
+        assert run.max_in_flight == MAX_IN_FLIGHT, run
+        assert run.waited > 0, "random timings that never made a reader wait test nothing"
+
+
+@pytest.mark.parametrize("preset,batch", [("llama-3.2-1b", 2), ("qwen3-0.6b", 4)])
+def test_the_model_catches_the_rule_that_failed_on_the_gpu(preset, batch):
+    """Slot number k to warp k % warps (one part per slot at batch 2-8): a warp waits for use u of a ring slot
+    whose barrier still shows use u - 2's phase, of the same parity. (Where the ring's depth is a multiple of the
+    warps the two rules coincide.)"""
+    chunks, ring_slots, parts, warps = ring_case(preset, batch)
+    assert parts == 1 and ring_slots % warps != 0
+    with pytest.raises(RingProtocolError, match="passed its wait|deadlock"):
+        for seed in range(8):
+            simulate_ring(list(chunks), ring_slots, parts, warps, MAX_IN_FLIGHT, seed=seed,
+                          reader=lambda k, p: k % warps)
+
+
+def test_reader_warp_is_the_rule_of_the_parity_argument():
+    """Fixed per (ring slot, part), spread over the warps, every warp used once the ring has enough parts."""
+    for ring_slots, parts, warps in [(10, 2, 15), (8, 1, 8), (12, 1, 8), (11, 2, 15)]:
+        owners = {(r, p): reader_warp(r, p, parts, warps) for r in range(ring_slots) for p in range(parts)}
+        assert all(0 <= w < warps for w in owners.values())
+        assert len(set(owners.values())) == min(warps, ring_slots * parts)
