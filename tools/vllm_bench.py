@@ -1,13 +1,15 @@
-"""Decode speed of stock vLLM and of the megakernel plugin path, batch 1, 2, 4 and 8 (GPU host).
+"""Decode speed of stock vLLM and of the megakernel plugin path, batch 1 to 64 (GPU host).
 
-    python3 tools/vllm_bench.py --preset llama-3.2-1b [--parity] [--profile] [--out DIR]
-        [--engine-process separate|inproc] [--plugin-max-batch N]
+    python3 tools/vllm_bench.py --preset llama-3.2-1b [--batches 1,2,4,8,16,32,64] [--async-scheduling]
+        [--parity] [--profile] [--out DIR] [--engine-process separate|inproc] [--plugin-max-batch N]
 
 The engine runs as vLLM runs it by default, in its own process (--engine-process separate), so
 vLLM's asynchronous scheduling overlaps the host work of one step with the GPU work of the previous
 one; --engine-process inproc (VLLM_ENABLE_V1_MULTIPROCESSING=0) runs it in the worker, where every
 step's host work is serial with its GPU work (--profile needs it). --plugin-max-batch sets
-MEGAKERNEL_VLLM_MAX_BATCH for the plugin path (the largest decode batch sent to the megakernel).
+MEGAKERNEL_VLLM_MAX_BATCH for the plugin path (the largest decode batch sent to the megakernel: batches above it
+run stock in the plugin's engine too, so its row there measures the plugin's overhead, not the kernel).
+--async-scheduling turns on vLLM's async_scheduling on both paths; vLLM's max_num_seqs is the largest batch.
 
 Same model directory, processes and vLLM settings as tools/vllm_parity.py (stock: default
 compilation, FULL_AND_PIECEWISE CUDA graphs; plugin: hf_overrides to the megakernel architecture,
@@ -37,7 +39,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import vllm_parity as common  # noqa: E402
 
-BATCHES = (1, 2, 4, 8)
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
 PROMPT_LEN = 32
 NEW_TOKENS = 257
 REPEATS = 3
@@ -63,7 +65,18 @@ def read_bandwidth(nbytes: int = 2 << 30) -> float:
     return nbytes / (sorted(times)[len(times) // 2] * 1e-3)
 
 
-def bench(llm, vocab: int, seed: int) -> dict[str, Any]:
+def parse_batches(text: str) -> tuple[int, ...]:
+    """'1,2,4' -> (1, 2, 4): positive integers, ascending, no repeats (argparse type: a bad list exits 2)."""
+    try:
+        got = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        got = ()
+    if not got or any(b < 1 for b in got) or list(got) != sorted(set(got)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated ascending list of positive batch sizes")
+    return got
+
+
+def bench(llm, vocab: int, seed: int, batches: tuple[int, ...] = BATCHES) -> dict[str, Any]:
     from vllm import SamplingParams
 
     def timed(prompts, n: int) -> float:
@@ -77,7 +90,7 @@ def bench(llm, vocab: int, seed: int) -> dict[str, Any]:
         return dt
 
     out: dict[str, Any] = {}
-    for batch in BATCHES:
+    for batch in batches:
         prompts = common._prompts(vocab, [PROMPT_LEN] * batch, seed + 100 + batch)
         timed(prompts, NEW_TOKENS)   # warm-up: graphs, allocator, prefix cache
         reps = []
@@ -95,7 +108,7 @@ def worker_extra(args: argparse.Namespace):
         from megakernel.model import get_preset
 
         cfg = get_preset(args.preset)
-        result["bench"] = bench(llm, cfg.vocab_size, args.seed)
+        result["bench"] = bench(llm, cfg.vocab_size, args.seed, args.batches)
         try:
             bw = read_bandwidth()
         except Exception as exc:   # noqa: BLE001 (no room left on the GPU): report the timings anyway
@@ -113,21 +126,27 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_args(p)
     p.add_argument("--parity", action="store_true", help="also run the parity workloads (tools/vllm_parity.py)")
+    p.add_argument("--batches", type=parse_batches, default=BATCHES,
+                   help="decode batch sizes to time, comma-separated (default %(default)s); vLLM's max_num_seqs "
+                        "becomes the largest")
     p.add_argument("--near-tie-gap", type=float, default=common.NEAR_TIE_GAP)
     p.add_argument("--logprob-atol", type=float, default=common.LOGPROB_ATOL)
     p.set_defaults(engine_process="separate")
     args = p.parse_args()
+    args.max_num_seqs = max(args.max_num_seqs, max(args.batches))
     if args.profile and args.engine_process != "inproc" and not args.worker:
         print(f"warning: {common.PROFILE_NEEDS_INPROC}; the profile stage is skipped", flush=True)
     if args.worker:
         common.exit_now(common.worker_main(args, extra=worker_extra(args)))
     os.makedirs(args.out, exist_ok=True)
     model_dir = common.make_model_dir(args.preset, args.seed, args.models)
-    results = common.run_workers(os.path.abspath(__file__), args, model_dir, ["--parity"] if args.parity else [])
+    extra = ["--batches", ",".join(map(str, args.batches))] + (["--parity"] if args.parity else [])
+    results = common.run_workers(os.path.abspath(__file__), args, model_dir, extra)
 
     report: dict[str, Any] = {"preset": args.preset, "seed": args.seed, "method": {
         "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS, "repeats": REPEATS,
         "engine_process": args.engine_process, "plugin_max_batch": args.plugin_max_batch,
+        "async_scheduling": args.async_scheduling, "max_num_seqs": args.max_num_seqs, "batches": list(args.batches),
         "ms_per_step": "(t257 - t1) / 256, best of repeats"}, "paths": {}}
     for path, r in results.items():
         report["paths"][path] = {k: v for k, v in r.items() if k != "parity"}

@@ -114,8 +114,10 @@ def build_llm(model_dir: str, path: str, arch: str, args: argparse.Namespace):
         kernel_warmup._warmup_ll_bf16_router_gemm = lambda: None
 
     kw: dict[str, Any] = dict(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-                              max_model_len=args.max_model_len, max_num_seqs=8,
+                              max_model_len=args.max_model_len, max_num_seqs=getattr(args, "max_num_seqs", 8),
                               gpu_memory_utilization=args.gpu_memory_utilization)
+    if getattr(args, "async_scheduling", False):
+        kw["async_scheduling"] = True      # vLLM's: the next step scheduled while this one runs (both paths)
     if path == "plugin":
         kw["hf_overrides"] = {"architectures": [MK_ARCH[arch]]}
         kw["compilation_config"] = {"cudagraph_mode": args.plugin_cudagraph_mode}
@@ -672,7 +674,8 @@ def run_workers(script: str, args: argparse.Namespace, model_dir: str, extra_arg
     now is loaded from there: one call can run the stock path and a later call the plugin path (the
     host keeps /tmp while it stays warm) when both do not fit in one call's time."""
     tool = (os.path.splitext(os.path.basename(script))[0] + ("-parity" if "--parity" in extra_args else "")
-            + ("" if args.engine_process == "inproc" else f"-{args.engine_process}"))
+            + ("" if args.engine_process == "inproc" else f"-{args.engine_process}")
+            + ("-async" if args.async_scheduling else ""))
     cache = os.path.join(args.models, "results")
     os.makedirs(cache, exist_ok=True)
     results: dict[str, dict] = {}
@@ -689,7 +692,9 @@ def run_workers(script: str, args: argparse.Namespace, model_dir: str, extra_arg
                "--json", js, "--seed", str(args.seed), "--max-model-len", str(args.max_model_len),
                "--gpu-memory-utilization", str(args.gpu_memory_utilization),
                "--plugin-cudagraph-mode", args.plugin_cudagraph_mode, "--out", args.out,
-               "--time-limit", f"{timeout:.0f}"] + extra_args
+               "--max-num-seqs", str(args.max_num_seqs), "--time-limit", f"{timeout:.0f}"] + extra_args
+        if args.async_scheduling:
+            cmd.append("--async-scheduling")
         if args.plugin_eager:
             cmd.append("--plugin-eager")
         if args.profile:
@@ -827,6 +832,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plugin-max-batch", type=int, choices=range(1, 9), metavar="{1..8}",
                    help="MEGAKERNEL_VLLM_MAX_BATCH for the plugin path: the largest decode batch sent to the "
                         "megakernel (default: the plugin's own default)")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="vLLM's max_num_seqs on both paths")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="vLLM's async_scheduling=True on both paths (what a latency-minded user turns on)")
     p.add_argument("--engine-process", choices=("inproc", "separate"), default="inproc",
                    help="inproc: vLLM's engine runs in the worker (VLLM_ENABLE_V1_MULTIPROCESSING=0; needed by "
                         "--profile); separate: vLLM's default, the engine in its own process")

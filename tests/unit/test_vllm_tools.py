@@ -429,3 +429,62 @@ def test_megakernel_report_from_a_separate_engine_process():
     assert bad == {"report_error": "collective_rpc: TimeoutError: engine gone"}
     assert tool.megakernel_report(None, "separate") == {"report_error": "the engine did not start"}
     assert "engine_process" not in tool.megakernel_report(None, "inproc")
+
+
+def _load_bench():
+    sys.path.insert(0, str(REPO / "tools"))
+    spec = importlib.util.spec_from_file_location("tools_vllm_bench", REPO / "tools" / "vllm_bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("text,want", [("1,2,4,8,16,32,64", (1, 2, 4, 8, 16, 32, 64)), ("8", (8,)),
+                                       ("4,2", None), ("1,1", None), ("0,4", None), ("a", None), ("", None)])
+def test_vllm_bench_batches(text, want):
+    bench = _load_bench()
+    if want is None:
+        with pytest.raises(Exception, match="ascending list"):
+            bench.parse_batches(text)
+    else:
+        assert bench.parse_batches(text) == want
+
+
+class _TokenLLM:
+    """generate() returns n tokens per prompt, recording (batch, n)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompts, params, use_tqdm=True):
+        self.calls.append((len(prompts), params.max_tokens))
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * params.max_tokens)]) for _ in prompts]
+
+
+def test_vllm_bench_times_every_batch_it_is_given(fake_vllm):
+    bench = _load_bench()
+    llm = _TokenLLM()
+    got = bench.bench(llm, 1000, 0, (1, 16, 64))
+    assert list(got) == ["1", "16", "64"]
+    per_batch = 1 + 2 * bench.REPEATS                       # the warm-up, then (257, 1) per repeat
+    assert [b for b, _ in llm.calls] == [1] * per_batch + [16] * per_batch + [64] * per_batch
+    for b, row in got.items():
+        assert row["decode_tok_s"] == pytest.approx(int(b) * 1e3 / row["ms_per_step"])
+
+
+def test_build_llm_passes_max_num_seqs_and_async_scheduling(tmp_path, monkeypatch):
+    made = []
+    vllm, warmup_pkg, warmup = (types.ModuleType(n) for n in ("vllm", "vllm.model_executor",
+                                                               "vllm.model_executor.warmup"))
+    vllm.LLM = lambda **kw: made.append(kw) or SimpleNamespace()
+    warmup.kernel_warmup = SimpleNamespace(_warmup_ll_bf16_router_gemm=None)
+    warmup_pkg.warmup = warmup
+    for name, mod in (("vllm", vllm), ("vllm.model_executor", warmup_pkg), ("vllm.model_executor.warmup", warmup)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(tool, "REPO", str(REPO))
+    for extra, want in (({}, (8, None)), ({"max_num_seqs": 64, "async_scheduling": True}, (64, True))):
+        args = Namespace(max_model_len=2048, gpu_memory_utilization=0.5, plugin_cudagraph_mode="FULL_DECODE_ONLY",
+                         plugin_eager=False, **extra)
+        tool.build_llm(str(tmp_path), "plugin", "LlamaForCausalLM", args)
+        assert (made[-1]["max_num_seqs"], made[-1].get("async_scheduling")) == want, made[-1]
+        assert made[-1]["hf_overrides"] == {"architectures": ["MegakernelLlamaForCausalLM"]}
