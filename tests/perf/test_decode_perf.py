@@ -187,6 +187,8 @@ def test_decode_step_speed(name, batch, context, benchmark, bandwidth_floor, per
         "read_bandwidth_tb_per_s": bandwidth_floor / 1e12,
         "floor_ms": floor,
         "floor_fraction": floor / mk_ms,
+        # issue "Kernel core v2": the fixed excess per layer (step minus floor, over layers; goal <= 4 us)
+        "excess_us_per_layer": (mk_ms - floor) * 1e3 / config.num_layers,
         **{f"{b}_ms": ms for b, ms in baselines.items()},
         **{f"speedup_{b.replace('-', '_')}": ms / mk_ms for b, ms in baselines.items()},
     }
