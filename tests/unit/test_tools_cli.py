@@ -21,6 +21,8 @@ TOOLS = {
     "ncu_step.py": ("python3 tools/ncu_step.py MODEL BATCH [OPTIONS]",
                     [[], ["llama-3.2-1b"], ["llama-3.2-1b", "1", "no_such_option=1"]]),
     "gpu_smoke.py": ("python3 tools/gpu_smoke.py [PRESET ...]", None),
+    "activation_precision.py": ("Usage: python3 tools/activation_precision.py", [["--presets=no-such-preset"],
+                                                                                 ["--steps=many"]]),
     "ncu_stalls.py": ("Usage: python3 tools/ncu_stalls.py NAME_sass.csv", [[], ["no_such_report.csv"]]),
 }
 
@@ -80,3 +82,18 @@ def test_gpu_experiment_applies_a_parked_patch_and_lists_its_sweeps(tmp_path):
     empty.write_text("no sweep here\n")
     got = run(str(empty))
     assert got.returncode == 2 and "lists no" in got.stderr, got.stderr
+
+
+def test_activation_precision_measures_the_hi_lo_split_closer_than_bf16():
+    """tools/activation_precision.py on tiny-llama: teacher-forced on the float32 run's tokens, inputs rounded to
+    bf16 move the logits more than the kernel's hi + lo split, and neither is zero (the rounding took effect)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("tools_activation_precision", REPO / "tools" / "activation_precision.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    r = module.run("tiny-llama", steps=6, batch=2, seed=3)
+    assert r["steps"] == 6 and r["batch"] == 2
+    bf16, split = r["bf16"], r["hi+lo"]
+    assert 0 < split["max_rel_logit_err"] < bf16["max_rel_logit_err"], r
+    assert 0 < split["max_top5_logprob_diff"] < bf16["max_top5_logprob_diff"], r
+    assert bf16["of_which_ties"] <= bf16["greedy_differs_at"]
