@@ -108,9 +108,10 @@ def main() -> None:
         r = run(name, steps, batch)
         for label in ("bf16", "hi+lo"):
             v = r[label]
-            print(f"{name} batch {batch}, {r['steps']} steps, {label:6s}: max rel logit err {v['max_rel_logit_err']:.2e}, "
-                  f"max top-5 logprob diff {v['max_top5_logprob_diff']:.2e}, greedy differs at {v['greedy_differs_at']} "
-                  f"(steps x sequences; {v['of_which_ties']} at a near tie; gaps {v['gaps']})", flush=True)
+            print(f"{name} batch {batch}, {r['steps']} steps, {label:6s}: max rel logit err "
+                  f"{v['max_rel_logit_err']:.2e}, max top-5 logprob diff {v['max_top5_logprob_diff']:.2e}, greedy "
+                  f"differs at {v['greedy_differs_at']} (steps x sequences; {v['of_which_ties']} at a near tie; "
+                  f"gaps {v['gaps']})", flush=True)
 
 
 if __name__ == "__main__":

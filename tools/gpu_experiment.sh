@@ -11,12 +11,16 @@ if [ -z "$patch" ] || [ "$patch" = "-h" ] || [ "$patch" = "--help" ]; then
 fi
 [ -f "$patch" ] || { echo "usage: gpu_experiment.sh PATCH [--dry-run]  (no such file: $patch)" >&2; exit 2; }
 mapfile -t sweeps < <(grep -E '^[[:space:]]*python3 tools/gpu_sweep\.py ' "$patch" | sed 's/^[[:space:]]*//')
-[ ${#sweeps[@]} -gt 0 ] || { echo "usage: gpu_experiment.sh PATCH  ($patch lists no 'python3 tools/gpu_sweep.py' line)" >&2; exit 2; }
+if [ ${#sweeps[@]} -eq 0 ]; then
+  echo "usage: gpu_experiment.sh PATCH  ($patch lists no 'python3 tools/gpu_sweep.py' line)" >&2; exit 2
+fi
 name=$(basename "$patch" .patch)
 patch=$(realpath "$patch")
 work=$(mktemp -d /tmp/experiment_XXXX)
 tar -cf - --exclude=./.gpu --exclude=./.git --exclude=./profiles . | tar -xf - -C "$work"
-( cd "$work" && git apply "$patch" ) || { echo "gpu_experiment.sh: $patch does not apply to this tree" >&2; rm -rf "$work"; exit 2; }
+if ! ( cd "$work" && git apply "$patch" ); then
+  echo "gpu_experiment.sh: $patch does not apply to this tree" >&2; rm -rf "$work"; exit 2
+fi
 if [ "${2:-}" = "--dry-run" ]; then
   printf 'the patch applies; would run:\n'; printf '  %s\n' "${sweeps[@]}"; rm -rf "$work"; exit 0
 fi

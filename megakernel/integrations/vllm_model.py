@@ -31,8 +31,9 @@ Switch: an instance decodes through the megakernel only where vLLM's ``additiona
 (``switch_setting``); otherwise it is vLLM's stock model in every step.
 
 Batch limit: ``additional_config={"megakernel": {"max_batch": N}}``, else ``MEGAKERNEL_VLLM_MAX_BATCH``
-(1..8, default ``DEFAULT_MAX_BATCH``), is the largest decode batch sent to the megakernel; larger decode batches run stock (vLLM's batched GEMMs overtake the
-megakernel's per-row streaming there, profiles/RESULTS.md).
+(1..8, default ``DEFAULT_MAX_BATCH``), is the largest decode batch sent to the megakernel; larger decode
+batches run stock (vLLM's batched GEMMs overtake the megakernel's per-row streaming there,
+profiles/RESULTS.md).
 
 Fallback: whenever the megakernel cannot serve a batch (unsupported model or vLLM config, batch above
 the limit, no Hopper GPU, KV cache layout not understood, engine without the per-layer KV cache API)

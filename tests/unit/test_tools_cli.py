@@ -88,7 +88,8 @@ def test_activation_precision_measures_the_hi_lo_split_closer_than_bf16():
     """tools/activation_precision.py on tiny-llama: teacher-forced on the float32 run's tokens, inputs rounded to
     bf16 move the logits more than the kernel's hi + lo split, and neither is zero (the rounding took effect)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("tools_activation_precision", REPO / "tools" / "activation_precision.py")
+    spec = importlib.util.spec_from_file_location("tools_activation_precision",
+                                                  REPO / "tools" / "activation_precision.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     r = module.run("tiny-llama", steps=6, batch=2, seed=3)
