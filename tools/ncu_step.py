@@ -7,7 +7,7 @@ import os, sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from toolargs import positional  # noqa: E402
 ARGS = positional(__doc__, "ncu_step.py MODEL BATCH [OPTIONS]", 2, ints=(1,))
-from megakernel.runtime.engine import parse_engine_options  # noqa: E402
+from megakernel.runtime.engine import MegakernelEngine, parse_engine_options  # noqa: E402
 try:
     OPTIONS = parse_engine_options(ARGS[2]) if len(ARGS) > 2 else {}
 except ValueError as e:
@@ -16,7 +16,6 @@ import nvtx
 import torch
 from megakernel.model.presets import get_preset
 from megakernel.model.weights import random_weights
-from megakernel.runtime.engine import MegakernelEngine
 
 model, batch = ARGS[0], int(ARGS[1])
 eng = MegakernelEngine(random_weights(get_preset(model), seed=3, device="cuda"), batch, 512, **OPTIONS)

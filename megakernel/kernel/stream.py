@@ -118,12 +118,14 @@ class SlotGeometry:
         """Floats from one sequence's staged input row to the next's."""
         return self.x_cols + X_PAD
 
+    def chunk_slots(self, rows: int) -> list[int]:
+        """Slots of each chunk of a tile of `rows` rows, in the order producer and consumers take them."""
+        return [self.n_slab * -(-min(self.chunk_rows, rows - c0) // self.rows_per_slot)
+                for c0 in range(0, rows, self.chunk_rows)]
+
     def slots(self, rows: int) -> int:
         """Slots of a tile of `rows` rows."""
-        n = 0
-        for c0 in range(0, rows, self.chunk_rows):
-            n += self.n_slab * -(-min(self.chunk_rows, rows - c0) // self.rows_per_slot)
-        return n
+        return sum(self.chunk_slots(rows))
 
 
 def slot_geometry(k: int, batch: int, parts: int | None = None) -> SlotGeometry:

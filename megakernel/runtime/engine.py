@@ -389,11 +389,18 @@ def decode_trace(t: torch.Tensor, lengths: list[int]) -> list[dict]:
     it. Stamps are the low 32 bits of globaltimer (ns), stored as int32: each is read as a signed distance from
     the earliest instruction begin, so a stamp before it (the producer warp starts issuing weight slots before
     consumer thread 0 stamps its first begin) comes out negative, not wrapped around."""
-    base = min(int(t[sm, 0, TR_BEGIN]) for sm, n in enumerate(lengths) if n) if any(lengths) else 0
     wrap, half = 1 << 31, 1 << 30          # (a step lasts milliseconds: distances within +-1.07 s)
 
+    def signed(word: int, origin: int) -> int:
+        return (word - origin + half) % wrap - half
+
+    # the earliest first begin, compared as distances (a raw minimum of int32 words is wrong across the wrap)
+    firsts = [int(t[sm, 0, TR_BEGIN]) for sm, n in enumerate(lengths) if n]
+    ref = firsts[0] if firsts else 0
+    base = min((signed(w, ref) for w in firsts), default=0)
+
     def ns(word: int) -> int:
-        return (word - base + half) % wrap - half
+        return signed(word, ref) - base
 
     # the record's stamps by name: always these; a matvec's own (0 in other records) each group where its
     # last word is set

@@ -38,10 +38,7 @@ def ring_case(preset: str, batch: int, sm: int = 0, layers: int = 2):
         if ins.opcode not in MATVEC_OPCODES or (ins.layer >= layers and ins.opcode.name != "LM_HEAD"):
             continue
         _, k = weight_rows(ins.opcode, layout)
-        g = kernel.plan.geometry(k)
-        for c0 in range(0, ins.a1, g.chunk_rows):
-            rows = min(g.chunk_rows, ins.a1 - c0)
-            chunks.append(g.n_slab * -(-rows // g.rows_per_slot))
+        chunks += kernel.plan.geometry(k).chunk_slots(ins.a1)
     return tuple(chunks), kernel.ring_slots, kernel.plan.parts, kernel.warps
 
 

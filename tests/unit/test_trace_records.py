@@ -23,7 +23,9 @@ def as_int32(ns: int) -> int:
 
 def test_decode_trace_gives_signed_distances_from_the_earliest_begin_across_the_counter_wrap():
     rng = random.Random(7)
-    for start in (5_000, (1 << 32) - 3_000, (1 << 31) - 10_000, rng.randrange(1 << 40)):
+    # (the last starts put the counter's wrap, and int32's sign change, between two SMs' first begins)
+    for start in (5_000, (1 << 32) - 3_000, (1 << 31) - 10_000, rng.randrange(1 << 40), (1 << 32) - 1_500,
+                  (1 << 31) - 1_500):
         lengths = [2, 0, 1]
         t = torch.zeros(3, 2, TRACE_WORDS, dtype=torch.int32)
         want = {}
