@@ -21,15 +21,16 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from .ptx import (atomic_cas, cp_async_shared, cp_async_wait_all, ex2, ld_bf16, ld_f32, ld_i32, ld_i64, lg2,
-                  ld_shared_f32x2, load_f32x4, load_global_b32x2, load_shared_b32, pack_bf16x2, round_bf16, rsqrt,
+                  ld_shared_f32x4, load_f32x4, load_global_b32x4, load_shared_b32, pack_bf16x2, round_bf16, rsqrt,
                   st_bf16, st_f32, store_relaxed, unpack_bf16x2, warp_sum)
 
 MERGE_GROUP = 4            # attention splits whose partials one merge holds in registers at once
-STREAM_ELEMS = 4           # streamed pass: elements of a token's k (and v) per lane, one 8-byte load each
-# ... tokens per lane group per iteration (their loads in flight together), by batch: the batches compiled with
-# the streamed pass, each as many as the 128 registers of its warps hold without spills on the real presets (the
-# compile tests check every batch; at the others the pass pushes long-lived values of the loop out of registers)
-STREAM_UNROLL = {1: 2, 4: 2}
+STREAM_ELEMS = 8           # streamed pass: elements of a token's k (and v) per lane, one 16-byte load each
+# ... tokens per lane group per iteration (their loads in flight together, folded into the softmax as one block),
+# by (batch, head_dim): the batches compiled with the streamed pass, each as many as the 128 registers of its warps
+# hold without spills on the real presets in every cache layout (the compile tests check them; 2 spills at batch 4
+# and at head_dim 128; at the batches without the pass it pushes long-lived values of the loop out of registers)
+STREAM_UNROLL = {(1, 64): 2, (1, 128): 1, (4, 64): 1, (4, 128): 1}
 LOG2E = 1.4426950408889634
 ERR_POSITION = 2
 ERR_ALIAS = 5           # a new token's KV slot is one this step reads or another sequence appends to
@@ -234,7 +235,7 @@ class AttentionStage:
         self.consumer_sync()
 
         lo, hi = self.split_bounds(pos, split, num_splits)
-        if cutlass.const_expr(self.B in STREAM_UNROLL):
+        if cutlass.const_expr((self.B, self.D) in STREAM_UNROLL):
             if hi - lo > self.warps:
                 # ---- phase B, more tokens than warps (a long context): several tokens per warp at a time
                 cp_async_wait_all()           # (attn_preload's copies: this pass reads the cache itself)
@@ -356,60 +357,60 @@ class AttentionStage:
     def attend_streamed(self, warp: Int32, lane: Int32, b: Int32, kvh: Int32, lo: Int32, hi: Int32,
                         last: cutlass.Boolean, k_base: Int64, v_base: Int64, p, s):
         """Phase B for a split of more tokens than warps: a lane group of D / STREAM_ELEMS lanes takes one token
-        (a lane: STREAM_ELEMS elements, one load of k and one of v), so a warp takes 32 * STREAM_ELEMS / D
-        tokens per load and STREAM_UNROLL loads per iteration, all in flight together; the block ids of the
-        next iteration load during this one's math. Each lane group keeps its own online softmax (m, l, o),
-        merged across the warp's groups by shuffles at the end; the new token (the last split) is lane group
-        0 of warp 0's. The warp's (m, l, o) into s.m, s.l, s.o."""
-        s_kv, s_q = s.kv, s.q
-        D, G, W, NE, UT = self.D, self.G, self.warps, STREAM_ELEMS, STREAM_UNROLL[self.B]
-        NW = NE // 2                 # packed bf16 words of a lane's share of a token's k (and of its v): one
-                                     # 8-byte load (load_global_b32x2), so STREAM_ELEMS is 4
+        per load (a lane: STREAM_ELEMS elements, one 16-byte load of k and one of v), so a warp takes
+        32 * STREAM_ELEMS / D tokens per load and STREAM_UNROLL loads per iteration, all in flight together,
+        folded into the online softmax as one block (`stream_block`); the block ids of the next iteration load
+        during this one's math. Each lane group keeps its own online softmax (m, l, o), merged across the
+        warp's groups by shuffles at the end; the new token (the last split) is lane group 0 of warp 0's. The
+        warp's (m, l, o) into s.m, s.l, s.o."""
+        s_kv = s.kv
+        D, G, W, NE, UT = self.D, self.G, self.warps, STREAM_ELEMS, STREAM_UNROLL[self.B, self.D]
+        NW = NE // 2                 # packed bf16 words of a lane's share of a token's k (and of its v)
         LPT = D // NE                # lanes per token
         TPW = 32 // LPT              # tokens per warp-wide load
         step = TPW * UT              # tokens per warp per iteration
         tg = lane // LPT
         c = lane - tg * LPT          # this lane's elements: NE c .. NE c + NE - 1 of a head
-        qa = Int32(s_q.iterator.toint()) + c * (NE * 4)    # ... of head 0's query (shared memory)
+        qa = Int32(s.q.iterator.toint()) + c * (NE * 4)    # ... of head 0's query (shared memory)
         m, lsum, o = self.softmax_state(NE)
         bt = p.block_table + Int64(b) * (self.max_blocks * 4)
-        tb = cute.make_rmem_tensor((UT,), Int32)
-        for u in cutlass.range_constexpr(UT):
-            t = lo + warp * step + u * TPW + tg
-            tb[u] = Int32(0)
-            if t < hi:
-                tb[u] = ld_i32(bt + Int64(t // self.bs) * 4)
         lane_off = Int64(kvh) * self.kv_sh + Int64(c * NE)
         n_it = (hi - lo + W * step - 1) // (W * step)
         for it in range(n_it):
             t0 = lo + (it * W + warp) * step
             kw = cute.make_rmem_tensor((UT * NW,), Int32)
             vw = cute.make_rmem_tensor((UT * NW,), Int32)
-            for u in cutlass.range_constexpr(UT):
-                t = t0 + u * TPW + tg
-                if t < hi:
-                    off = (Int64(tb[u]) * self.kv_sb + Int64(t % self.bs) * self.kv_st + lane_off) * 2
-                    kr = load_global_b32x2(k_base + off)
-                    vr = load_global_b32x2(v_base + off)
-                    for e in cutlass.range_constexpr(NW):
-                        kw[u * NW + e] = kr[e]
-                        vw[u * NW + e] = vr[e]
-            for u in cutlass.range_constexpr(UT):         # the next iteration's block ids
-                t = t0 + W * step + u * TPW + tg
+            tb = cute.make_rmem_tensor((UT,), Int32)
+            for u in cutlass.range_constexpr(UT):         # the tokens' blocks (the split's few table entries:
+                t = t0 + u * TPW + tg                     # after the first warp's load, L1 hits)
+                tb[u] = Int32(0)
                 if t < hi:
                     tb[u] = ld_i32(bt + Int64(t // self.bs) * 4)
             for u in cutlass.range_constexpr(UT):
-                self.stream_update(t0 + u * TPW + tg < hi, qa, kw, vw, u * NW, m, lsum, o)
+                t = t0 + u * TPW + tg
+                for e in cutlass.range_constexpr(NW):
+                    kw[u * NW + e] = Int32(0)       # (a token past the split: zeros, so its weight 0 adds 0)
+                    vw[u * NW + e] = Int32(0)
+                if t < hi:
+                    off = (Int64(tb[u]) * self.kv_sb + Int64(t % self.bs) * self.kv_st + lane_off) * 2
+                    kr = load_global_b32x4(k_base + off)
+                    vr = load_global_b32x4(v_base + off)
+                    for e in cutlass.range_constexpr(NW):
+                        kw[u * NW + e] = kr[e]
+                        vw[u * NW + e] = vr[e]
+            # this lane group's tokens of the iteration below hi: u < n_valid
+            n_valid = (hi - t0 - tg + TPW - 1) // TPW
+            self.stream_block(n_valid, UT, qa, kw, vw, m, lsum, o)
         # the new token, from shared memory (every lane computes its score; lane group 0 of warp 0 adds it)
         kw = cute.make_rmem_tensor((NW,), Int32)
         vw = cute.make_rmem_tensor((NW,), Int32)
         for e in cutlass.range_constexpr(NW):
             kw[e] = pack_bf16x2(s_kv[c * NE + 2 * e], s_kv[c * NE + 2 * e + 1])
             vw[e] = pack_bf16x2(s_kv[D + c * NE + 2 * e], s_kv[D + c * NE + 2 * e + 1])
-        mine = cutlass.Boolean(False)
+        mine = Int32(0)
         if last and warp == 0 and tg == 0:
-            mine = cutlass.Boolean(True)
-        self.stream_update(mine, qa, kw, vw, 0, m, lsum, o)
+            mine = Int32(1)
+        self.stream_block(mine, 1, qa, kw, vw, m, lsum, o)
         # merge the lane groups' states (a butterfly over the groups: every group ends with the warp's)
         for sh in cutlass.range_constexpr(LPT.bit_length() - 1, 5):
             for g in cutlass.range_constexpr(G):
@@ -429,33 +430,55 @@ class AttentionStage:
         self.store_softmax_state(warp, lane, m, lsum, o, NE, c * NE, tg == 0, s)
 
     @cute.jit
-    def stream_update(self, valid: cutlass.Boolean, qa: Int32, kw: cute.Tensor, vw: cute.Tensor, w0: int,
-                      m: cute.Tensor, lsum: cute.Tensor, o: cute.Tensor):
-        """One token into a lane group's online softmax: its k and v are the packed bf16 words w0 .. of kw and
-        vw (STREAM_ELEMS / 2 each). Each query head's score (the lane's products, its query elements read from
-        shared memory at qa, summed over the group's lanes; every lane takes part in the shuffles), then, where
-        `valid`, the update."""
+    def stream_block(self, n_valid: Int32, n: int, qa: Int32, kw: cute.Tensor, vw: cute.Tensor,
+                     m: cute.Tensor, lsum: cute.Tensor, o: cute.Tensor):
+        """n tokens into a lane group's online softmax as one block, the first n_valid of them counted: token
+        u's k and v are the packed bf16 words u * STREAM_ELEMS / 2 .. of kw and vw. The scores of every
+        (token, query head) (the lane's products, its query elements read from shared memory at qa, summed over
+        the group's lanes; every lane takes part in the shuffles); then, per head, the block's maximum, one
+        rescale of (l, o) and the block's weights times its values."""
         NE = STREAM_ELEMS
+        NW = NE // 2
+        G = self.G
         LPT = self.D // NE
-        for g in cutlass.range_constexpr(self.G):
-            dot = Float32(0.0)
-            for e in cutlass.range_constexpr(NE // 2):
-                q2 = ld_shared_f32x2(qa + (g * self.D + 2 * e) * 4)
-                k0, k1 = unpack_bf16x2(kw[w0 + e])
-                dot = dot + q2[0] * k0 + q2[1] * k1
-            for w in cutlass.range_constexpr(LPT.bit_length() - 1):
-                dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=1 << w)
-            sc = dot * Float32(self.scale_log2)
-            if valid:
-                m_new = cute.arch.fmax(m[g], sc)
+        sc = cute.make_rmem_tensor((n * G,), Float32)
+        for u in cutlass.range_constexpr(n):
+            kf = cute.make_rmem_tensor((NE,), Float32)
+            for e in cutlass.range_constexpr(NW):
+                kf[2 * e], kf[2 * e + 1] = unpack_bf16x2(kw[u * NW + e])
+            for g in cutlass.range_constexpr(G):
+                dot = Float32(0.0)
+                for h in cutlass.range_constexpr(NE // 4):
+                    q4 = ld_shared_f32x4(qa + (g * self.D + 4 * h) * 4)
+                    for e in cutlass.range_constexpr(4):
+                        dot = dot + q4[e] * kf[4 * h + e]
+                for w in cutlass.range_constexpr(LPT.bit_length() - 1):
+                    dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=1 << w)
+                sc[u * G + g] = dot * Float32(self.scale_log2)
+        if n_valid > 0:
+            for g in cutlass.range_constexpr(G):
+                m_new = m[g]
+                for u in cutlass.range_constexpr(n):
+                    if u < n_valid:
+                        m_new = cute.arch.fmax(m_new, sc[u * G + g])
                 corr = ex2(m[g] - m_new)
-                pr = ex2(sc - m_new)
-                lsum[g] = lsum[g] * corr + pr
-                for e in cutlass.range_constexpr(NE // 2):
-                    v0, v1 = unpack_bf16x2(vw[w0 + e])
-                    o[g * NE + 2 * e] = o[g * NE + 2 * e] * corr + pr * v0
-                    o[g * NE + 2 * e + 1] = o[g * NE + 2 * e + 1] * corr + pr * v1
+                tot = lsum[g] * corr
+                for u in cutlass.range_constexpr(n):
+                    pr = Float32(0.0)
+                    if u < n_valid:
+                        pr = ex2(sc[u * G + g] - m_new)
+                    sc[u * G + g] = pr                   # (the score's register now holds the weight)
+                    tot = tot + pr
+                lsum[g] = tot
                 m[g] = m_new
+                for e in cutlass.range_constexpr(NE):
+                    o[g * NE + e] = o[g * NE + e] * corr
+            for u in cutlass.range_constexpr(n):
+                for e in cutlass.range_constexpr(NW):
+                    v0, v1 = unpack_bf16x2(vw[u * NW + e])
+                    for g in cutlass.range_constexpr(G):
+                        o[g * NE + 2 * e] = o[g * NE + 2 * e] + sc[u * G + g] * v0
+                        o[g * NE + 2 * e + 1] = o[g * NE + 2 * e + 1] + sc[u * G + g] * v1
 
     @cute.jit
     def attn_reduce(self, tidx: Int32, layer: Int32, b: Int32, kvh: Int32, num_splits: Int32, p):

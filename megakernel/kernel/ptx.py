@@ -23,11 +23,11 @@ def load_bf16x8(addr: Int64):
 
 
 @cute.jit
-def load_global_b32x2(addr: Int64):
-    """Two raw 32-bit words of global memory at an 8-byte aligned address in one load (e.g. 4 packed bf16 of a
+def load_global_b32x4(addr: Int64):
+    """Four raw 32-bit words of global memory at a 16-byte aligned address in one load (e.g. 8 packed bf16 of a
     cached key, unpacked with unpack_bf16x2 where they are used)."""
-    return cute.arch.inline_ptx("ld.global.v2.b32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Int32] * 2,
-                                read_only_args=[addr])
+    return cute.arch.inline_ptx("ld.global.v4.b32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=[Int32] * 4, read_only_args=[addr])
 
 
 @cute.jit
@@ -71,9 +71,9 @@ def split_bf16x2(x0: Float32, x1: Float32):
 
 
 @cute.jit
-def ld_shared_f32x2(addr: Int32):
-    return cute.arch.inline_ptx("ld.shared.v2.f32 {{$w0}, {$w1}}, [{$r0}];",
-                                write_only_types=[Float32] * 2, read_only_args=[addr])
+def ld_shared_f32x4(addr: Int32):
+    return cute.arch.inline_ptx("ld.shared.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
+                                write_only_types=[Float32] * 4, read_only_args=[addr])
 
 
 @cute.jit

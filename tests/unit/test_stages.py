@@ -655,8 +655,8 @@ def test_stages_on_gpu_match_reference_with_slab_staging(case):
 
 
 # At the batches compiled with it (attention.STREAM_UNROLL), splits of more cached tokens than consumer warps take
-# the streamed attention pass (several tokens per warp, 8-byte k/v loads in flight together), short ones the
-# per-warp pass: both in one step, head dims 64 and 128.
+# the streamed attention pass (several tokens per warp, 16-byte k/v loads in flight together, an iteration's tokens
+# one softmax block), short ones the per-warp pass: both in one step, head dims 64 and 128.
 LONG_SPLIT_CASES = [
     StageCase(shape=DecodeShape(hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=64, intermediate_size=512,
                                 batch=4, kv_lens=(1000, 40, 9, 301), block_size=16, max_seq_len=1024),
@@ -664,12 +664,15 @@ LONG_SPLIT_CASES = [
     StageCase(shape=DecodeShape(hidden_size=512, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=768,
                                 batch=1, kv_lens=(777,), block_size=32, max_seq_len=1024),
               architecture="Qwen3ForCausalLM", num_layers=2, layer=1, vocab_size=256, kv_splits=2, seed=12),
+    StageCase(shape=DecodeShape(hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=64, intermediate_size=512,
+                                batch=1, kv_lens=(1499,), block_size=16, max_seq_len=2048),
+              architecture="LlamaForCausalLM", num_layers=1, layer=0, vocab_size=512, kv_splits=3, seed=13),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("case", LONG_SPLIT_CASES, ids=["d64-b4", "d128-b1"])
+@pytest.mark.parametrize("case", LONG_SPLIT_CASES, ids=["d64-b4", "d128-b1", "d64-b1"])
 def test_stages_on_gpu_match_reference_with_long_splits(case):
     """Every stage, on caches long enough that attention splits take the streamed pass."""
     run_gpu_stages(case)

@@ -70,12 +70,21 @@ def test_gpu_experiment_applies_a_parked_patch_and_lists_its_sweeps(tmp_path):
     def run(*args):
         return subprocess.run(["bash", str(REPO / "tools" / "gpu_experiment.sh"), *args], cwd=REPO,
                               capture_output=True, text=True, timeout=120)
-    patch = REPO / "profiles" / "experiments" / "stream_cap_and_ring_depth.patch"
+    patch = tmp_path / "probe.patch"
+    patch.write_text("A probe (its header names its sweeps):\n"
+                     "  python3 tools/gpu_sweep.py tiny-llama 1 default: t:trace=1 --no-trace\n"
+                     "  python3 tools/gpu_sweep.py tiny-qwen3 2 default: --no-trace\n\n"
+                     "diff --git a/probe_note.txt b/probe_note.txt\nnew file mode 100644\n--- /dev/null\n"
+                     "+++ b/probe_note.txt\n@@ -0,0 +1 @@\n+probe\n")
     got = run(str(patch), "--dry-run")
     assert got.returncode == 0, got.stderr
     lines = [l.strip() for l in got.stdout.splitlines() if l.strip().startswith("python3 tools/gpu_sweep.py")]
-    assert len(lines) == 3 and "cap_mid=6" in lines[0], got.stdout
-    assert "cap_mid" not in (REPO / "megakernel" / "kernel" / "interpreter.py").read_text()
+    assert len(lines) == 2 and "t:trace=1" in lines[0] and "tiny-qwen3" in lines[1], got.stdout
+    assert not (REPO / "probe_note.txt").exists()
+    conflicting = tmp_path / "conflicting.patch"
+    conflicting.write_text(patch.read_text().replace("probe_note.txt", "README.md"))   # (README.md exists)
+    got = run(str(conflicting))
+    assert got.returncode == 2 and "does not apply" in got.stderr, got.stderr
     missing = run(str(tmp_path / "none.patch"))
     assert missing.returncode == 2 and "usage: gpu_experiment.sh" in missing.stderr, missing.stderr
     empty = tmp_path / "empty.patch"
