@@ -129,6 +129,7 @@ MATVEC = "megakernel/instructions/matvec_stages.py"
 CONTEXT = "megakernel/instructions/context.py"
 ARGMAX = "megakernel/instructions/argmax.py"
 DAG = "megakernel/schedule/dag.py"
+SPLIT_K = "megakernel/instructions/split_k.py"
 K_INTERP = "megakernel/kernel/interpreter.py"
 K_MATVEC = "megakernel/kernel/matvec.py"
 K_ATTN = "megakernel/kernel/attention.py"
@@ -158,8 +159,7 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
                  "sn = ld_f32(p.rope_sin + (Int64(pos + 1) * half + Int64(fi)) * 4)")))
     + _pair("o_proj_residual_dropped",
             "O_PROJ writes h = Wo . attn without adding the residual x",
-            (Patch(MATVEC, "b.h[l, :, lo:hi] = b.x[l, :, lo:hi] + matvec(streamed_rows(w, w.o_proj[l, lo:hi]), inp)",
-                   "b.h[l, :, lo:hi] = matvec(streamed_rows(w, w.o_proj[l, lo:hi]), inp)"),),
+            (Patch(MATVEC, "b.h[l, :, lo:hi] = b.x[l, :, lo:hi] + y", "b.h[l, :, lo:hi] = y"),),
             (stage_probe("test_o_proj_stage"), VM_PROBE, E2E_CPU_PROBE),
             (Patch(K_MATVEC, "res_addr = p.x + (l64 * (B * H) + Int64(a0)) * 4\n            has_res = Boolean(True)",
                    "res_addr = p.x + (l64 * (B * H) + Int64(a0)) * 4\n            has_res = Boolean(False)"),))
@@ -226,7 +226,11 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
                    "d = mma_bf16_16816(a[q], a[q + 1], a[q + 4], a[q + 5], bw[2 * half], bw[2 * half + 1],"),),
             "the MMA's A operand registers in the wrong order: the second 8-row block's registers where the first "
             "block's columns k+8 belong")
-    + [Mutation("aliasing_shared_append_allowed",
+    + [Mutation("split_k_reduce_drops_a_range",
+                "MV_REDUCE adds the partials of every K range but the last (batch 16-64 programs, no device code yet)",
+                (Patch(SPLIT_K, "    for e in range(1, ins.a3):", "    for e in range(1, ins.a3 - 1):"),),
+                (Probe("vm-split-k", (VM, "-k", "split_over_k or large_batch")),)),
+       Mutation("aliasing_shared_append_allowed",
                 "the aliasing rule (aliased_appends) lets two sequences append to one KV slot (only reads are checked)",
                 (Patch(LAYOUT, "            if o != b and writes[o] == writes[b]:", "            if False:"),),
                 (Probe("vm-aliasing", (VM, "-k", "alias or scratch")),)),

@@ -4,7 +4,7 @@ megakernel.kernel, dispatched on the same enum."""
 
 from __future__ import annotations
 
-from . import argmax, attention, embed, matvec_stages
+from . import argmax, attention, embed, matvec_stages, split_k
 from .deepseek import DEEPSEEK_STAGE_MODULES
 from .kimi_linear import KIMI_LINEAR_STAGE_MODULES
 from .tensor_parallel import TP_STAGE_MODULES
@@ -21,6 +21,7 @@ STAGE_MODULES = {
     Opcode.ATTN_PARTIAL: attention,
     Opcode.ATTN_REDUCE: attention,
     Opcode.ARGMAX: argmax,
+    Opcode.MV_REDUCE: split_k,
     **DEEPSEEK_STAGE_MODULES,
     **KIMI_LINEAR_STAGE_MODULES,
     **TP_STAGE_MODULES,

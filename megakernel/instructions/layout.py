@@ -125,6 +125,12 @@ class StepLayout:
             raise ValueError(f"scratch_block={self.scratch_block} must be a block id (>= 0) or -1 (none)")
 
 
+def tile_rows(rows: int, num_sms: int, group: int = ROW_GROUP) -> int:
+    """Rows per tile: a multiple of `group`, so that the stage spreads over about num_sms tiles."""
+    groups = rows // group
+    return group * max(1, math.ceil(groups / num_sms))
+
+
 def require_kernel_batch(batch: int) -> None:
     """ValueError for a batch the device code does not run (StepLayout takes buckets up to MAX_BATCH, for the
     schedule and the VM; the megakernel up to KERNEL_MAX_BATCH)."""
@@ -378,6 +384,11 @@ class StepBuffers:
     attn_part_lse: torch.Tensor  # f32 [L, B, Hq, S]
     attn_out: torch.Tensor     # f32 [L, B, q_size]
     act: torch.Tensor          # f32 [L, B, F]
+    # K-range partials of the stages split over K (split_k.py; [L, 0, B, rows] where a stage is not split)
+    part_qkv: torch.Tensor     # f32 [L, E, B, qkv_rows]
+    part_o: torch.Tensor       # f32 [L, E, B, H]
+    part_gate_up: torch.Tensor  # f32 [L, E, B, 2F]
+    part_down: torch.Tensor    # f32 [L, E, B, H]
     logits: torch.Tensor       # f32 [B, V] ([B, 0] without the LM head)
     lm_max: torch.Tensor       # f32 [B, T]
     lm_idx: torch.Tensor       # int32 [B, T]
@@ -394,6 +405,20 @@ class StepBuffers:
                 t.fill_(float("nan"))
         self.logits.fill_(float("nan"))
         self.out_tokens.fill_(-1)
+
+
+def part_buffers(layout: StepLayout, device="cpu") -> dict[str, torch.Tensor]:
+    """The K-range partial buffers of StepBuffers, sized by split_k.k_splits (E ranges; 0 where not split)."""
+    from .matvec_stages import PART_BUFFERS, weight_rows
+    from .split_k import k_splits
+
+    out = {}
+    for op, name in PART_BUFFERS.items():
+        e = k_splits(layout, op)
+        rows, _ = weight_rows(op, layout)
+        out[name] = torch.empty(layout.config.num_layers, e if e > 1 else 0, layout.batch, rows,
+                                dtype=torch.float32, device=device)
+    return out
 
 
 def allocate_buffers(layout: StepLayout, lm_tiles: int, num_counters: int, device="cpu") -> StepBuffers:
@@ -415,6 +440,7 @@ def allocate_buffers(layout: StepLayout, lm_tiles: int, num_counters: int, devic
         attn_part_lse=torch.empty(L, b, c.num_heads, s, **f32),
         attn_out=torch.empty(L, b, c.q_size, **f32),
         act=torch.empty(L, b, c.intermediate_size, **f32),
+        **part_buffers(layout, device),
         logits=torch.empty(b, c.vocab_size if lm_tiles else 0, **f32),
         lm_max=torch.empty(b, lm_tiles, **f32),
         lm_idx=torch.zeros(b, lm_tiles, **i32),

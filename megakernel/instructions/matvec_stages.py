@@ -15,6 +15,11 @@ is then embed[token] (float32), what EMBED writes to x[0], read from the table d
 | GATE_UP | gate_up[l]        | h[l]                     | RMSNorm mlp_norm    | act[l] = silu(y_gate) * y_up    |
 | DOWN    | down[l]           | act[l]                   | -                   | x[l+1] = h[l] + y               |
 | LM_HEAD | lm_head           | x[L]                     | RMSNorm final_norm  | logits = y; (max, argmax) tile  |
+
+Past the megakernel's batch (split_k.py), QKV, O_PROJ, GATE_UP and DOWN may be split over K: a tile of range
+k_part of k_parts multiplies its rows over that range of columns only (after the prologue, which normalises with the
+whole row's statistic) and stores the float32 partial into part_<stage>[l, k_part] instead of running the
+epilogue; MV_REDUCE adds a row range's partials in range order and runs the epilogue (`store_output`).
 """
 
 from __future__ import annotations
@@ -42,6 +47,25 @@ def weight_rows(op: Opcode, layout) -> tuple[int, int]:
     }[op]
 
 
+# the partial-sum buffer of each stage that may be split over K: f32 [L, k_parts, B, rows]
+PART_BUFFERS = {Opcode.QKV: "part_qkv", Opcode.O_PROJ: "part_o", Opcode.GATE_UP: "part_gate_up",
+                Opcode.DOWN: "part_down"}
+
+
+def k_range(ins: Instruction, layout) -> tuple[int, int]:
+    """Columns [k0, k1) a tile multiplies: range k_part of k_parts equal ranges of K."""
+    _, k = weight_rows(ins.opcode, layout)
+    width = k // ins.k_parts
+    return ins.k_part * width, (ins.k_part + 1) * width
+
+
+def part_regions(op: Opcode, layer: int, e: int, lo: int, hi: int, layout) -> list:
+    """Rows [lo, hi) of range e's partials of a split stage, every sequence: index (e * B + b) * rows + i."""
+    rows, _ = weight_rows(op, layout)
+    nb = layout.batch
+    return [(PART_BUFFERS[op], layer, (e * nb + b) * rows + lo, (e * nb + b) * rows + hi) for b in range(nb)]
+
+
 def _input_name(op: Opcode) -> str:
     return {Opcode.QKV: "x", Opcode.O_PROJ: "attn_out", Opcode.GATE_UP: "h", Opcode.DOWN: "act",
             Opcode.LM_HEAD: "x"}[op]
@@ -64,17 +88,31 @@ def reads(ins: Instruction, layout) -> list:
     else:
         out = per_batch(_input_name(op), in_layer, 0, k, nb, k)
     lo, hi = ins.a0, ins.a0 + ins.a1
-    if op == Opcode.O_PROJ:
-        out += per_batch("x", l, lo, hi, nb, c.hidden_size)
-    if op == Opcode.DOWN:
-        out += per_batch("h", l, lo, hi, nb, c.hidden_size)
+    if ins.k_parts > 1:
+        return out              # (the residual is MV_REDUCE's)
+    out += residual_reads(op, l, lo, hi, layout)
     return out
 
 
-def writes(ins: Instruction, layout) -> list:
+def residual_reads(op: Opcode, layer: int, lo: int, hi: int, layout) -> list:
+    """The residual rows [lo, hi) a stage's epilogue adds (O_PROJ: x[l], DOWN: h[l]; the others none)."""
     c, nb = layout.config, layout.batch
-    op, l = ins.opcode, ins.layer
-    lo, hi = ins.a0, ins.a0 + ins.a1
+    if op == Opcode.O_PROJ:
+        return per_batch("x", layer, lo, hi, nb, c.hidden_size)
+    if op == Opcode.DOWN:
+        return per_batch("h", layer, lo, hi, nb, c.hidden_size)
+    return []
+
+
+def writes(ins: Instruction, layout) -> list:
+    if ins.k_parts > 1:
+        return part_regions(ins.opcode, ins.layer, ins.k_part, ins.a0, ins.a0 + ins.a1, layout)
+    return output_regions(ins.opcode, ins.layer, ins.a0, ins.a0 + ins.a1, ins.a2, layout)
+
+
+def output_regions(op: Opcode, l: int, lo: int, hi: int, tile: int, layout) -> list:
+    """What a stage's epilogue writes for rows [lo, hi) (tile: the LM head's argmax slot)."""
+    c, nb = layout.config, layout.batch
     if op == Opcode.QKV:
         return per_batch("qkv", l, lo, hi, nb, c.qkv_rows)
     if op == Opcode.O_PROJ:
@@ -83,7 +121,7 @@ def writes(ins: Instruction, layout) -> list:
         return per_batch("act", l, lo // 2, hi // 2, nb, c.intermediate_size)
     if op == Opcode.DOWN:
         return per_batch("x", l + 1, lo, hi, nb, c.hidden_size)
-    return per_batch("logits", 0, lo, hi, nb, c.vocab_size) + [("lm_tile", 0, ins.a2, ins.a2 + 1)]
+    return per_batch("logits", 0, lo, hi, nb, c.vocab_size) + [("lm_tile", 0, tile, tile + 1)]
 
 
 def reference(ins: Instruction, ctx: StageContext) -> None:
@@ -92,27 +130,51 @@ def reference(ins: Instruction, ctx: StageContext) -> None:
     lo, hi = ins.a0, ins.a0 + ins.a1
     eps = c.rms_norm_eps
     if op == Opcode.QKV:
-        inp = f32(w.embed[b.tokens.long()]) if ins.a3 == 1 else b.x[l]
-        b.qkv[l, :, lo:hi] = matvec(streamed_rows(w, w.qkv[l, lo:hi]), rms_normalize(inp, w.attn_norm[l], eps))
+        inp = rms_normalize(f32(w.embed[b.tokens.long()]) if ins.a3 == 1 else b.x[l], w.attn_norm[l], eps)
+        rows = w.qkv[l, lo:hi]
     elif op == Opcode.O_PROJ:
         if ins.a3 > 0:
             inp = merge_splits(b.attn_part_lse[l], b.attn_part_o[l]).reshape(b.h.shape[1], -1)
         else:
             inp = b.attn_out[l]
-        b.h[l, :, lo:hi] = b.x[l, :, lo:hi] + matvec(streamed_rows(w, w.o_proj[l, lo:hi]), inp)
+        rows = w.o_proj[l, lo:hi]
     elif op == Opcode.GATE_UP:
-        y = matvec(streamed_rows(w, w.gate_up[l, lo:hi]), rms_normalize(b.h[l], w.mlp_norm[l], eps))
+        inp = rms_normalize(b.h[l], w.mlp_norm[l], eps)
+        rows = w.gate_up[l, lo:hi]
+    elif op == Opcode.DOWN:
+        inp = b.act[l]
+        rows = w.down[l, lo:hi]
+    elif op == Opcode.LM_HEAD:
+        inp = rms_normalize(b.x[c.num_layers], w.final_norm, eps)
+        rows = w.lm_head[lo:hi]
+    else:
+        raise ValueError(f"{op!r} is not a matvec stage")
+    rows = streamed_rows(w, rows)
+    if ins.k_parts > 1:
+        k0, k1 = k_range(ins, ctx.layout)
+        getattr(b, PART_BUFFERS[op])[l, ins.k_part, :, lo:hi] = matvec(rows[:, k0:k1], inp[:, k0:k1])
+        return
+    store_output(op, l, lo, hi, ins.a2, matvec(rows, inp), ctx)
+
+
+def store_output(op: Opcode, l: int, lo: int, hi: int, tile: int, y, ctx: StageContext) -> None:
+    """A stage's epilogue for rows [lo, hi) of y = W . input ([B, hi - lo] float32): the QKV store, the residual
+    add, SiLU(gate) * up, or the logits and the tile's (max, argmax) into slot `tile`."""
+    b = ctx.bufs
+    if op == Opcode.QKV:
+        b.qkv[l, :, lo:hi] = y
+    elif op == Opcode.O_PROJ:
+        b.h[l, :, lo:hi] = b.x[l, :, lo:hi] + y
+    elif op == Opcode.GATE_UP:
         y = y.view(y.shape[0], -1, 2, ROW_GROUP)          # [B, pairs, gate|up, ROW_GROUP]
         act = torch.nn.functional.silu(y[:, :, 0]) * y[:, :, 1]
         b.act[l, :, lo // 2:hi // 2] = act.reshape(y.shape[0], -1)
     elif op == Opcode.DOWN:
-        b.x[l + 1, :, lo:hi] = b.h[l, :, lo:hi] + matvec(streamed_rows(w, w.down[l, lo:hi]), b.act[l])
+        b.x[l + 1, :, lo:hi] = b.h[l, :, lo:hi] + y
     elif op == Opcode.LM_HEAD:
-        xn = rms_normalize(b.x[c.num_layers], w.final_norm, eps)
-        y = matvec(streamed_rows(w, w.lm_head[lo:hi]), xn)
         b.logits[:, lo:hi] = y
         m, i = y.max(dim=1)                # torch returns the first index among equal maxima
-        b.lm_max[:, ins.a2] = m
-        b.lm_idx[:, ins.a2] = (i + lo).to(torch.int32)
+        b.lm_max[:, tile] = m
+        b.lm_idx[:, tile] = (i + lo).to(torch.int32)
     else:
         raise ValueError(f"{op!r} is not a matvec stage")

@@ -40,6 +40,8 @@ class Opcode(IntEnum):
     TP_DOWN = 27         # rows of this rank's partial Wdown . act, stored into every rank's receive slot
     TP_REDUCE = 28       # rows: residual + the received partials summed in rank order -> h[l] or x[l+1]
     TP_LM_HEAD = 29      # rows of this rank's vocabulary; the tile's (max, argmax) into every rank's slot
+    # Batch 16-64 (megakernel/instructions/split_k.py): a matvec stage split over K ranges
+    MV_REDUCE = 30       # rows of a K-split stage: its ranges' partial sums added in range order, then its epilogue
 
 
 # Counter stages, one counter per (layer, stage): a producer adds 1 per finished instruction,
@@ -51,13 +53,18 @@ class Stage(IntEnum):
     O_PROJ = 3
     GATE_UP = 4
     DOWN = 5
+    # the K-range partials of a split stage (split_k.py), which the stage's MV_REDUCE instructions wait for
+    QKV_PARTS = 6
+    O_PROJ_PARTS = 7
+    GATE_UP_PARTS = 8
+    DOWN_PARTS = 9
 
 
 NUM_LAYER_STAGES = len(Stage)
 
 
 def counter_id(layer: int, stage: Stage) -> int:
-    """Counters 0 .. L*6-1 are per layer and stage; the last three are EMBED, LM_HEAD and ARGMAX."""
+    """Counters 0 .. L*NUM_LAYER_STAGES-1 are per layer and stage; the last three are EMBED, LM_HEAD and ARGMAX."""
     return layer * NUM_LAYER_STAGES + int(stage)
 
 

@@ -12,7 +12,7 @@ WORDS = 16
 NO_COUNTER = -1
 
 # Word positions, shared by the serializer, the VM and the device decoder.
-W_OPCODE, W_LAYER, W_A0, W_A1, W_A2, W_A3, W_WAIT_ID, W_WAIT_COUNT, W_SIGNAL_ID, W_INDEX = range(10)
+W_OPCODE, W_LAYER, W_A0, W_A1, W_A2, W_A3, W_WAIT_ID, W_WAIT_COUNT, W_SIGNAL_ID, W_INDEX, W_K_PART, W_K_PARTS = range(12)
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,8 @@ class Instruction:
     ``a0..a3`` are the stage's operands (see each stage module); ``wait_id``/``wait_count`` name the
     counter and the per-step count this instruction waits for; ``signal_id`` the counter it adds 1 to
     when its stores are done; ``index`` is its position in the global topological order (for traces
-    and error reports).
+    and error reports). ``k_part`` of ``k_parts`` is the K range of a matvec tile split over K (split_k.py);
+    an unsplit tile is range 0 of 1.
     """
 
     opcode: Opcode
@@ -35,6 +36,8 @@ class Instruction:
     wait_count: int = 0
     signal_id: int = NO_COUNTER
     index: int = -1
+    k_part: int = 0
+    k_parts: int = 1
     cost: float = field(default=0.0, compare=False)
 
     def encode(self) -> list[int]:
@@ -46,6 +49,7 @@ class Instruction:
         words[W_WAIT_COUNT] = self.wait_count
         words[W_SIGNAL_ID] = self.signal_id
         words[W_INDEX] = self.index
+        words[W_K_PART], words[W_K_PARTS] = self.k_part, self.k_parts
         return words
 
     @classmethod
@@ -53,7 +57,7 @@ class Instruction:
         w = [int(x) for x in words]
         return cls(opcode=Opcode(w[W_OPCODE]), layer=w[W_LAYER], a0=w[W_A0], a1=w[W_A1], a2=w[W_A2],
                    a3=w[W_A3], wait_id=w[W_WAIT_ID], wait_count=w[W_WAIT_COUNT],
-                   signal_id=w[W_SIGNAL_ID], index=w[W_INDEX])
+                   signal_id=w[W_SIGNAL_ID], index=w[W_INDEX], k_part=w[W_K_PART], k_parts=w[W_K_PARTS])
 
 
 def serialize(queues: list[list[Instruction]]) -> tuple[torch.Tensor, torch.Tensor]:

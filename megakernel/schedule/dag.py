@@ -6,6 +6,8 @@ stage have signalled. Release/acquire chains make that transitive, so an instruc
 store that happened before the stage it waits on (e.g. O_PROJ reads x[l], written by DOWN of layer
 l-1, two stages before the ATTN_REDUCE it waits for). Where the layout stages matvec inputs in shared
 memory, O_PROJ waits on ATTN_PARTIAL directly and merges the splits itself (`StepLayout.fused_reduce`).
+Past the megakernel's batch, a matvec stage may be split over K (instructions/split_k.py): its K ranges' tiles
+signal the stage's *_PARTS counter, and MV_REDUCE tiles, which wait for all of them, signal the stage's counter.
 
 `build_program(layout, lm_head=False)` is the same program without its last two stages (LM_HEAD,
 ARGMAX): the step ends when the last layer's DOWN has written x[L], and nothing advances tokens or
@@ -14,15 +16,15 @@ positions (ARGMAX does that), so the caller writes both before every launch.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ..instructions.attention import split_range  # noqa: F401  (re-exported for schedule users)
-from ..instructions.layout import ROW_GROUP, StepLayout
+from ..instructions.layout import ROW_GROUP, StepLayout, tile_rows  # noqa: F401  (tile_rows re-exported)
 from ..instructions.matvec_stages import weight_rows
 from ..instructions.opcodes import (Opcode, Stage, argmax_counter, counter_id, embed_counter,
                                     lm_head_counter, num_counters)
 from ..instructions.record import NO_COUNTER, Instruction
+from ..instructions.split_k import PARTS_STAGE, k_splits, row_group
 
 # Cost model: bytes a stage reads from HBM plus a fixed cost per instruction (in bytes of time).
 FIXED_COST_BYTES = 16 * 1024
@@ -41,12 +43,6 @@ class StepProgram:
     def has_lm_head(self) -> bool:
         """Whether the step ends with LM_HEAD + ARGMAX (next tokens) or at x[L] (lm_head=False)."""
         return self.lm_tiles > 0
-
-
-def tile_rows(rows: int, num_sms: int, group: int = ROW_GROUP) -> int:
-    """Rows per tile: a multiple of `group`, so that the stage spreads over about num_sms tiles."""
-    groups = rows // group
-    return group * max(1, math.ceil(groups / num_sms))
 
 
 def _tiles(rows: int, per_tile: int) -> list[tuple[int, int]]:
@@ -75,11 +71,26 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
 
     def matvec_stage(op: Opcode, layer: int, wait: tuple[int, int], signal: int, a3: int = 0) -> int:
         rows, k = weight_rows(op, layout)
-        tiles = _tiles(rows, rows_per_tile(op))
-        for t, (lo, n) in enumerate(tiles):
-            add(opcode=op, layer=layer, a0=lo, a1=n, a2=t, a3=a3, wait_id=wait[0], wait_count=wait[1],
-                signal_id=signal, cost=n * k * elem + FIXED_COST_BYTES)
-        return len(tiles)
+        e = k_splits(layout, op)
+        if e == 1:
+            tiles = _tiles(rows, rows_per_tile(op))
+            for t, (lo, n) in enumerate(tiles):
+                add(opcode=op, layer=layer, a0=lo, a1=n, a2=t, a3=a3, wait_id=wait[0], wait_count=wait[1],
+                    signal_id=signal, cost=n * k * elem + FIXED_COST_BYTES)
+            return len(tiles)
+        # split over K (split_k.py): E ranges' tiles of partials, then MV_REDUCE tiles that close the stage
+        parts = counter_id(layer, PARTS_STAGE[op])
+        tiles = _tiles(rows, tile_rows(rows, max(1, layout.num_sms // e), row_group(op)))
+        for part in range(e):
+            for t, (lo, n) in enumerate(tiles):
+                add(opcode=op, layer=layer, a0=lo, a1=n, a2=t, a3=a3, wait_id=wait[0], wait_count=wait[1],
+                    signal_id=parts, k_part=part, k_parts=e,
+                    cost=n * (k // e) * elem + n * B * 4 + FIXED_COST_BYTES)
+        reduces = _tiles(rows, tile_rows(rows, layout.num_sms, row_group(op)))
+        for lo, n in reduces:
+            add(opcode=Opcode.MV_REDUCE, layer=layer, a0=lo, a1=n, a2=int(op), a3=e, wait_id=parts,
+                wait_count=e * len(tiles), signal_id=signal, cost=e * n * B * 4 + FIXED_COST_BYTES)
+        return len(reduces)
 
     folded = layout.embed_folded
     # folded: EMBED is one more producer of layer 0's QKV counter (x[0] is layer 0's residual)

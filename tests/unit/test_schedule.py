@@ -70,6 +70,21 @@ def _stage_rows(config: ModelConfig, op: Opcode) -> int:
     }[op]
 
 
+def _key(ins: Instruction) -> tuple:
+    """The stage an instruction belongs to: (opcode, layer), and for a stage split over K (split_k.py) its K
+    ranges' tiles (opcode, layer, "parts") apart from the MV_REDUCE tiles that close it (opcode, layer, "reduce")."""
+    if ins.opcode == Opcode.MV_REDUCE:
+        return Opcode(ins.a2), ins.layer, "reduce"
+    if ins.k_parts > 1:
+        return ins.opcode, ins.layer, "parts"
+    return ins.opcode, ins.layer
+
+
+def _closing(stage: tuple, split: set) -> tuple:
+    """The instructions whose signals say a stage (opcode, layer) is done: its MV_REDUCE tiles where it is split."""
+    return (*stage, "reduce") if stage in split else stage
+
+
 def _producer_stages(ins: Instruction, num_layers: int, fused: bool, folded: bool = False) -> set | None:
     """{(opcode, layer)} of the stages whose outputs `ins` consumes first: what it must wait for. With the
     attention merge folded into O_PROJ (fused), O_PROJ consumes the partials. With the embedding folded
@@ -87,6 +102,8 @@ def _producer_stage(ins: Instruction, num_layers: int, fused: bool) -> tuple[Opc
     """(opcode, layer) of the stage whose outputs `ins` consumes first: what it must wait for. With the
     attention merge folded into O_PROJ (fused), O_PROJ consumes the partials."""
     op, layer = ins.opcode, ins.layer
+    if op == Opcode.MV_REDUCE:
+        return Opcode(ins.a2), layer
     if op == Opcode.EMBED:
         return None
     if op == Opcode.QKV:
@@ -114,11 +131,12 @@ def check_program(program: StepProgram) -> None:
     for ins in instrs:
         assert 0 <= ins.signal_id < program.num_counters, f"{what}: #{ins.index} {ins.opcode.name} signals nothing"
         signallers[ins.signal_id].append(ins)
-        stage_size[(ins.opcode, ins.layer)] += 1
+        stage_size[_key(ins)] += 1
+    split = {k[:2] for k in stage_size if len(k) == 3}
     folded = layout.embed_folded
     for counter, group in signallers.items():
-        stages = {(i.opcode, i.layer) for i in group}
-        allowed = {frozenset({(Opcode.QKV, 0), (Opcode.EMBED, 0)})} if folded else set()
+        stages = {_key(i) for i in group}
+        allowed = {frozenset({_closing((Opcode.QKV, 0), split), (Opcode.EMBED, 0)})} if folded else set()
         assert len(stages) == 1 or frozenset(stages) in allowed, \
             f"{what}: counter {counter} is signalled by several stages {stages}"
 
@@ -128,29 +146,46 @@ def check_program(program: StepProgram) -> None:
         if producers is None:
             assert ins.wait_id == NO_COUNTER, f"{name} waits on counter {ins.wait_id}"
             continue
+        if ins.opcode == Opcode.MV_REDUCE:
+            producers = {(*p, "parts") for p in producers}        # a reduce waits for its own stage's ranges
+        else:
+            producers = {_closing(p, split) for p in producers}
         assert 0 <= ins.wait_id < program.num_counters, f"{name} waits on no counter"
         group = signallers[ins.wait_id]
-        assert {(i.opcode, i.layer) for i in group} == producers, \
-            f"{name} waits on {sorted({(i.opcode.name, i.layer) for i in group})}, its producers are {producers}"
+        assert {_key(i) for i in group} == producers, \
+            f"{name} waits on {sorted({_key(i) for i in group})}, its producers are {producers}"
         assert ins.wait_count == len(group) == sum(stage_size[p] for p in producers), \
             f"{name} waits for {ins.wait_count}, the stages {producers} have {len(group)} instructions"
         late = [i.index for i in group if i.index >= ins.index]
         assert not late, f"{name} precedes its producers {late[:4]} in the global order"
 
-    # Tiles: each matvec stage partitions its rows into ROW_GROUP-multiples, in order, tile index = position.
-    by_stage: dict[tuple[Opcode, int], list[Instruction]] = defaultdict(list)
+    # Tiles: each matvec stage partitions its rows into ROW_GROUP-multiples, in order, tile index = position; a
+    # stage split over K does so once per K range (every range of the same count), and its MV_REDUCE tiles once.
+    by_stage: dict[tuple, list[Instruction]] = defaultdict(list)
     for ins in instrs:
-        by_stage[(ins.opcode, ins.layer)].append(ins)
-    for (op, layer), group in by_stage.items():
+        by_stage[_key(ins)].append(ins)
+    for key, group in by_stage.items():
+        op, layer = key[:2]
         if op not in MATVEC_OPCODES:
             continue
         quantum = 2 * ROW_GROUP if op == Opcode.GATE_UP else ROW_GROUP
-        row = 0
-        for t, ins in enumerate(sorted(group, key=lambda i: i.a0)):
-            assert ins.a0 == row and ins.a1 > 0 and ins.a1 % quantum == 0 and ins.a2 == t, \
-                f"{what}: {op.name} layer {layer} tile {t} covers rows [{ins.a0}, {ins.a0 + ins.a1}) after {row}"
-            row += ins.a1
-        assert row == _stage_rows(config, op), f"{what}: {op.name} layer {layer} tiles cover {row} rows"
+        ranges = defaultdict(list)
+        for ins in group:
+            ranges[ins.k_part].append(ins)
+        e = group[0].a3 if key[2:] == ("reduce",) else group[0].k_parts
+        if key[2:] == ("parts",):
+            assert sorted(ranges) == list(range(e)) and all(i.k_parts == e for i in group), \
+                f"{what}: {op.name} layer {layer} K ranges {sorted(ranges)} of {e}"
+        for part, tiles in ranges.items():
+            row = 0
+            for t, ins in enumerate(sorted(tiles, key=lambda i: i.a0)):
+                assert ins.a0 == row and ins.a1 > 0 and ins.a1 % quantum == 0, \
+                    f"{what}: {key} tile {t} covers rows [{ins.a0}, {ins.a0 + ins.a1}) after {row}"
+                assert ins.opcode == Opcode.MV_REDUCE or ins.a2 == t, f"{what}: {key} tile {t} has index {ins.a2}"
+                row += ins.a1
+            assert row == _stage_rows(config, op), f"{what}: {key} range {part} tiles cover {row} rows"
+        if key[2:] == ("parts",):
+            assert len({len(t) for t in ranges.values()}) == 1, f"{what}: {key} ranges of different tilings"
     lm_tiles = len(by_stage[(Opcode.LM_HEAD, 0)])
     assert program.lm_tiles == lm_tiles, f"{what}: lm_tiles={program.lm_tiles}, {lm_tiles} LM_HEAD instructions"
     if program.has_lm_head:
@@ -167,7 +202,7 @@ def check_program(program: StepProgram) -> None:
         assert partial == Counter((q, h, t, s) for q in range(b) for h in range(kvh) for t in range(s)), \
             f"{what}: layer {layer} attention partials do not cover (sequence, kv head, split) once each"
         reduce = Counter((i.a0, i.a1, i.a3) for i in by_stage[(Opcode.ATTN_REDUCE, layer)])
-        o_proj_a3 = {i.a3 for i in by_stage[(Opcode.O_PROJ, layer)]}
+        o_proj_a3 = {i.a3 for i in by_stage[(Opcode.O_PROJ, layer)] + by_stage[(Opcode.O_PROJ, layer, "parts")]}
         if layout.fused_reduce:
             assert not reduce and o_proj_a3 == {s}, \
                 f"{what}: layer {layer} folds the merge into O_PROJ, yet has {sum(reduce.values())} ATTN_REDUCE " \
@@ -177,7 +212,7 @@ def check_program(program: StepProgram) -> None:
                 f"{what}: layer {layer} attention reductions do not cover (sequence, kv head) once each"
             assert o_proj_a3 == {0}, f"{what}: layer {layer} O_PROJ a3 {o_proj_a3} without the folded merge"
     assert stage_size[(Opcode.EMBED, 0)] == 1, what
-    qkv0_a3 = {i.a3 for i in by_stage[(Opcode.QKV, 0)]}
+    qkv0_a3 = {i.a3 for i in by_stage[(Opcode.QKV, 0)] + by_stage[(Opcode.QKV, 0, "parts")]}
     assert qkv0_a3 == ({1} if folded else {0}), f"{what}: layer 0 QKV a3 {qkv0_a3}"
     assert all(i.a3 == 0 for i in instrs if i.opcode == Opcode.QKV and i.layer > 0), what
 

@@ -87,6 +87,25 @@ def test_vm_equals_reference_at_large_batch_buckets(batch):
                                 seed=400 + batch, label=f"tiny-llama batch {batch}", prompt_lens=lens)
 
 
+# A shape whose four layer matvecs all split over K past the megakernel's batch (instructions/split_k.py: QKV and
+# O_PROJ into 4 ranges, GATE_UP 2, DOWN 8 on 132 SMs), the sequences' partials summed by MV_REDUCE
+WIDE = dict(hidden_size=1024, intermediate_size=2048, num_heads=8, num_kv_heads=2, head_dim=128)
+
+
+@pytest.mark.parametrize("order", ["round-robin", "reverse"])
+def test_vm_with_every_layer_matvec_split_over_k_equals_reference(order):
+    from megakernel.instructions.layout import StepLayout
+    from megakernel.instructions.split_k import SPLIT_STAGES, k_splits
+
+    config = dataclasses.replace(get_preset("tiny-llama"), **WIDE)
+    lens = tuple(1 + (5 * b) % 9 for b in range(16))
+    layout = StepLayout(config=config, batch=16, kv_splits=1, block_size=16, max_blocks_per_seq=2, num_sms=132)
+    splits = {op.name: k_splits(layout, op) for op in SPLIT_STAGES}
+    assert min(splits.values()) > 1, f"the wide shape at batch 16 no longer splits every stage: {splits}"
+    _check_vm_against_reference(config, "balanced", order, 132, None, 16, True, seed=77,
+                                label=f"wide tiny-llama batch 16 split {splits}", prompt_lens=lens)
+
+
 def _check_vm_against_reference(config, policy, order, num_sms, kv_splits, block_size, shuffled, seed, label,
                                 prompt_lens=PROMPT_LENS):
     """Prompts of `prompt_lens` tokens fed through the VM and the float32 reference decoder, then NEW_TOKENS

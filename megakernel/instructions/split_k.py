@@ -1,0 +1,92 @@
+"""Batch 16-64: matvec stages split over K (docs/batch_path.md), and MV_REDUCE, which closes them.
+
+Past the megakernel's batch (KERNEL_MAX_BATCH) a tile over the whole of K stages B x K of input for few rows (the
+input bytes grow with the batch, the weight bytes do not), so `k_splits` may split QKV, O_PROJ, GATE_UP and DOWN
+into E ranges of K: each tile multiplies E times the rows of an unsplit one over 1/E of the columns and stores a
+float32 partial (matvec_stages: part_<stage>[l, e]). The E ranges' tiles of a layer's stage signal the stage's
+*_PARTS counter; MV_REDUCE instructions wait for all of them and run the stage's epilogue on rows
+[a0, a0 + a1):
+
+    y = partial[0] + partial[1] + ... + partial[E - 1]      (in range order, whatever order the tiles ran in)
+
+so the result is the same bits every run. Operands: a0 = first row, a1 = row count, a2 = the split stage's opcode,
+a3 = E. LM_HEAD is never split (its (max, argmax) per tile needs whole logits), and batches the megakernel runs
+(<= KERNEL_MAX_BATCH) are not either.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .context import StageContext
+from .layout import KERNEL_MAX_BATCH, ROW_GROUP, tile_rows
+from .matvec_stages import PART_BUFFERS, output_regions, part_regions, residual_reads, store_output, weight_rows
+from .opcodes import Opcode, Stage
+from .record import Instruction
+
+OPCODE = Opcode.MV_REDUCE
+SPLIT_STAGES = tuple(PART_BUFFERS)
+PARTS_STAGE = {Opcode.QKV: Stage.QKV_PARTS, Opcode.O_PROJ: Stage.O_PROJ_PARTS, Opcode.GATE_UP: Stage.GATE_UP_PARTS,
+               Opcode.DOWN: Stage.DOWN_PARTS}
+SPLIT_COLUMNS = 256        # K ranges are whole multiples of the kernel's 256-column unit
+ACCUMULATORS = 64 * 480    # float32 accumulators the consumer warps hold (64 registers x 480 threads): a tile's
+                           # rows x B beyond it go in row chunks, each reading the input again
+
+
+def row_group(op: Opcode) -> int:
+    """Rows a tile of the stage holds a multiple of (GATE_UP: whole gate/up pairs)."""
+    return 2 * ROW_GROUP if op == Opcode.GATE_UP else ROW_GROUP
+
+
+def k_splits(layout, op: Opcode) -> int:
+    """The number of K ranges E a stage is split into: 1 for LM_HEAD and at the megakernel's batches; else the
+    divisor of K / 256 that minimises a cost model of the stage's time in bytes per SM: ceil(tiles / SMs) x a
+    tile's bytes (weights, input once per row chunk as bf16, its float32 partial) + a reduce tile's partial reads.
+    (docs/batch_path.md has the table this gives on the presets.)"""
+    if op not in PARTS_STAGE or layout.batch <= KERNEL_MAX_BATCH:
+        return 1
+    rows, k = weight_rows(op, layout)
+    nb, sms = layout.batch, layout.num_sms
+    units = k // SPLIT_COLUMNS if k % SPLIT_COLUMNS == 0 else 1      # (ranges of whole 256-column units)
+    best, best_cost = 1, None
+    for e in (d for d in range(1, units + 1) if units % d == 0):
+        per = tile_rows(rows, max(1, sms // e), row_group(op))
+        tiles = e * math.ceil(rows / per)
+        chunks = math.ceil(per * nb / ACCUMULATORS)
+        tile_bytes = per * (k // e) * 2 + chunks * nb * (k // e) * 2
+        cost = math.ceil(tiles / sms) * tile_bytes
+        if e > 1:
+            reduce_rows = tile_rows(rows, sms, row_group(op))
+            cost += per * nb * 4 + e * reduce_rows * nb * 4
+        if best_cost is None or cost < best_cost:
+            best, best_cost = e, cost
+    return best
+
+
+def _stage(ins: Instruction) -> Opcode:
+    op = Opcode(ins.a2)
+    if op not in PARTS_STAGE:
+        raise ValueError(f"MV_REDUCE #{ins.index} a2={ins.a2} names no stage that splits over K "
+                         f"({', '.join(o.name for o in SPLIT_STAGES)})")
+    return op
+
+
+def reads(ins: Instruction, layout) -> list:
+    op, lo, hi = _stage(ins), ins.a0, ins.a0 + ins.a1
+    out = []
+    for e in range(ins.a3):
+        out += part_regions(op, ins.layer, e, lo, hi, layout)
+    return out + residual_reads(op, ins.layer, lo, hi, layout)
+
+
+def writes(ins: Instruction, layout) -> list:
+    return output_regions(_stage(ins), ins.layer, ins.a0, ins.a0 + ins.a1, 0, layout)
+
+
+def reference(ins: Instruction, ctx: StageContext) -> None:
+    op, l, lo, hi = _stage(ins), ins.layer, ins.a0, ins.a0 + ins.a1
+    parts = getattr(ctx.bufs, PART_BUFFERS[op])
+    y = parts[l, 0, :, lo:hi].clone()
+    for e in range(1, ins.a3):
+        y += parts[l, e, :, lo:hi]
+    store_output(op, l, lo, hi, 0, y, ctx)
