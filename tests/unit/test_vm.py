@@ -92,18 +92,19 @@ def test_vm_equals_reference_at_large_batch_buckets(batch):
 WIDE = dict(hidden_size=1024, intermediate_size=2048, num_heads=8, num_kv_heads=2, head_dim=128)
 
 
-@pytest.mark.parametrize("order", ["round-robin", "reverse"])
-def test_vm_with_every_layer_matvec_split_over_k_equals_reference(order):
+@pytest.mark.parametrize("preset,order", [("tiny-llama", "round-robin"), ("tiny-llama", "reverse"),
+                                          ("tiny-qwen3", "round-robin")])
+def test_vm_with_every_layer_matvec_split_over_k_equals_reference(preset, order):
     from megakernel.instructions.layout import StepLayout
     from megakernel.instructions.split_k import SPLIT_STAGES, k_splits
 
-    config = dataclasses.replace(get_preset("tiny-llama"), **WIDE)
+    config = dataclasses.replace(get_preset(preset), **WIDE)
     lens = tuple(1 + (5 * b) % 9 for b in range(16))
     layout = StepLayout(config=config, batch=16, kv_splits=1, block_size=16, max_blocks_per_seq=2, num_sms=132)
     splits = {op.name: k_splits(layout, op) for op in SPLIT_STAGES}
     assert min(splits.values()) > 1, f"the wide shape at batch 16 no longer splits every stage: {splits}"
     _check_vm_against_reference(config, "balanced", order, 132, None, 16, True, seed=77,
-                                label=f"wide tiny-llama batch 16 split {splits}", prompt_lens=lens)
+                                label=f"wide {preset} batch 16 split {splits}", prompt_lens=lens)
 
 
 def _check_vm_against_reference(config, policy, order, num_sms, kv_splits, block_size, shuffled, seed, label,
