@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        f"{', '.join(_kimi_linear_presets())})")
     info.add_argument("--batch", type=int, default=1,
                       help="sequences per step for the bytes and the floor (default 1; MoE: the expected "
-                           "distinct experts of this many tokens under uniform routing)")
+                           "distinct experts of this many tokens under uniform routing; 16-64: also the K ranges "
+                           "the schedule splits each layer matvec into)")
     info.add_argument("--context", type=int, default=0, help="cached tokens per sequence (default 0)")
     info.add_argument("--bandwidth", type=float, metavar="TB_PER_S",
                       help="compute the floor at this read bandwidth instead of measuring it")
@@ -409,6 +410,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     kv_token = config.num_layers * 2 * config.kv_size * 2
     print(f"bytes read per decode step (bf16): weights {wbytes:,} ({wbytes / 1e9:.3f} GB), "
           f"plus {kv_token:,} bytes of KV per token of context per sequence")
+    _print_k_splits(config, args.batch, torch.cuda.get_device_properties(0).multi_processor_count if cuda else 132)
     if args.bandwidth is not None:
         if args.bandwidth <= 0:
             raise InputError(f"--bandwidth must be positive, got {args.bandwidth}")
@@ -422,6 +424,20 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"read floor at {bw / 1e12:.2f} TB/s ({how}): {floor_ms(config, args.batch, bw, args.context):.3f} "
           f"ms/step at batch {args.batch}, context {args.context}")
     return 0
+
+
+def _print_k_splits(config, batch: int, num_sms: int) -> None:
+    """Past the megakernel's batch: how the schedule and the VM split the layer matvecs over K."""
+    from megakernel.instructions.layout import KERNEL_MAX_BATCH, MAX_BATCH, StepLayout
+    from megakernel.instructions.split_k import SPLIT_STAGES, k_splits
+
+    if not KERNEL_MAX_BATCH < batch <= MAX_BATCH:
+        return
+    layout = StepLayout(config=config, batch=batch, kv_splits=1, block_size=16, max_blocks_per_seq=1,
+                        num_sms=num_sms)
+    splits = ", ".join(f"{op.name} {k_splits(layout, op)}" for op in SPLIT_STAGES)
+    print(f"batch {batch} is past the megakernel's 1-{KERNEL_MAX_BATCH} (the schedule and the VM run it): K ranges "
+          f"per layer matvec on {num_sms} SMs: {splits} (docs/batch_path.md)")
 
 
 def _deepseek_presets() -> list[str]:

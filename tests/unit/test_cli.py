@@ -73,6 +73,25 @@ def test_info_with_preset(capsys):
         assert "GPU: none" in out
 
 
+def test_info_names_the_k_ranges_only_past_the_megakernels_batch(capsys):
+    """Batch 32: the K ranges the schedule and the VM split each layer matvec into (split_k.k_splits on the
+    SMs of the GPU, or the H200's 132); batch 8, which the megakernel runs whole: no such line."""
+    from megakernel.instructions.layout import StepLayout
+    from megakernel.instructions.split_k import SPLIT_STAGES, k_splits
+
+    rc, out, _ = _run(capsys, ["info", "--preset", "llama-3.1-8b", "--batch", "32"])
+    assert rc == 0
+    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+    layout = StepLayout(config=get_preset("llama-3.1-8b"), batch=32, kv_splits=1, block_size=16,
+                        max_blocks_per_seq=1, num_sms=sms)
+    want = ", ".join(f"{op.name} {k_splits(layout, op)}" for op in SPLIT_STAGES)
+    assert f"K ranges per layer matvec on {sms} SMs: {want}" in out, out
+    if sms == 132:      # docs/batch_path.md's table
+        assert want == "QKV 4, O_PROJ 4, GATE_UP 2, DOWN 8", want
+    rc, out, _ = _run(capsys, ["info", "--preset", "llama-3.1-8b", "--batch", "8"])
+    assert rc == 0 and "K ranges" not in out, out
+
+
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
 def test_generate_reference_matches_decoder(capsys, preset):
     seed, new = 7, 6
