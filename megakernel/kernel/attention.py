@@ -28,8 +28,9 @@ MERGE_GROUP = 4            # attention splits whose partials one merge holds in 
 STREAM_ELEMS = 8           # streamed pass: elements of a token's k (and v) per lane, one 16-byte load each
 # ... tokens per lane group per iteration (their loads in flight together, folded into the softmax as one block),
 # by (batch, head_dim): the batches compiled with the streamed pass, each as many as the 128 registers of its warps
-# hold without spills on the real presets in every cache layout (the compile tests check them; 2 spills at batch 4
-# and at head_dim 128; at the batches without the pass it pushes long-lived values of the loop out of registers)
+# hold without spills on the real presets in every cache layout (the compile tests check them; 2 tokens spill at
+# batch 4 and at head_dim 128; at the batches without the pass it pushes long-lived values of the loop out of
+# registers)
 STREAM_UNROLL = {(1, 64): 2, (1, 128): 1, (4, 64): 1, (4, 128): 1}
 LOG2E = 1.4426950408889634
 ERR_POSITION = 2
@@ -359,10 +360,10 @@ class AttentionStage:
         """Phase B for a split of more tokens than warps: a lane group of D / STREAM_ELEMS lanes takes one token
         per load (a lane: STREAM_ELEMS elements, one 16-byte load of k and one of v), so a warp takes
         32 * STREAM_ELEMS / D tokens per load and STREAM_UNROLL loads per iteration, all in flight together,
-        folded into the online softmax as one block (`stream_block`); the block ids of the next iteration load
-        during this one's math. Each lane group keeps its own online softmax (m, l, o), merged across the
-        warp's groups by shuffles at the end; the new token (the last split) is lane group 0 of warp 0's. The
-        warp's (m, l, o) into s.m, s.l, s.o."""
+        folded into the online softmax as one block (`stream_block`); each token's cache block id is loaded just
+        before its k and v (a split's few table entries stay in L1). Each lane group keeps its own online softmax
+        (m, l, o), merged across the warp's groups by shuffles at the end; the new token (the last split) is lane
+        group 0 of warp 0's. The warp's (m, l, o) into s.m, s.l, s.o."""
         s_kv = s.kv
         D, G, W, NE, UT = self.D, self.G, self.warps, STREAM_ELEMS, STREAM_UNROLL[self.B, self.D]
         NW = NE // 2                 # packed bf16 words of a lane's share of a token's k (and of its v)
