@@ -9,6 +9,8 @@ path in its own Python process (a fresh process per vLLM engine: clean GPU memor
     stock   vllm.LLM(dir), default compilation (FULL_AND_PIECEWISE CUDA graphs)
     plugin  vllm.LLM(dir, hf_overrides={"architectures": ["Megakernel...ForCausalLM"]},
             compilation_config={"cudagraph_mode": "FULL_DECODE_ONLY"})
+            (--plugin-switch additional_config: additional_config={"megakernel": True} instead of
+            hf_overrides, on the stock architecture name the plugin maps to its classes)
 
 Both with skip_tokenizer_init=True, VLLM_ENABLE_V1_MULTIPROCESSING=0 (the engine runs in the worker
 process, so megakernel.integrations.vllm_plugin.register() called there is seen by vLLM), greedy
@@ -119,7 +121,10 @@ def build_llm(model_dir: str, path: str, arch: str, args: argparse.Namespace):
     if getattr(args, "async_scheduling", False):
         kw["async_scheduling"] = True      # vLLM's: the next step scheduled while this one runs (both paths)
     if path == "plugin":
-        kw["hf_overrides"] = {"architectures": [MK_ARCH[arch]]}
+        if getattr(args, "plugin_switch", "hf_overrides") == "additional_config":
+            kw["additional_config"] = {"megakernel": True}     # the stock architecture name, switched on here
+        else:
+            kw["hf_overrides"] = {"architectures": [MK_ARCH[arch]]}
         kw["compilation_config"] = {"cudagraph_mode": args.plugin_cudagraph_mode}
         if args.plugin_eager:
             kw["enforce_eager"] = True
@@ -657,7 +662,7 @@ def worker_env(args: argparse.Namespace, path: str) -> dict[str, str]:
     # the host reaches no network: nothing may wait on a hub or a usage-stats server
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     # the stock path runs vLLM's own classes (the plugin, installed, maps the stock names to its inert
-    # subclasses unless told off); the plugin path is switched on by hf_overrides alone
+    # subclasses unless told off); the plugin path is switched on by hf_overrides or additional_config alone
     if path == "stock":
         env[ENV_SWITCH] = "0"
     else:
@@ -697,6 +702,8 @@ def run_workers(script: str, args: argparse.Namespace, model_dir: str, extra_arg
             cmd.append("--async-scheduling")
         if args.plugin_eager:
             cmd.append("--plugin-eager")
+        if args.plugin_switch != "hf_overrides":
+            cmd += ["--plugin-switch", args.plugin_switch]
         if args.profile:
             cmd.append("--profile")
         env = worker_env(args, path)
@@ -829,6 +836,10 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     p.add_argument("--plugin-cudagraph-mode", default="FULL_DECODE_ONLY")
     p.add_argument("--plugin-eager", action="store_true", help="plugin path with enforce_eager=True")
+    p.add_argument("--plugin-switch", choices=("hf_overrides", "additional_config"), default="hf_overrides",
+                   help="how the plugin path switches the megakernel on: hf_overrides to the Megakernel... "
+                        "architecture, or vLLM's additional_config={'megakernel': true} on the stock architecture "
+                        "name (docs/vllm.md)")
     p.add_argument("--plugin-max-batch", type=int, choices=range(1, 9), metavar="{1..8}",
                    help="MEGAKERNEL_VLLM_MAX_BATCH for the plugin path: the largest decode batch sent to the "
                         "megakernel (default: the plugin's own default)")

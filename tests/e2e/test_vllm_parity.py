@@ -3,7 +3,8 @@
 
 tools/vllm_parity.py runs both paths on one model directory (a preset-shaped checkpoint of seeded random
 weights, as save_pretrained writes it), each vLLM engine in its own process: stock (default compilation)
-and the plugin switched on by `hf_overrides` (FULL_DECODE_ONLY CUDA graphs), with
+and the plugin switched on by vLLM's `additional_config` (llama-3.2-1b) or by `hf_overrides` (qwen3-0.6b)
+(FULL_DECODE_ONLY CUDA graphs), with
 MEGAKERNEL_VLLM_MAX_BATCH=8 (`--plugin-max-batch 8`) so that decode batches of every size, not only
 those the plugin sends to the megakernel by default, are checked. Two workloads, greedy with
 the top-5 logprobs of every step: one 32-token prompt for 128 tokens (batch 1), and 12 prompts of
@@ -38,11 +39,13 @@ WORKLOADS = {"batch1": (1, 8), "mixed": (12, 96)}
 @pytest.mark.hopper
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["llama-3.2-1b", "qwen3-0.6b"])
-def test_plugin_path_matches_stock_vllm(preset, tmp_path):
+@pytest.mark.parametrize("preset,switch", [("llama-3.2-1b", "additional_config"), ("qwen3-0.6b", "hf_overrides")])
+def test_plugin_path_matches_stock_vllm(preset, switch, tmp_path):
+    """The plugin switched on by vLLM's additional_config (llama-3.2-1b: the stock architecture name, which the
+    plugin maps to its classes) or by hf_overrides (qwen3-0.6b)."""
     out = tmp_path / "out"
     cmd = [sys.executable, TOOL, "--preset", preset, "--out", str(out), "--models", str(tmp_path / "models"),
-           "--budget", str(BUDGET_S), "--plugin-max-batch", "8"]
+           "--budget", str(BUDGET_S), "--plugin-max-batch", "8", "--plugin-switch", switch]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=BUDGET_S + 45)
     tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
     report_path = out / f"vllm_parity_{preset}.json"

@@ -472,7 +472,7 @@ def test_vllm_bench_times_every_batch_it_is_given(fake_vllm):
         assert row["decode_tok_s"] == pytest.approx(int(b) * 1e3 / row["ms_per_step"])
 
 
-def test_build_llm_passes_max_num_seqs_and_async_scheduling(tmp_path, monkeypatch):
+def test_build_llm_passes_max_num_seqs_async_scheduling_and_the_plugin_switch(tmp_path, monkeypatch):
     made = []
     vllm, warmup_pkg, warmup = (types.ModuleType(n) for n in ("vllm", "vllm.model_executor",
                                                                "vllm.model_executor.warmup"))
@@ -488,3 +488,11 @@ def test_build_llm_passes_max_num_seqs_and_async_scheduling(tmp_path, monkeypatc
         tool.build_llm(str(tmp_path), "plugin", "LlamaForCausalLM", args)
         assert (made[-1]["max_num_seqs"], made[-1].get("async_scheduling")) == want, made[-1]
         assert made[-1]["hf_overrides"] == {"architectures": ["MegakernelLlamaForCausalLM"]}
+        assert "additional_config" not in made[-1], made[-1]
+    # switched on by vLLM's additional_config on the stock name instead (--plugin-switch additional_config)
+    args = Namespace(max_model_len=2048, gpu_memory_utilization=0.5, plugin_cudagraph_mode="FULL_DECODE_ONLY",
+                     plugin_eager=False, plugin_switch="additional_config")
+    tool.build_llm(str(tmp_path), "plugin", "LlamaForCausalLM", args)
+    assert made[-1]["additional_config"] == {"megakernel": True} and "hf_overrides" not in made[-1], made[-1]
+    tool.build_llm(str(tmp_path), "stock", "LlamaForCausalLM", args)
+    assert "additional_config" not in made[-1] and "hf_overrides" not in made[-1], made[-1]
