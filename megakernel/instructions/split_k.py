@@ -38,6 +38,13 @@ def row_group(op: Opcode) -> int:
     return 2 * ROW_GROUP if op == Opcode.GATE_UP else ROW_GROUP
 
 
+def split_tile_rows(layout, op: Opcode, e: int) -> int:
+    """Rows per tile of a stage split into e K ranges: e times as many tiles as rows allow, about SMs in all
+    (e = 1: an unsplit stage's tiles, and MV_REDUCE's)."""
+    rows, _ = weight_rows(op, layout)
+    return tile_rows(rows, max(1, layout.num_sms // e), row_group(op))
+
+
 def k_splits(layout, op: Opcode) -> int:
     """The number of K ranges E a stage is split into: 1 for LM_HEAD and at the megakernel's batches; else the
     divisor of K / 256 that minimises a cost model of the stage's time in bytes per SM: ceil(tiles / SMs) x a
@@ -48,15 +55,15 @@ def k_splits(layout, op: Opcode) -> int:
     rows, k = weight_rows(op, layout)
     nb, sms = layout.batch, layout.num_sms
     units = k // SPLIT_COLUMNS if k % SPLIT_COLUMNS == 0 else 1      # (ranges of whole 256-column units)
+    reduce_rows = split_tile_rows(layout, op, 1)
     best, best_cost = 1, None
     for e in (d for d in range(1, units + 1) if units % d == 0):
-        per = tile_rows(rows, max(1, sms // e), row_group(op))
+        per = split_tile_rows(layout, op, e)
         tiles = e * math.ceil(rows / per)
         chunks = math.ceil(per * nb / ACCUMULATORS)
         tile_bytes = per * (k // e) * 2 + chunks * nb * (k // e) * 2
         cost = math.ceil(tiles / sms) * tile_bytes
         if e > 1:
-            reduce_rows = tile_rows(rows, sms, row_group(op))
             cost += per * nb * 4 + e * reduce_rows * nb * 4
         if best_cost is None or cost < best_cost:
             best, best_cost = e, cost

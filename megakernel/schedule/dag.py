@@ -19,12 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..instructions.attention import split_range  # noqa: F401  (re-exported for schedule users)
-from ..instructions.layout import ROW_GROUP, StepLayout, tile_rows  # noqa: F401  (tile_rows re-exported)
+from ..instructions.layout import StepLayout, tile_rows  # noqa: F401  (tile_rows re-exported)
 from ..instructions.matvec_stages import weight_rows
 from ..instructions.opcodes import (Opcode, Stage, argmax_counter, counter_id, embed_counter,
                                     lm_head_counter, num_counters)
 from ..instructions.record import NO_COUNTER, Instruction
-from ..instructions.split_k import PARTS_STAGE, k_splits, row_group
+from ..instructions.split_k import PARTS_STAGE, k_splits, split_tile_rows
 
 # Cost model: bytes a stage reads from HBM plus a fixed cost per instruction (in bytes of time).
 FIXED_COST_BYTES = 16 * 1024
@@ -60,11 +60,9 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
     elem = 2  # bf16 weights
 
     def rows_per_tile(op: Opcode) -> int:
-        rows, _ = weight_rows(op, layout)
-        group = 2 * ROW_GROUP if op == Opcode.GATE_UP else ROW_GROUP
         if tile_rows_override and op in tile_rows_override:
             return tile_rows_override[op]
-        return tile_rows(rows, layout.num_sms, group)
+        return split_tile_rows(layout, op, 1)
 
     def add(**kw) -> None:
         out.append(Instruction(index=len(out), **kw))
@@ -80,13 +78,13 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
             return len(tiles)
         # split over K (split_k.py): E ranges' tiles of partials, then MV_REDUCE tiles that close the stage
         parts = counter_id(layer, PARTS_STAGE[op])
-        tiles = _tiles(rows, tile_rows(rows, max(1, layout.num_sms // e), row_group(op)))
+        tiles = _tiles(rows, split_tile_rows(layout, op, e))
         for part in range(e):
             for t, (lo, n) in enumerate(tiles):
                 add(opcode=op, layer=layer, a0=lo, a1=n, a2=t, a3=a3, wait_id=wait[0], wait_count=wait[1],
                     signal_id=parts, k_part=part, k_parts=e,
                     cost=n * (k // e) * elem + n * B * 4 + FIXED_COST_BYTES)
-        reduces = _tiles(rows, tile_rows(rows, layout.num_sms, row_group(op)))
+        reduces = _tiles(rows, split_tile_rows(layout, op, 1))
         for lo, n in reduces:
             add(opcode=Opcode.MV_REDUCE, layer=layer, a0=lo, a1=n, a2=int(op), a3=e, wait_id=parts,
                 wait_count=e * len(tiles), signal_id=signal, cost=e * n * B * 4 + FIXED_COST_BYTES)
