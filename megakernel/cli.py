@@ -427,17 +427,17 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def _print_k_splits(config, batch: int, num_sms: int) -> None:
-    """Past the megakernel's batch: how the schedule and the VM split the layer matvecs over K."""
-    from megakernel.instructions.layout import KERNEL_MAX_BATCH, MAX_BATCH, StepLayout
+    """Past SPLIT_BATCH: how the layer matvecs are split over K."""
+    from megakernel.instructions.layout import MAX_BATCH, SPLIT_BATCH, StepLayout
     from megakernel.instructions.split_k import SPLIT_STAGES, k_splits
 
-    if not KERNEL_MAX_BATCH < batch <= MAX_BATCH:
+    if not SPLIT_BATCH < batch <= MAX_BATCH:
         return
     layout = StepLayout(config=config, batch=batch, kv_splits=1, block_size=16, max_blocks_per_seq=1,
                         num_sms=num_sms)
     splits = ", ".join(f"{op.name} {k_splits(layout, op)}" for op in SPLIT_STAGES)
-    print(f"batch {batch} is past the megakernel's 1-{KERNEL_MAX_BATCH} (the schedule and the VM run it): K ranges "
-          f"per layer matvec on {num_sms} SMs: {splits} (docs/batch_path.md)")
+    print(f"batch {batch} is past {SPLIT_BATCH}: K ranges per layer matvec on {num_sms} SMs: {splits} "
+          f"(docs/batch_path.md)")
 
 
 def _deepseek_presets() -> list[str]:

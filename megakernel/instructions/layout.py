@@ -20,11 +20,13 @@ COL_PASS = 256
 # The weight matrices the kernel streams are stored in blocks of FRAG_ROWS rows x FRAG_COLS columns, each
 # 512 bytes in the order of the MMA's A-operand registers (fragment_pack).
 FRAG_ROWS, FRAG_COLS = 8, 32
-# Batch buckets of a step layout (the schedule, the VM, the batch-aware buffers), and the batches the device code
-# runs: the megakernel refuses more than KERNEL_MAX_BATCH sequences before it compiles (the consumers' partial sums
-# per sequence in shared memory do not scale past it; profiles/RESULTS.md, 2026-12-03).
+# Batch buckets of a step layout (the schedule, the VM, the batch-aware buffers) and of the megakernel. Past
+# SPLIT_BATCH the matvec stages may split over K (split_k.py) and the kernel's consumers own row groups across a
+# tile's K (megakernel.kernel.stream.slot_geometry): at batch 1-8 every consumer warp's partial sums per (row, slab,
+# sequence) live in shared memory, which does not scale past it (profiles/RESULTS.md, 2026-12-03).
 MAX_BATCH = 64
-KERNEL_MAX_BATCH = 8
+KERNEL_MAX_BATCH = MAX_BATCH
+SPLIT_BATCH = 8
 # The compute capability the kernel is compiled for (sm_90a): Hopper. An sm_90a cubin runs on no other GPU.
 KERNEL_CAPABILITY = (9, 0)
 # The DAG's rule for folding the attention split merge into O_PROJ's input staging (no ATTN_REDUCE
@@ -135,8 +137,7 @@ def require_kernel_batch(batch: int) -> None:
     """ValueError for a batch the device code does not run (StepLayout takes buckets up to MAX_BATCH, for the
     schedule and the VM; the megakernel up to KERNEL_MAX_BATCH)."""
     if not 1 <= batch <= KERNEL_MAX_BATCH:
-        raise ValueError(f"batch={batch} is outside the megakernel's range 1..{KERNEL_MAX_BATCH} (batch buckets up "
-                         f"to {MAX_BATCH} run on the instruction VM: megakernel.schedule.VMDecoder)")
+        raise ValueError(f"batch={batch} is outside the megakernel's range 1..{KERNEL_MAX_BATCH}")
 
 
 def default_kv_splits(config: ModelConfig, batch: int, num_sms: int, max_seq_len: int = 4096) -> int:
@@ -389,6 +390,8 @@ class StepBuffers:
     part_o: torch.Tensor       # f32 [L, E, B, H]
     part_gate_up: torch.Tensor  # f32 [L, E, B, 2F]
     part_down: torch.Tensor    # f32 [L, E, B, H]
+    # the device's K-range sums of squares of QKV's and GATE_UP's inputs (split_k.py): [L, 2, E, B], the larger E
+    part_ssq: torch.Tensor
     logits: torch.Tensor       # f32 [B, V] ([B, 0] without the LM head)
     lm_max: torch.Tensor       # f32 [B, T]
     lm_idx: torch.Tensor       # int32 [B, T]
@@ -410,6 +413,7 @@ class StepBuffers:
 def part_buffers(layout: StepLayout, device="cpu") -> dict[str, torch.Tensor]:
     """The K-range partial buffers of StepBuffers, sized by split_k.k_splits (E ranges; 0 where not split)."""
     from .matvec_stages import PART_BUFFERS, weight_rows
+    from .opcodes import Opcode
     from .split_k import k_splits
 
     out = {}
@@ -418,6 +422,9 @@ def part_buffers(layout: StepLayout, device="cpu") -> dict[str, torch.Tensor]:
         rows, _ = weight_rows(op, layout)
         out[name] = torch.empty(layout.config.num_layers, e if e > 1 else 0, layout.batch, rows,
                                 dtype=torch.float32, device=device)
+    e = max(k_splits(layout, Opcode.QKV), k_splits(layout, Opcode.GATE_UP))
+    out["part_ssq"] = torch.empty(layout.config.num_layers, 2, e if e > 1 else 0, layout.batch,
+                                  dtype=torch.float32, device=device)
     return out
 
 

@@ -16,10 +16,11 @@ is then embed[token] (float32), what EMBED writes to x[0], read from the table d
 | DOWN    | down[l]           | act[l]                   | -                   | x[l+1] = h[l] + y               |
 | LM_HEAD | lm_head           | x[L]                     | RMSNorm final_norm  | logits = y; (max, argmax) tile  |
 
-Past the megakernel's batch (split_k.py), QKV, O_PROJ, GATE_UP and DOWN may be split over K: a tile of range
-k_part of k_parts multiplies its rows over that range of columns only (after the prologue, which normalises with the
-whole row's statistic) and stores the float32 partial into part_<stage>[l, k_part] instead of running the
-epilogue; MV_REDUCE adds a row range's partials in range order and runs the epilogue (`store_output`).
+Past KERNEL_SPLIT_BATCH (split_k.py), QKV, O_PROJ, GATE_UP and DOWN may be split over K: a tile of range
+k_part of k_parts multiplies its rows over that range of columns only (the input times the norm weight, without the
+row's RMS scale, which needs all of K) and stores the float32 partial into part_<stage>[l, k_part] instead of
+running the epilogue; MV_REDUCE adds a row range's partials in range order, times the RMS scale of the stages with
+a norm, and runs the epilogue (`store_output`).
 """
 
 from __future__ import annotations
@@ -124,11 +125,41 @@ def output_regions(op: Opcode, l: int, lo: int, hi: int, tile: int, layout) -> l
     return per_batch("logits", 0, lo, hi, nb, c.vocab_size) + [("lm_tile", 0, tile, tile + 1)]
 
 
+def norm_input(op: Opcode, layer: int, embed_input: bool, ctx: StageContext):
+    """(input rows [B, K] float32, norm weight or None) of a stage with an RMSNorm prologue, or of O_PROJ / DOWN
+    (no norm: the input as it is). embed_input: layer 0's QKV reading embed[token] (StepLayout.embed_folded)."""
+    c, w, b = ctx.layout.config, ctx.weights, ctx.bufs
+    if op == Opcode.QKV:
+        return (f32(w.embed[b.tokens.long()]) if embed_input else b.x[layer]), w.attn_norm[layer]
+    if op == Opcode.GATE_UP:
+        return b.h[layer], w.mlp_norm[layer]
+    if op == Opcode.LM_HEAD:
+        return b.x[c.num_layers], w.final_norm
+    return (b.attn_out[layer] if op == Opcode.O_PROJ else b.act[layer]), None
+
+
+def rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """rsqrt(mean(x^2) + eps) per row of x [B, K], as [B, 1] float32."""
+    return torch.rsqrt(f32(x).pow(2).mean(-1, keepdim=True) + eps)
+
+
 def reference(ins: Instruction, ctx: StageContext) -> None:
     c, w, b = ctx.layout.config, ctx.weights, ctx.bufs
     op, l = ins.opcode, ins.layer
     lo, hi = ins.a0, ins.a0 + ins.a1
     eps = c.rms_norm_eps
+    if ins.k_parts > 1:
+        # a K range's partial: the input times the norm weight, without the row's RMS scale (MV_REDUCE's)
+        if op == Opcode.O_PROJ and ins.a3 > 0:
+            inp = merge_splits(b.attn_part_lse[l], b.attn_part_o[l]).reshape(b.h.shape[1], -1)
+        else:
+            inp, nw = norm_input(op, l, op == Opcode.QKV and ins.a3 == 1, ctx)
+            inp = f32(inp) * (f32(nw) if nw is not None else 1.0)
+        k0, k1 = k_range(ins, ctx.layout)
+        rows = streamed_rows(w, {Opcode.QKV: w.qkv[l], Opcode.O_PROJ: w.o_proj[l], Opcode.GATE_UP: w.gate_up[l],
+                                 Opcode.DOWN: w.down[l]}[op][lo:hi])
+        getattr(b, PART_BUFFERS[op])[l, ins.k_part, :, lo:hi] = matvec(rows[:, k0:k1], inp[:, k0:k1])
+        return
     if op == Opcode.QKV:
         inp = rms_normalize(f32(w.embed[b.tokens.long()]) if ins.a3 == 1 else b.x[l], w.attn_norm[l], eps)
         rows = w.qkv[l, lo:hi]
@@ -150,10 +181,6 @@ def reference(ins: Instruction, ctx: StageContext) -> None:
     else:
         raise ValueError(f"{op!r} is not a matvec stage")
     rows = streamed_rows(w, rows)
-    if ins.k_parts > 1:
-        k0, k1 = k_range(ins, ctx.layout)
-        getattr(b, PART_BUFFERS[op])[l, ins.k_part, :, lo:hi] = matvec(rows[:, k0:k1], inp[:, k0:k1])
-        return
     store_output(op, l, lo, hi, ins.a2, matvec(rows, inp), ctx)
 
 

@@ -1,17 +1,19 @@
 """Batch 16-64: matvec stages split over K (docs/batch_path.md), and MV_REDUCE, which closes them.
 
-Past the megakernel's batch (KERNEL_MAX_BATCH) a tile over the whole of K stages B x K of input for few rows (the
+Past SPLIT_BATCH a tile over the whole of K stages B x K of input for few rows (the
 input bytes grow with the batch, the weight bytes do not), so `k_splits` may split QKV, O_PROJ, GATE_UP and DOWN
 into E ranges of K: each tile multiplies E times the rows of an unsplit one over 1/E of the columns and stores a
 float32 partial (matvec_stages: part_<stage>[l, e]). The E ranges' tiles of a layer's stage signal the stage's
 *_PARTS counter; MV_REDUCE instructions wait for all of them and run the stage's epilogue on rows
 [a0, a0 + a1):
 
-    y = partial[0] + partial[1] + ... + partial[E - 1]      (in range order, whatever order the tiles ran in)
+    y = (partial[0] + partial[1] + ... + partial[E - 1]) * rms_scale      (in range order, whatever order the
+                                                                        tiles ran in; the scale: QKV, GATE_UP)
 
-so the result is the same bits every run. Operands: a0 = first row, a1 = row count, a2 = the split stage's opcode,
-a3 = E. LM_HEAD is never split (its (max, argmax) per tile needs whole logits), and batches the megakernel runs
-(<= KERNEL_MAX_BATCH) are not either.
+so the result is the same bits every run. (The RMS scale of a row needs all of its K; the device's K-range tiles
+each store their range's sum of squares beside their partials, which MV_REDUCE adds in range order.) Operands: a0 = first row, a1 = row count, a2 = the split stage's opcode,
+a3 = E. LM_HEAD is never split (its (max, argmax) per tile needs whole logits), and batches up to SPLIT_BATCH
+are not either.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from __future__ import annotations
 import math
 
 from .context import StageContext
-from .layout import KERNEL_MAX_BATCH, ROW_GROUP, tile_rows
-from .matvec_stages import PART_BUFFERS, output_regions, part_regions, residual_reads, store_output, weight_rows
+from .layout import ROW_GROUP, SPLIT_BATCH, tile_rows
+from .matvec_stages import (PART_BUFFERS, norm_input, output_regions, part_regions, per_batch, residual_reads,
+                            rms_scale, store_output, weight_rows)
 from .opcodes import Opcode, Stage
 from .record import Instruction
 
@@ -50,7 +53,7 @@ def k_splits(layout, op: Opcode) -> int:
     divisor of K / 256 that minimises a cost model of the stage's time in bytes per SM: ceil(tiles / SMs) x a
     tile's bytes (weights, input once per row chunk as bf16, its float32 partial) + a reduce tile's partial reads.
     (docs/batch_path.md has the table this gives on the presets.)"""
-    if op not in PARTS_STAGE or layout.batch <= KERNEL_MAX_BATCH:
+    if op not in PARTS_STAGE or layout.batch <= SPLIT_BATCH:
         return 1
     rows, k = weight_rows(op, layout)
     nb, sms = layout.batch, layout.num_sms
@@ -83,6 +86,11 @@ def reads(ins: Instruction, layout) -> list:
     out = []
     for e in range(ins.a3):
         out += part_regions(op, ins.layer, e, lo, hi, layout)
+    if op == Opcode.QKV and ins.layer == 0 and layout.embed_folded:
+        out.append(("tokens", 0, 0, layout.batch))          # (the RMS scale of embed[token])
+    elif op in (Opcode.QKV, Opcode.GATE_UP):
+        _, k = weight_rows(op, layout)
+        out += per_batch("x" if op == Opcode.QKV else "h", ins.layer, 0, k, layout.batch, k)
     return out + residual_reads(op, ins.layer, lo, hi, layout)
 
 
@@ -96,4 +104,7 @@ def reference(ins: Instruction, ctx: StageContext) -> None:
     y = parts[l, 0, :, lo:hi].clone()
     for e in range(1, ins.a3):
         y += parts[l, e, :, lo:hi]
+    if op in (Opcode.QKV, Opcode.GATE_UP):
+        inp, _ = norm_input(op, l, op == Opcode.QKV and l == 0 and ctx.layout.embed_folded, ctx)
+        y = y * rms_scale(inp, ctx.layout.config.rms_norm_eps)
     store_output(op, l, lo, hi, 0, y, ctx)

@@ -3,7 +3,7 @@
 ``MegakernelLlamaForCausalLM`` / ``MegakernelQwen3ForCausalLM`` subclass vLLM's own classes: weights
 load, prefill, chunked prefill and mixed batches run through the stock layers (torch.compile,
 FlashAttention). A forward whose every request has one query token and whose batch is at most 8
-(``KERNEL_MAX_BATCH``) runs as one megakernel launch instead, in place in vLLM's paged KV cache:
+(``MAX_DECODE_BATCH``) runs as one megakernel launch instead, in place in vLLM's paged KV cache:
 
     tokens, positions   <- vLLM's input_ids / positions buffers (padded rows masked, see below)
     block table         <- the attention metadata's block_table (rows [:n], first max_blocks columns)
@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from megakernel.instructions.layout import KERNEL_CAPABILITY, KERNEL_MAX_BATCH, StepLayout, pack_weights
+from megakernel.instructions.layout import KERNEL_CAPABILITY, SPLIT_BATCH, StepLayout, pack_weights
 from megakernel.integrations.vllm_plugin import ARCHITECTURES, ENV_SWITCH, env_override, stock_architecture
 from megakernel.model.config import ModelConfig
 from megakernel.model.ops import rms_norm
@@ -66,7 +66,10 @@ logger = logging.getLogger("vllm.megakernel")
 
 ENV_CHECK = "MEGAKERNEL_VLLM_CHECK"   # "1": read the kernel's error word after every eager launch
 CONFIG_KEY = "megakernel"             # the key of vLLM's additional_config that switches an instance
-ENV_MAX_BATCH = "MEGAKERNEL_VLLM_MAX_BATCH"   # largest decode batch sent to the megakernel (1..KERNEL_MAX_BATCH)
+# The largest decode batch the plugin sends to the megakernel: batches past SPLIT_BATCH (the kernel's wide path)
+# have not been measured inside vLLM yet, so they stay with vLLM
+MAX_DECODE_BATCH = SPLIT_BATCH
+ENV_MAX_BATCH = "MEGAKERNEL_VLLM_MAX_BATCH"   # largest decode batch sent to the megakernel (1..MAX_DECODE_BATCH)
 # Default of ENV_MAX_BATCH. tools/vllm_bench.py on the H200 (profiles/RESULTS.md, 2026-11-30, fourth run),
 # megakernel at every batch against stock vLLM, llama-3.2-1b: 1.02x at batch 1, 0.91x at 2, 0.99x at 4,
 # 0.85x at 8. Only batch 1 is not slower, so larger decode batches run stock unless the switch says otherwise.
@@ -137,8 +140,8 @@ def vllm_config_reason(vllm_config: Any) -> str | None:
 
 
 def layout_reason(config: ModelConfig) -> str | None:
-    """Why the megakernel cannot run this model shape at some batch 1..KERNEL_MAX_BATCH, or None."""
-    for batch in (1, KERNEL_MAX_BATCH):
+    """Why the megakernel cannot run this model shape at some batch 1..MAX_DECODE_BATCH, or None."""
+    for batch in (1, MAX_DECODE_BATCH):
         try:
             StepLayout(config=config, batch=batch, kv_splits=1, block_size=16, max_blocks_per_seq=1,
                        num_sms=1).validate()
@@ -150,7 +153,7 @@ def layout_reason(config: ModelConfig) -> str | None:
 def switch_setting(vllm_config: Any, environ: Mapping[str, str] = os.environ) -> tuple[bool, int | None, str]:
     """(on, max_batch or None, why) for one vLLM instance; the first switch that is set wins:
     additional_config={"megakernel": true | false | {"max_batch": N}} (vLLM's per-instance settings; a dict
-    is on, with N in 1..KERNEL_MAX_BATCH as the largest decode batch sent to the kernel), a megakernel
+    is on, with N in 1..MAX_DECODE_BATCH as the largest decode batch sent to the kernel), a megakernel
     architecture name in the model's config (hf_overrides), MEGAKERNEL_VLLM=1. ValueError, saying what is
     accepted, for any other value under the key: an explicit setting is not guessed at."""
     extra = getattr(vllm_config, "additional_config", None)
@@ -162,10 +165,10 @@ def switch_setting(vllm_config: Any, environ: Mapping[str, str] = os.environ) ->
             mb = value.get("max_batch")
             if mb is None:
                 return True, None, f"additional_config {CONFIG_KEY}={dict(value)}"
-            if isinstance(mb, int) and not isinstance(mb, bool) and 1 <= mb <= KERNEL_MAX_BATCH:
+            if isinstance(mb, int) and not isinstance(mb, bool) and 1 <= mb <= MAX_DECODE_BATCH:
                 return True, mb, f"additional_config {CONFIG_KEY}={dict(value)}"
         raise ValueError(f"additional_config {CONFIG_KEY!r}: {value!r} is not true, false or "
-                         f"{{\"max_batch\": N}} with N an integer in 1..{KERNEL_MAX_BATCH}")
+                         f"{{\"max_batch\": N}} with N an integer in 1..{MAX_DECODE_BATCH}")
     hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
     archs = (hf.get("architectures") if isinstance(hf, Mapping) else getattr(hf, "architectures", None)) or []
     named = [a for a in archs if a in ARCHITECTURES]
@@ -179,7 +182,7 @@ def switch_setting(vllm_config: Any, environ: Mapping[str, str] = os.environ) ->
 
 def max_batch_setting(environ: Mapping[str, str] = os.environ) -> int:
     """The largest decode batch the megakernel serves: MEGAKERNEL_VLLM_MAX_BATCH, or DEFAULT_MAX_BATCH.
-    A value that is not an integer in 1..KERNEL_MAX_BATCH is refused with a warning (the default applies):
+    A value that is not an integer in 1..MAX_DECODE_BATCH is refused with a warning (the default applies):
     a plugin that raised would stop vLLM from starting."""
     raw = environ.get(ENV_MAX_BATCH, "").strip()
     if not raw:
@@ -188,14 +191,14 @@ def max_batch_setting(environ: Mapping[str, str] = os.environ) -> int:
         value = int(raw)
     except ValueError:
         value = 0
-    if not 1 <= value <= KERNEL_MAX_BATCH:
+    if not 1 <= value <= MAX_DECODE_BATCH:
         logger.warning("%s=%r is not an integer in 1..%d; the megakernel serves decode batches up to %d",
-                       ENV_MAX_BATCH, raw, KERNEL_MAX_BATCH, DEFAULT_MAX_BATCH)
+                       ENV_MAX_BATCH, raw, MAX_DECODE_BATCH, DEFAULT_MAX_BATCH)
         return DEFAULT_MAX_BATCH
     return value
 
 
-def decode_buckets(capture_sizes: list[int] | None, max_batch: int = KERNEL_MAX_BATCH) -> tuple[int, ...]:
+def decode_buckets(capture_sizes: list[int] | None, max_batch: int = MAX_DECODE_BATCH) -> tuple[int, ...]:
     """Batch sizes an engine is built for: powers of two up to max_batch, plus every CUDA-graph
     capture size <= max_batch (a graph of n rows then runs an engine of exactly n)."""
     sizes = {b for b in POW2_BUCKETS if b <= max_batch}
@@ -212,7 +215,7 @@ def pick_bucket(n: int, buckets: tuple[int, ...]) -> int | None:
 
 
 def batch_reason(num_tokens: int, num_reqs: int, max_query_len: int, *, has_embeds: bool = False,
-                 has_intermediate: bool = False, max_batch: int = KERNEL_MAX_BATCH) -> str | None:
+                 has_intermediate: bool = False, max_batch: int = MAX_DECODE_BATCH) -> str | None:
     """Why this forward is not a megakernel decode batch, or None. num_tokens counts rows after
     CUDA-graph padding; num_reqs is the block table's row count."""
     if has_intermediate:
@@ -223,7 +226,7 @@ def batch_reason(num_tokens: int, num_reqs: int, max_query_len: int, *, has_embe
         return QUERY_LEN
     if num_tokens > max_batch:
         return (f"decode batch of {num_tokens} exceeds the megakernel's maximum batch {max_batch}"
-                + ("" if max_batch == KERNEL_MAX_BATCH else f" ({ENV_MAX_BATCH})"))
+                + ("" if max_batch == MAX_DECODE_BATCH else f" ({ENV_MAX_BATCH})"))
     return None
 
 

@@ -115,42 +115,38 @@ class AttentionStage:
         (attention reports it); appends into the layout's scratch block (vLLM's null block, where its padded rows
         write) are exempt. s.alias starts zeroed; a thread only ever writes 1 there."""
         B, bs, MB = self.B, self.bs, self.max_blocks
-        s_alias = s.alias
-        po = cute.make_rmem_tensor((B,), Int32)
-        nb = cute.make_rmem_tensor((B,), Int32)      # table entries of sequence o that the rule reads
-        blk = cute.make_rmem_tensor((B,), Int32)     # the block sequence o appends into (-1: checks nothing)
-        total = Int32(0)
-        for o in cutlass.range_constexpr(B):
-            po[o] = ld_i32(p.positions + o * 4)
-            nb[o] = Int32(0)
-            blk[o] = Int32(-1)
-            if po[o] >= 0 and po[o] < self.max_seq_len:
-                nb[o] = po[o] // bs + 1
-                blk[o] = ld_i32(p.block_table + (Int64(o) * MB + Int64(po[o] // bs)) * 4)
-                if blk[o] == self.scratch_block:
-                    blk[o] = Int32(-1)
-            total = total + nb[o]
-        per_round = ALIAS_UNROLL * self.cthreads
-        for r in range((total + per_round - 1) // per_round):
-            for u in cutlass.range_constexpr(ALIAS_UNROLL):
-                idx = tidx + (r * ALIAS_UNROLL + u) * self.cthreads
-                if idx < total:
-                    # entry idx of the concatenated lists: sequence o's entry j
-                    o = Int32(0)
-                    j = idx
-                    pt = po[0]
-                    start = nb[0]
-                    for q in cutlass.range_constexpr(1, B):
-                        if idx >= start:
-                            o = Int32(q)
-                            j = idx - start
-                            pt = po[q]
-                        start = start + nb[q]
-                    entry = ld_i32(p.block_table + (Int64(o) * MB + Int64(j)) * 4)
-                    for b in cutlass.range_constexpr(B):
-                        t = j * bs + po[b] % bs     # o's position that this entry maps to b's append slot
-                        if entry == blk[b] and (t < pt or (t == pt and o != b)):
-                            s_alias[b] = Int32(1)
+        NB = max(8, B)
+        s_alias = s.alias        # [0, B): the verdicts; then per sequence o: pos[o], entries read, append block
+        for o in range(tidx, B, self.cthreads):
+            po = ld_i32(p.positions + o * 4)
+            nb = Int32(0)           # table entries of sequence o that the rule reads
+            blk = Int32(-1)         # the block sequence o appends into (-1: checks nothing)
+            if po >= 0 and po < self.max_seq_len:
+                nb = po // bs + 1
+                blk = ld_i32(p.block_table + (Int64(o) * MB + Int64(po // bs)) * 4)
+                if blk == self.scratch_block:
+                    blk = Int32(-1)
+            s_alias[NB + o] = po
+            s_alias[2 * NB + o] = nb
+            s_alias[3 * NB + o] = blk
+        self.consumer_sync()
+        for o in range(B):
+            pt = s_alias[NB + o]
+            n_o = s_alias[2 * NB + o]
+            for j0 in range(tidx, n_o, self.cthreads * ALIAS_UNROLL):
+                entries = cute.make_rmem_tensor((ALIAS_UNROLL,), Int32)
+                for u in cutlass.range_constexpr(ALIAS_UNROLL):      # the round's loads first
+                    entries[u] = Int32(-1)
+                    j = j0 + u * self.cthreads
+                    if j < n_o:
+                        entries[u] = ld_i32(p.block_table + (Int64(o) * MB + Int64(j)) * 4)
+                for u in cutlass.range_constexpr(ALIAS_UNROLL):
+                    j = j0 + u * self.cthreads
+                    if j < n_o:
+                        for b in range(B):
+                            t = j * bs + s_alias[NB + b] % bs     # o's position that this entry maps to b's slot
+                            if entries[u] == s_alias[3 * NB + b] and (t < pt or (t == pt and o != b)):
+                                s_alias[b] = Int32(1)
 
     @cute.jit
     def attn_partial(self, tidx: Int32, warp: Int32, lane: Int32, layer: Int32, b: Int32, kvh: Int32,

@@ -41,15 +41,19 @@ import cutlass.cute as cute
 from cutlass import Boolean, Int32, Int64
 
 from ..instructions.layout import StepLayout, require_kernel_batch
+from ..instructions.matvec_stages import weight_rows
 from ..instructions.opcodes import Opcode
-from ..instructions.record import (W_A0, W_A1, W_A2, W_A3, W_INDEX, W_LAYER, W_OPCODE, W_SIGNAL_ID,
-                                   W_WAIT_COUNT, W_WAIT_ID, WORDS)
+from ..instructions.record import (W_A0, W_A1, W_A2, W_A3, W_INDEX, W_K_PART, W_K_PARTS, W_LAYER, W_OPCODE,
+                                   W_SIGNAL_ID, W_WAIT_COUNT, W_WAIT_ID, WORDS)
+from ..instructions.split_k import SPLIT_STAGES, k_splits
 from .attention import ERR_ALIAS, ERR_POSITION, LOG2E, AttentionStage  # noqa: F401  (error codes re-exported)
 from .matvec import MatvecStage
+from .matvec_wide import WideMatvec
 from .ptx import (atomic_add_acq_rel, atomic_cas, cp_async_wait_all, globaltimer_lo, ld_i32, load_acquire,
                   load_relaxed, mbarrier_init, mbarrier_init_fence, red_release_add, st_i32, store_relaxed,
                   store_system_nonzero)
-from .stream import ERR_RING, SLOT_BYTES, TRACE_WORDS, StreamPlan, WeightStream, is_matvec  # noqa: F401
+from .stream import (ERR_RING, SLOT_BYTES, TRACE_WORDS, WIDE_WARPS, StreamPlan, WeightStream, is_matvec,  # noqa: F401
+                     wide)
 from .stream import TR_BEGIN, TR_CONSUMED, TR_END, TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY, TR_STAGED
 from .tokens import ERR_TOKEN, TokenStages  # noqa: F401
 
@@ -67,6 +71,7 @@ ARG_NAMES = (
     "tokens", "positions", "block_table",
     "x", "h", "qkv", "attn_part_o", "attn_part_lse", "attn_out", "act",
     "logits", "lm_max", "lm_idx", "out_tokens",
+    "part_qkv", "part_o", "part_gate_up", "part_down", "part_ssq",
     "counters", "sync", "error", "kv_table", "trace", "host_error",
 )
 
@@ -83,7 +88,7 @@ class KernelOptions:
 
 OP_EMBED, OP_ATTN_PARTIAL, OP_ATTN_REDUCE = int(Opcode.EMBED), int(Opcode.ATTN_PARTIAL), int(Opcode.ATTN_REDUCE)
 OP_QKV, OP_O_PROJ, OP_GATE_UP, OP_DOWN = int(Opcode.QKV), int(Opcode.O_PROJ), int(Opcode.GATE_UP), int(Opcode.DOWN)
-OP_LM_HEAD, OP_ARGMAX = int(Opcode.LM_HEAD), int(Opcode.ARGMAX)
+OP_LM_HEAD, OP_ARGMAX, OP_MV_REDUCE = int(Opcode.LM_HEAD), int(Opcode.ARGMAX), int(Opcode.MV_REDUCE)
 SMEM_LIMIT = 227 * 1024
 
 
@@ -97,7 +102,7 @@ class Fields:
         self.__dict__.update(values)
 
 
-class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
+class DecodeKernel(WeightStream, MatvecStage, WideMatvec, AttentionStage, TokenStages):
     """Compiled once per (StepLayout, options): model shape, batch bucket, KV splits and cache geometry are
     compile-time constants; every address is a runtime argument."""
 
@@ -129,10 +134,19 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
         # 15 consumer warps at batch 1-4: with the producer 16 warps, 4 per SM sub-partition, so 128 registers
         # each (16 consumer warps, 17 in all, leave 96, and the kernel spills at some shapes); 8 at batch 5-8,
         # whose staging and epilogue loops over the batch need more registers still
-        self.warps = 15 if self.B <= 4 else 8
+        # (WIDE_WARPS past SPLIT_BATCH, each owning a row group of every chunk)
+        self.warps = 15 if self.B <= 4 else WIDE_WARPS
         self.cthreads = 32 * self.warps
         self.threads = self.cthreads + 32         # + the producer warp
-        self.plan = StreamPlan.for_config(c, self.B)
+        # the widths of the K ranges of the stages split over K (split_k.py; none up to SPLIT_BATCH)
+        self.split_widths = {}
+        for op in SPLIT_STAGES:
+            e = k_splits(layout, op)
+            if e > 1:
+                self.split_widths[int(op)] = weight_rows(op, layout)[1] // e
+        self.E_ssq = max([k_splits(layout, op) for op in (Opcode.QKV, Opcode.GATE_UP)])
+        self.plan = StreamPlan.for_config(c, self.B, tuple(self.split_widths.values()))
+        self.wide = wide(self.B)
         free = SMEM_LIMIT - self.smem_bytes(ring_slots=0)
         self.ring_slots = StreamPlan.ring_slots(free)
 
@@ -141,8 +155,9 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
         ones every stage may use, the matvec stages' and the attention stage's. The last two share one region
         (no instruction uses both, and a barrier ends every instruction), so the ring gets what either leaves."""
         W, G, D, B = self.warps, self.G, self.D, self.B
-        return {"common": {"ctrl": 4, "alias": max(8, B), "red": 8, "ired": 8, "wv": W * max(8, B),
-                           "wi": W * max(8, B), "rstd": 8, "queue": self.max_queue_len * WORDS},
+        NB = max(8, B)
+        return {"common": {"ctrl": 4, "alias": 4 * NB, "red": NB, "ired": NB, "wv": W * NB, "wi": W * NB,
+                           "rstd": NB, "queue": self.max_queue_len * WORDS},
                 "matvec": {"part": self.plan.part_floats, "x": self.plan.x_floats},
                 "attention": {"q": G * D, "kv": 2 * D, "m": W * G, "l": W * G, "o": W * G * D, "pre": W * D}}
 
@@ -169,12 +184,14 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
                  final_norm: Int64, ones: Int64, q_norm: Int64, k_norm: Int64, rope_cos: Int64,
                  rope_sin: Int64, tokens: Int64, positions: Int64, block_table: Int64, x: Int64, h: Int64,
                  qkv: Int64, attn_part_o: Int64, attn_part_lse: Int64, attn_out: Int64, act: Int64,
-                 logits: Int64, lm_max: Int64, lm_idx: Int64, out_tokens: Int64, counters: Int64,
+                 logits: Int64, lm_max: Int64, lm_idx: Int64, out_tokens: Int64, part_qkv: Int64,
+                 part_o: Int64, part_gate_up: Int64, part_down: Int64, part_ssq: Int64, counters: Int64,
                  sync: Int64, error: Int64, kv_table: Int64, trace: Int64, host_error: Int64,
                  stream):
         self.kernel(queue, lengths, w_embed, w_qkv, w_o, w_gate_up, w_down, w_lm_head, attn_norm, mlp_norm,
                     final_norm, ones, q_norm, k_norm, rope_cos, rope_sin, tokens, positions, block_table,
                     x, h, qkv, attn_part_o, attn_part_lse, attn_out, act, logits, lm_max, lm_idx, out_tokens,
+                    part_qkv, part_o, part_gate_up, part_down, part_ssq,
                     counters, sync, error, kv_table, trace, host_error).launch(
             grid=[self.num_sms, 1, 1], block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1,
             # every CTA resident at once, or the launch is refused: the CTAs spin on each other's counters
@@ -218,7 +235,8 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
                final_norm: Int64, ones: Int64, q_norm: Int64, k_norm: Int64, rope_cos: Int64,
                rope_sin: Int64, tokens: Int64, positions: Int64, block_table: Int64, x: Int64, h: Int64,
                qkv: Int64, attn_part_o: Int64, attn_part_lse: Int64, attn_out: Int64, act: Int64,
-               logits: Int64, lm_max: Int64, lm_idx: Int64, out_tokens: Int64, counters: Int64,
+               logits: Int64, lm_max: Int64, lm_idx: Int64, out_tokens: Int64, part_qkv: Int64,
+               part_o: Int64, part_gate_up: Int64, part_down: Int64, part_ssq: Int64, counters: Int64,
                sync: Int64, error: Int64, kv_table: Int64, trace: Int64, host_error: Int64):
         tidx, _, _ = cute.arch.thread_idx()
         sm, _, _ = cute.arch.block_idx()
@@ -229,7 +247,9 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
                    q_norm=q_norm, k_norm=k_norm, rope_cos=rope_cos, rope_sin=rope_sin, tokens=tokens,
                    positions=positions, block_table=block_table, x=x, h=h, qkv=qkv, attn_part_o=attn_part_o,
                    attn_part_lse=attn_part_lse, attn_out=attn_out, act=act, logits=logits, lm_max=lm_max,
-                   lm_idx=lm_idx, out_tokens=out_tokens, error=error, kv_table=kv_table)
+                   lm_idx=lm_idx, out_tokens=out_tokens, part_qkv=part_qkv, part_o=part_o,
+                   part_gate_up=part_gate_up, part_down=part_down, part_ssq=part_ssq, error=error,
+                   kv_table=kv_table)
 
         smem = cutlass.utils.SmemAllocator()
         types = {"wi": Int32, "ired": Int32, "ctrl": Int32, "alias": Int32, "queue": Int32}
@@ -258,7 +278,8 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
         if tidx == 0:
             for j in range(self.ring_slots):
                 mbarrier_init(full + j * 8, Int32(1))                # the producer's arrive + the copy bytes
-                mbarrier_init(empty + j * 8, Int32(self.plan.parts))  # one arrival per part's reader warp
+                # one arrival per part's reader warp; past SPLIT_BATCH every consumer warp passes every slot
+                mbarrier_init(empty + j * 8, Int32(self.warps if self.wide else self.plan.parts))
             mbarrier_init_fence()
             s_ctrl[0] = ld_i32(sync)
             s_ctrl[1] = Int32(0)
@@ -365,8 +386,8 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
                     rec = Int64(0)
                     if cutlass.const_expr(self.options.trace):
                         rec = self.trace_record(trace, sm, i)
-                    k_slot = self.matvec(tidx, warp, lane, op, layer, a0, a1, a2, a3, k_slot, ring, full, empty,
-                                         p, s, rec)
+                    k_slot = self.matvec(tidx, warp, lane, op, layer, a0, a1, a2, a3, s_queue[ins + W_K_PART],
+                                         s_queue[ins + W_K_PARTS], k_slot, ring, full, empty, p, s, rec)
                 else:
                     if op == OP_EMBED:
                         self.embed(tidx, s_queue[ins + W_INDEX], p)
@@ -376,6 +397,9 @@ class DecodeKernel(WeightStream, MatvecStage, AttentionStage, TokenStages):
                         self.attn_reduce(tidx, layer, a0, a1, a3, p)
                     if op == OP_ARGMAX:
                         self.argmax(tidx, warp, lane, a0, p, s)
+                    if cutlass.const_expr(len(self.split_widths) > 0):
+                        if op == OP_MV_REDUCE:
+                            self.mv_reduce(tidx, layer, a0, a1, a2, a3, p, s)
 
             # ---- signal: every consumer's stores precede the barrier; the release orders them
             self.consumer_sync()

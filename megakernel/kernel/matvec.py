@@ -46,19 +46,17 @@ class MatvecStage:
 
     @cute.jit
     def matvec(self, tidx: Int32, warp: Int32, lane: Int32, op: Int32, layer: Int32, a0: Int32, a1: Int32,
-               tile: Int32, a3: Int32, k_slot: Int32, ring: Int32, full: Int32, empty: Int32, p, s,
-               rec: Int64) -> Int32:
-        """One tile (rows a0 .. a0 + a1 - 1) of a matvec stage; k_slot is the CTA's slot count before it,
-        returned advanced by the tile's slots. `p` holds the step's global addresses (StepArgs), `s` the
-        shared-memory scratch (SharedScratch)."""
-        s_ired, s_red = s.ired, s.red
+               tile: Int32, a3: Int32, kpart: Int32, kparts: Int32, k_slot: Int32, ring: Int32, full: Int32,
+               empty: Int32, p, s, rec: Int64) -> Int32:
+        """One tile (rows a0 .. a0 + a1 - 1; columns of K range kpart of kparts) of a matvec stage; k_slot is
+        the CTA's slot count before it, returned advanced by the tile's slots. `p` holds the step's global
+        addresses (StepArgs), `s` the shared-memory scratch (SharedScratch)."""
         B, H = self.B, self.H
         l64 = Int64(layer)
-        w_addr, _ = self.weight_tile(op, layer, a0, p.w_qkv, p.w_o, p.w_gate_up, p.w_down, p.w_lm_head)
-        K, slab, n_slab, rps, chunk, xsl = self.tile_geometry(op)
-        whole = xsl >= n_slab
-        P = self.plan.parts
-        n_seg = n_slab * P              # one partial sum per (row, slab, part, sequence)
+        _, k_row = self.weight_tile(op, layer, a0, p.w_qkv, p.w_o, p.w_gate_up, p.w_down, p.w_lm_head)
+        split = kparts > 1
+        K, slab, n_slab, rps, chunk, xsl = self.tile_geometry(op, split)
+        k0 = kpart * K                  # the first column of the tile's K range (0 unless split)
         # input rows (one per sequence, width K), norm weights, output rows, residual rows
         in_addr = Int64(0)
         norm_addr = p.ones
@@ -97,11 +95,32 @@ class MatvecStage:
             has_norm = Boolean(True)
             out_addr = p.logits + Int64(a0) * 4
             out_w = Int32(self.V)
-        is_gate_up = op == OP_GATE_UP
-        is_lm = op == OP_LM_HEAD
         merge = op == OP_O_PROJ and a3 > 0      # O_PROJ's input is the merge of the attention splits
         from_embed = op == OP_QKV and a3 == 1   # layer 0's QKV reads embed[token] (embed_folded layouts)
+        if cutlass.const_expr(self.wide):
+            k_slot = self.matvec_wide(tidx, warp, lane, op, layer, a0, a1, tile, kpart, split, k_row, K, k0, slab,
+                                      n_slab, chunk, xsl, merge, from_embed, has_norm, has_res, in_addr, norm_addr,
+                                      out_addr, out_w, res_addr, k_slot, ring, full, empty, p, s, rec)
+        else:
+            k_slot = self.matvec_narrow(tidx, warp, lane, op, layer, a0, a1, tile, K, slab, n_slab, rps, chunk, xsl,
+                                        merge, from_embed, has_norm, has_res, in_addr, norm_addr, out_addr, out_w,
+                                        res_addr, k_slot, ring, full, empty, p, s, rec)
+        return k_slot
 
+    @cute.jit
+    def matvec_narrow(self, tidx: Int32, warp: Int32, lane: Int32, op: Int32, layer: Int32, a0: Int32, a1: Int32,
+                      tile: Int32, K: Int32, slab: Int32, n_slab: Int32, rps: Int32, chunk: Int32, xsl: Int32,
+                      merge: Boolean, from_embed: Boolean, has_norm: Boolean, has_res: Boolean, in_addr: Int64,
+                      norm_addr: Int64, out_addr: Int64, out_w: Int32, res_addr: Int64, k_slot: Int32, ring: Int32,
+                      full: Int32, empty: Int32, p, s, rec: Int64) -> Int32:
+        """A tile at batch 1-8 (matvec's arguments, resolved; the module docstring's steps)."""
+        s_ired, s_red = s.ired, s.red
+        B, H = self.B, self.H
+        whole = xsl >= n_slab
+        P = self.plan.parts
+        n_seg = n_slab * P              # one partial sum per (row, slab, part, sequence)
+        is_gate_up = op == OP_GATE_UP
+        is_lm = op == OP_LM_HEAD
         # the residual of this thread's first output (O_PROJ, DOWN), loaded now: its round trip overlaps
         # the input's instead of ending the instruction
         res0 = Float32(0.0)
@@ -391,62 +410,93 @@ class MatvecStage:
         if merge:
             self.stage_merged_attention(tidx, layer, p, s, s0, kw, stride)
         else:
-            # every sequence's quad of a column in one round (B loads in flight), U columns per thread per round
+            # the quads of a column of up to X_LOADS sequences in one round (their loads in flight together), U
+            # columns per thread per round; a larger batch in groups of X_LOADS sequences, each group's sums of
+            # squares added into s.wv (slot warp * B + b, zeroed by the warp's lane 0 before the instruction's
+            # first staging) when its columns are done
             U = self.x_unroll()
-            rows = cute.make_rmem_tensor((B,), Int64)
-            for b in cutlass.range_constexpr(B):
-                rows[b] = in_addr + Int64(b) * Int64(K) * 4
-                if cutlass.const_expr(self.layout.embed_folded):
-                    if from_embed:
-                        tok = ld_i32(p.tokens + Int64(b) * 4)
-                        if tok < 0 or tok >= self.V:
-                            tok = Int32(0)            # EMBED reports it in the error word
-                        rows[b] = p.w_embed + Int64(tok) * (self.H * 2)
-            for q0 in range(tidx, kw // 4, self.cthreads * U):
-                # every load of the round first (raw words: nothing uses a value before the last load is out),
-                # so the round is one memory round trip; then the products, sums and stores
-                nw = cute.make_rmem_tensor((U * 2,), Int32)           # the norm weights' packed bf16
-                xv = cute.make_rmem_tensor((U * B * 4,), Float32)     # the input quads
-                for i in cutlass.range_constexpr(U * 2):
-                    nw[i] = Int32(0)
-                for i in cutlass.range_constexpr(U * B * 4):
-                    xv[i] = Float32(0.0)
-                for v in cutlass.range_constexpr(U):
-                    q = q0 + v * self.cthreads
-                    if q < kw // 4:
-                        k = s0 + q * 4
-                        nw[2 * v], nw[2 * v + 1] = load_nc_b32x2(norm_addr + Int64(k) * 2)
-                        for b in cutlass.range_constexpr(B):
-                            j = v * B + b
-                            if cutlass.const_expr(self.layout.embed_folded):
-                                if from_embed:
-                                    # (layer 0's embedding row, unpacked as it lands: the step's first stage)
-                                    xe = load_weights_bf16x4(rows[b] + Int64(k) * 2)
-                                    for e in cutlass.range_constexpr(4):
-                                        xv[4 * j + e] = xe[e]
-                                else:
-                                    xg = load_f32x4(rows[b] + Int64(k) * 4)
-                                    for e in cutlass.range_constexpr(4):
-                                        xv[4 * j + e] = xg[e]
-                            else:
-                                xg = load_f32x4(rows[b] + Int64(k) * 4)
-                                for e in cutlass.range_constexpr(4):
-                                    xv[4 * j + e] = xg[e]
-                for v in cutlass.range_constexpr(U):
-                    q = q0 + v * self.cthreads
-                    if q < kw // 4:
-                        nv = cute.make_rmem_tensor((4,), Float32)
-                        nv[0], nv[1] = unpack_bf16x2(nw[2 * v])
-                        nv[2], nv[3] = unpack_bf16x2(nw[2 * v + 1])
-                        for b in cutlass.range_constexpr(B):
-                            j = v * B + b
-                            y = cute.make_rmem_tensor((4,), Float32)
+            if cutlass.const_expr(B <= X_LOADS):
+                for q0 in range(tidx, kw // 4, self.cthreads * U):
+                    self.stage_round(tidx, q0, 0, B, U, from_embed, gather, K, in_addr, norm_addr, p, s, ss, 0,
+                                     s0, kw, stride)
+            else:
+                s_wv = s.wv
+                warp = tidx // 32
+                for g0 in cutlass.range_constexpr(0, B, X_LOADS):
+                    sg = cute.make_rmem_tensor((X_LOADS,), Float32)
+                    for bb in cutlass.range_constexpr(X_LOADS):
+                        sg[bb] = Float32(0.0)
+                    for q0 in range(tidx, kw // 4, self.cthreads * U):
+                        self.stage_round(tidx, q0, g0, X_LOADS, U, from_embed, gather, K, in_addr, norm_addr, p, s,
+                                         sg, -g0, s0, kw, stride)
+                    if gather:
+                        for bb in cutlass.range_constexpr(X_LOADS):
+                            tot = warp_sum(sg[bb])
+                            if tidx % 32 == 0:
+                                s_wv[warp * B + g0 + bb] = s_wv[warp * B + g0 + bb] + tot
+
+    @cute.jit
+    def stage_round(self, tidx: Int32, q0: Int32, g0: int, nb: int, U: int, from_embed: Boolean, gather: Boolean,
+                    K: Int32, in_addr: Int64, norm_addr: Int64, p, s, ss: cute.Tensor, ss_off: int, s0: Int32,
+                    kw: Int32, stride: Int32):
+        """One staging round (`stage`): columns q0, q0 + cthreads, ... (U of them) of sequences g0 .. g0 + nb,
+        their sums of squares into ss[ss_off + b]."""
+        nw = cute.make_rmem_tensor((U * 2,), Int32)           # the norm weights' packed bf16
+        for v in cutlass.range_constexpr(U):
+            nw[2 * v] = Int32(0)
+            nw[2 * v + 1] = Int32(0)
+            q = q0 + v * self.cthreads
+            if q < kw // 4:
+                nw[2 * v], nw[2 * v + 1] = load_nc_b32x2(norm_addr + Int64(s0 + q * 4) * 2)
+        rows = cute.make_rmem_tensor((nb,), Int64)
+        for bb in cutlass.range_constexpr(nb):
+            rows[bb] = in_addr + Int64(g0 + bb) * Int64(K) * 4
+            if cutlass.const_expr(self.layout.embed_folded):
+                if from_embed:
+                    tok = ld_i32(p.tokens + Int64(g0 + bb) * 4)
+                    if tok < 0 or tok >= self.V:
+                        tok = Int32(0)            # EMBED reports it in the error word
+                    rows[bb] = p.w_embed + Int64(tok) * (self.H * 2)
+        # every load of the round first (raw words: nothing uses a value before the last load is out), so the
+        # round is one memory round trip; then the products, sums and stores
+        xv = cute.make_rmem_tensor((U * nb * 4,), Float32)     # the input quads
+        for i in cutlass.range_constexpr(U * nb * 4):
+            xv[i] = Float32(0.0)
+        for v in cutlass.range_constexpr(U):
+            q = q0 + v * self.cthreads
+            if q < kw // 4:
+                k = s0 + q * 4
+                for bb in cutlass.range_constexpr(nb):
+                    j = v * nb + bb
+                    if cutlass.const_expr(self.layout.embed_folded):
+                        if from_embed:
+                            # (layer 0's embedding row, unpacked as it lands: the step's first stage)
+                            xe = load_weights_bf16x4(rows[bb] + Int64(k) * 2)
                             for e in cutlass.range_constexpr(4):
-                                x = xv[4 * j + e]
-                                if gather:
-                                    ss[b] = ss[b] + x * x
-                                y[e] = x * nv[e]
-                            self.store_staged_quad(s, b * stride + q * 4, y)
+                                xv[4 * j + e] = xe[e]
+                        else:
+                            xg = load_f32x4(rows[bb] + Int64(k) * 4)
+                            for e in cutlass.range_constexpr(4):
+                                xv[4 * j + e] = xg[e]
+                    else:
+                        xg = load_f32x4(rows[bb] + Int64(k) * 4)
+                        for e in cutlass.range_constexpr(4):
+                            xv[4 * j + e] = xg[e]
+        for v in cutlass.range_constexpr(U):
+            q = q0 + v * self.cthreads
+            if q < kw // 4:
+                nv = cute.make_rmem_tensor((4,), Float32)
+                nv[0], nv[1] = unpack_bf16x2(nw[2 * v])
+                nv[2], nv[3] = unpack_bf16x2(nw[2 * v + 1])
+                for bb in cutlass.range_constexpr(nb):
+                    j = v * nb + bb
+                    y = cute.make_rmem_tensor((4,), Float32)
+                    for e in cutlass.range_constexpr(4):
+                        x = xv[4 * j + e]
+                        if gather:
+                            ss[ss_off + g0 + bb] = ss[ss_off + g0 + bb] + x * x
+                        y[e] = x * nv[e]
+                    self.store_staged_quad(s, (g0 + bb) * stride + q * 4, y)
 
     @cute.jit
     def stage_merged_attention(self, tidx: Int32, layer: Int32, p, s, s0: Int32,

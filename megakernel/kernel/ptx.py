@@ -151,6 +151,13 @@ def st_shared_b32(addr: Int32, v: Int32):
 
 
 @cute.jit
+def load_shared_b32x2(addr: Int32):
+    """Two 32-bit words of shared memory (8-byte aligned)."""
+    return cute.arch.inline_ptx("ld.shared.v2.b32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Int32] * 2,
+                                read_only_args=[addr])
+
+
+@cute.jit
 def load_shared_raw(addr: Int32):
     """16 bytes of shared memory at a 16-byte aligned address as 4 raw 32-bit words (weights a bulk
     copy put there; unpack_bf16x8 converts them as it does the global loads')."""
@@ -209,9 +216,10 @@ def warp_sum(v: Float32) -> Float32:
 
 
 @cute.jit
-def warp_max_index(v: Float32, i: Int32):
-    """(max, lowest index among equal maxima) of a warp's (value, index) pairs, on every lane."""
-    for off in [16, 8, 4, 2, 1]:
+def warp_max_index(v: Float32, i: Int32, offsets: tuple = (16, 8, 4, 2, 1)):
+    """(max, lowest index among equal maxima) of a warp's (value, index) pairs, on every lane (over the lanes
+    that differ in the bits of `offsets` only, where given)."""
+    for off in offsets:
         ov = cute.arch.shuffle_sync_bfly(v, offset=off)
         oi = cute.arch.shuffle_sync_bfly(i, offset=off)
         if ov > v or (ov == v and oi < i):

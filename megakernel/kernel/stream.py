@@ -27,9 +27,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Int32, Int64
 
-from ..instructions.layout import COL_PASS
+from ..instructions.layout import COL_PASS, SPLIT_BATCH
 from ..instructions.opcodes import Opcode
-from ..instructions.record import W_A0, W_A1, W_LAYER, W_OPCODE, WORDS
+from ..instructions.record import W_A0, W_A1, W_K_PART, W_K_PARTS, W_LAYER, W_OPCODE, WORDS
 from .ptx import (atomic_cas, bulk_copy_g2s, globaltimer_lo, load_shared_volatile, mbarrier_arrive_expect_tx,
                   mbarrier_try_wait, policy_evict_first, st_i32, store_relaxed)
 
@@ -61,6 +61,10 @@ ITEM_ROWS = 16              # rows of a consumer work item: the M of one m16n8k1
 SLAB_COLS = SLOT_BYTES // (ITEM_ROWS * 2)   # the widest slab: ITEM_ROWS rows of it fill a slot
 
 
+WIDE_WARPS = 8              # consumer warps past SPLIT_BATCH: each owns one row group of a chunk (ITEM_ROWS rows x
+                            # every sequence) across all of the tile's slabs, its accumulators in registers
+
+
 def slot_parts(batch: int) -> int:
     """Work items across a slot's slab: part p of ring slot r is read by one consumer warp, which frees it, so a
     slot is freed after `parts` arrivals instead of one per warp. Whole slots (one item of up to 512 columns) at
@@ -68,6 +72,13 @@ def slot_parts(batch: int) -> int:
     critical path also waits on each small tile's last slot (llama-3.2-1b, one sweep: halves 0.882 ms/step,
     whole slots 0.891, quarters 0.959; profiles/RESULTS.md, 2026-12-03)."""
     return 2 if batch == 1 else 1
+
+
+def wide(batch: int) -> bool:
+    """Past SPLIT_BATCH the consumers own row groups (WIDE_WARPS of them per chunk) and accumulate across a
+    tile's slabs in registers: partial sums per (row, slab, part, sequence) in shared memory would leave chunks
+    of a few rows, each staging the input again."""
+    return batch > SPLIT_BATCH
 
 
 # Weight slots a producer keeps issued and not yet landed: enough to keep an SM's share of the read bandwidth in
@@ -148,6 +159,9 @@ def slot_geometry(k: int, batch: int, parts: int | None = None) -> SlotGeometry:
         raise ValueError(f"a slab of {slab} columns cannot be cut into {parts} work items of whole 32-column blocks")
     # (at least one slot of rows: the partial buffer grows past PART_FLOATS where one needs more)
     chunk = max(rows_per_slot, PART_FLOATS // (n_slab * parts * batch) // rows_per_slot * rows_per_slot)
+    if wide(batch):
+        # a slot is one row group of one slab, read by the warp that owns the row group in the chunk
+        rows_per_slot, parts, chunk = ITEM_ROWS, 1, WIDE_WARPS * ITEM_ROWS
     return SlotGeometry(k=k, slab_cols=slab, n_slab=n_slab, rows_per_slot=rows_per_slot, parts=parts,
                         chunk_rows=chunk, x_slabs=n_slab if batch * k * 4 <= X_WHOLE_BYTES
                         else max(1, X_WHOLE_BYTES // (batch * 4 * slab)))
@@ -162,8 +176,10 @@ class StreamPlan:
     by_k: dict
 
     @classmethod
-    def for_config(cls, config, batch: int) -> "StreamPlan":
-        ks = sorted({config.hidden_size, config.q_size, config.intermediate_size})
+    def for_config(cls, config, batch: int, split_widths: tuple[int, ...] = ()) -> "StreamPlan":
+        """split_widths: the K ranges' widths of the stages split over K (split_k.k_splits), beside the whole
+        widths."""
+        ks = sorted({config.hidden_size, config.q_size, config.intermediate_size, *split_widths})
         return cls(batch=batch, by_k={k: slot_geometry(k, batch) for k in ks})
 
     @property
@@ -176,7 +192,10 @@ class StreamPlan:
 
     @property
     def part_floats(self) -> int:
-        """Floats of the partial-sum buffer: the largest chunk's (rows x segments x sequences)."""
+        """Floats of the partial-sum buffer: the largest chunk's (rows x segments x sequences); none past
+        SPLIT_BATCH, where each warp's accumulators go from its registers to their outputs."""
+        if wide(self.batch):
+            return 4
         return max(g.chunk_rows * g.n_seg * self.batch for g in self.by_k.values())
 
     @property
@@ -205,18 +224,20 @@ class WeightStream:
         return trace + (Int64(sm) * self.max_queue_len + Int64(i)) * (TRACE_WORDS * 4)
 
     @cute.jit
-    def tile_geometry(self, op: Int32):
+    def tile_geometry(self, op: Int32, split: Boolean):
         """(K, slab_cols, n_slab, rows_per_slot, chunk_rows, x_slabs) of a matvec opcode as runtime values:
-        O_PROJ's K is q_size, DOWN's the intermediate size, the others' the hidden size."""
-        g, go, gd = self.plan.geometry(self.H), self.plan.geometry(self.Q), self.plan.geometry(self.F)
+        O_PROJ's K is q_size, DOWN's the intermediate size, the others' the hidden size; where `split`, K is
+        the width of the stage's K ranges (self.split_widths)."""
+        g = self.plan.geometry(self.H)
         k, slab, n_slab, rps = Int32(g.k), Int32(g.slab_cols), Int32(g.n_slab), Int32(g.rows_per_slot)
         chunk, xsl = Int32(g.chunk_rows), Int32(g.x_slabs)
-        if op == OP_O_PROJ:
-            k, slab, n_slab, rps = Int32(go.k), Int32(go.slab_cols), Int32(go.n_slab), Int32(go.rows_per_slot)
-            chunk, xsl = Int32(go.chunk_rows), Int32(go.x_slabs)
-        if op == OP_DOWN:
-            k, slab, n_slab, rps = Int32(gd.k), Int32(gd.slab_cols), Int32(gd.n_slab), Int32(gd.rows_per_slot)
-            chunk, xsl = Int32(gd.chunk_rows), Int32(gd.x_slabs)
+        cases = [(OP_O_PROJ, False, self.Q), (OP_DOWN, False, self.F)]
+        cases += [(code, True, width) for code, width in self.split_widths.items()]
+        for code, when_split, width in cases:
+            gc = self.plan.geometry(width)
+            if op == code and (not when_split or split):
+                k, slab, n_slab, rps = Int32(gc.k), Int32(gc.slab_cols), Int32(gc.n_slab), Int32(gc.rows_per_slot)
+                chunk, xsl = Int32(gc.chunk_rows), Int32(gc.x_slabs)
         return k, slab, n_slab, rps, chunk, xsl
 
     @cute.jit
@@ -245,9 +266,11 @@ class WeightStream:
                 if cutlass.const_expr(self.options.trace):
                     if lane == 0:
                         st_i32(self.trace_record(trace, sm, i) + TR_ISSUED_FIRST * 4, globaltimer_lo())
-                w_addr, _ = self.weight_tile(op, s_queue[ins + W_LAYER], s_queue[ins + W_A0], w_qkv, w_o,
-                                             w_gate_up, w_down, w_lm_head)
-                K, slab, n_slab, rps, chunk, _ = self.tile_geometry(op)
+                w_addr, k_row = self.weight_tile(op, s_queue[ins + W_LAYER], s_queue[ins + W_A0], w_qkv, w_o,
+                                                 w_gate_up, w_down, w_lm_head)
+                split = s_queue[ins + W_K_PARTS] > 1
+                K, slab, n_slab, rps, chunk, _ = self.tile_geometry(op, split)
+                k0 = s_queue[ins + W_K_PART] * K         # the tile's first column (a K range's, where split)
                 a1 = s_queue[ins + W_A1]
                 for c0 in range(0, a1, chunk):
                     crows = a1 - c0
@@ -275,14 +298,15 @@ class WeightStream:
                                 mbarrier_arrive_expect_tx(full + slot * 8, nbytes)
                                 row0 = Int64(c0 + g0)
                                 if cutlass.const_expr(not self.options.diag_no_copy):
-                                    if n_slab == 1:
+                                    if n_slab == 1 and not split:
                                         bulk_copy_g2s(dst, w_addr + row0 * Int64(K) * 2, nbytes, full + slot * 8, policy)
                                     else:
                                         # one copy per 8-row block (its slab's 512-byte blocks are contiguous),
-                                        # landed slab_cols * 16 bytes apart
+                                        # landed slab_cols * 16 bytes apart; rows are k_row columns long
                                         for rb in range(nr // 8):
                                             bulk_copy_g2s(dst + rb * slab * 16,
-                                                          w_addr + ((row0 + rb * 8) * Int64(K) + Int64(sl * slab) * 8) * 2,
+                                                          w_addr + ((row0 + rb * 8) * Int64(k_row)
+                                                                    + Int64(k0 + sl * slab) * 8) * 2,
                                                           width * 16, full + slot * 8, policy)
                             if stop == 0:
                                 k = k + 1

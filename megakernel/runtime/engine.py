@@ -254,7 +254,9 @@ class MegakernelEngine:
             "rope_cos": w.rope_cos, "rope_sin": w.rope_sin, "tokens": b.tokens, "positions": b.positions,
             "block_table": b.block_table, "x": b.x, "h": b.h, "qkv": b.qkv, "attn_part_o": b.attn_part_o,
             "attn_part_lse": b.attn_part_lse, "attn_out": b.attn_out, "act": b.act, "logits": b.logits,
-            "lm_max": b.lm_max, "lm_idx": b.lm_idx, "out_tokens": b.out_tokens, "counters": b.counters,
+            "lm_max": b.lm_max, "lm_idx": b.lm_idx, "out_tokens": b.out_tokens, "part_qkv": b.part_qkv,
+            "part_o": b.part_o, "part_gate_up": b.part_gate_up, "part_down": b.part_down, "part_ssq": b.part_ssq,
+            "counters": b.counters,
             "sync": b.sync, "error": b.error, "kv_table": self.kv_table, "trace": self.trace_buf,
             "host_error": self.host_error,
         }

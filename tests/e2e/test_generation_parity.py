@@ -353,14 +353,17 @@ def test_megakernel_matches_transformers_generate(name, tmp_path):
         _free_gpu()
 
 
+# Batches past SPLIT_BATCH run the wide consumers (row-group owners, bf16 inputs) and, on the real widths, the
+# matvecs split over K with MV_REDUCE; sequences of different prompt lengths (1-12) in one batch.
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("name", ["tiny-qwen3", "llama-3.2-1b-L2"])
-def test_megakernel_batch_equals_each_sequence_alone(name):
+@pytest.mark.parametrize("name,batch", [("tiny-qwen3", 3), ("llama-3.2-1b-L2", 3), ("llama-3.2-1b-L2", 16),
+                                        ("qwen3-0.6b-L2", 16), ("llama-3.2-1b-L2", 32), ("tiny-llama", 64)])
+def test_megakernel_batch_equals_each_sequence_alone(name, batch):
     config = GPU_MODELS[name]()
     seed = 41
     weights = random_weights(config, seed=seed, dtype=torch.bfloat16, device=GPU)
-    prompts = _prompts(config, seed, (7, 2, 12))
+    prompts = _prompts(config, seed, (7, 2, 12) if batch == 3 else [1 + (5 * b) % 12 for b in range(batch)])
     backend = get_backend("megakernel", weights, GPU)
     try:
         batch = generate(backend, prompts, GPU_STEPS, keep_logits=True)
@@ -370,7 +373,8 @@ def test_megakernel_batch_equals_each_sequence_alone(name):
         for b, prompt in enumerate(prompts):
             alone = generate(backend, [prompt], GPU_STEPS, keep_logits=True)
             backend.check()
-            what = f"megakernel batch of 3 vs alone, {name} seed={seed} bf16 sequence {b} prompt_len={len(prompt)}"
+            what = (f"megakernel batch of {batch} vs alone, {name} seed={seed} bf16 sequence {b} "
+                    f"prompt_len={len(prompt)}")
             check_greedy_parity(batch.tokens[b], batch.logits[b], alone.tokens[0], alone.logits[0], tol, what)
     finally:
         del backend

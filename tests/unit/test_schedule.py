@@ -256,7 +256,7 @@ def test_tiny_presets_fully(name, batch, fuse, fold):
             check_queues(program, assign(program, policy), policy)
 
 
-# Batch buckets past the megakernel's (KERNEL_MAX_BATCH), which the schedule and the VM run: wide inputs that no
+# Batch buckets past SPLIT_BATCH: wide inputs that no
 # longer fit the staging rule take the ATTN_REDUCE stage
 @pytest.mark.parametrize("batch", (16, 32, MAX_BATCH))
 @pytest.mark.parametrize("name", TINY_PRESETS)

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from megakernel.instructions.layout import KERNEL_MAX_BATCH, MAX_BATCH, StepLayout, default_kv_splits
+from megakernel.instructions.layout import MAX_BATCH, SPLIT_BATCH, StepLayout, default_kv_splits
 from megakernel.instructions.matvec_stages import MATVEC_OPCODES, weight_rows
 from megakernel.instructions.opcodes import Opcode
 from megakernel.instructions.split_k import SPLIT_COLUMNS, SPLIT_STAGES, k_splits
@@ -27,14 +27,14 @@ def _layout(config, batch: int, num_sms: int = 132) -> StepLayout:
 
 
 @pytest.mark.parametrize("name", REAL_PRESETS)
-@pytest.mark.parametrize("batch", (1, 4, KERNEL_MAX_BATCH, 16, 32, MAX_BATCH))
+@pytest.mark.parametrize("batch", (1, 4, SPLIT_BATCH, 16, 32, MAX_BATCH))
 def test_k_splits_divide_k_and_leave_the_megakernel_batches_and_the_lm_head_whole(name, batch):
     layout = _layout(get_preset(name), batch)
     for op in MATVEC_OPCODES:
         e = k_splits(layout, op)
         _, k = weight_rows(op, layout)
         assert e >= 1 and (k // SPLIT_COLUMNS) % e == 0, f"{name} batch {batch} {op.name}: E={e} for K={k}"
-        if batch <= KERNEL_MAX_BATCH or op == Opcode.LM_HEAD:
+        if batch <= SPLIT_BATCH or op == Opcode.LM_HEAD:
             assert e == 1, f"{name} batch {batch} {op.name}: split into {e} where the megakernel runs it whole"
 
 

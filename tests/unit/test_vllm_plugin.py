@@ -392,7 +392,7 @@ def _module(**tensors):
 @pytest.fixture(autouse=True)
 def _every_batch_on_the_megakernel(monkeypatch):
     """The adapter tests cover batches up to KERNEL_MAX_BATCH; the default limit has its own test."""
-    monkeypatch.setenv(vm.ENV_MAX_BATCH, str(vm.KERNEL_MAX_BATCH))
+    monkeypatch.setenv(vm.ENV_MAX_BATCH, str(vm.MAX_DECODE_BATCH))
 
 
 def fake_vllm_model(weights, vocab_pad: int = 64):

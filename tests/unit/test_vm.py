@@ -78,7 +78,7 @@ def test_vm_equals_reference_across_model_axes(preset, axes):
                                 label=f"{preset} {axes}")
 
 
-# Batch buckets past the megakernel's (KERNEL_MAX_BATCH): the schedule and the VM run them; sequences of
+# Batch buckets past SPLIT_BATCH (the matvecs split over K: split_k.py); sequences of
 # different lengths, 1 to 11 tokens of prompt
 @pytest.mark.parametrize("batch", [16, 64])
 def test_vm_equals_reference_at_large_batch_buckets(batch):

@@ -1,0 +1,362 @@
+"""Device code of the matvec stages past SPLIT_BATCH (batch 9-64), and of MV_REDUCE.
+
+At batch 1-8 (megakernel.kernel.matvec) each slot part goes to the warp that owns its ring slot, which stores one
+partial sum per (row, slab, part, sequence) in shared memory; with 64 sequences those partials would leave chunks
+of a few rows, each staging the input again. Here (docs/batch_path.md):
+  - a chunk is WIDE_WARPS row groups of ITEM_ROWS rows, and consumer warp w owns row group w of every chunk: it
+    multiplies that row group's slot of every slab into float32 accumulators in its registers (m16n8k16 MMAs,
+    the weights as A, the batch as N in tiles of 8 sequences, the input as bf16: its hi half, one MMA per
+    fragment; tools/activation_precision.py has what that costs in accuracy), so a chunk's input is staged once;
+  - every consumer warp waits for every slot and arrives on its empty barrier (initialised to WIDE_WARPS), so each
+    use of a ring slot is complete before any warp waits for the next one (the parity of an mbarrier wait is
+    exact), whichever warp reads it;
+  - at the chunk's end each warp runs the epilogue of its own rows from its registers: the stage's store, or,
+    for a tile of a K range of a stage split over K (split_k.py), the float32 partial into part_<stage>, with
+    the range's sum of squares of the input for the stages with a norm (part_ssq);
+  - MV_REDUCE adds a row range's partials in range order, times the RMS scale from the ranges' sums of squares
+    (added in range order too: the same bits every run), and runs the stage's epilogue.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Float32, Int32, Int64
+
+from ..instructions.layout import ROW_GROUP
+from ..instructions.matvec_stages import weight_rows
+from ..instructions.opcodes import Opcode
+from ..instructions.split_k import k_splits
+from .ptx import (ex2, globaltimer_lo, ld_f32, load_shared_b32x2, load_shared_raw, mbarrier_arrive, mma_bf16_16816,
+                  rsqrt, st_f32, st_i32, warp_max_index)
+from .stream import ITEM_ROWS, SLAB_COLS, SLOT_BYTES, TR_CONSUMED, TR_LANDED_FIRST, TR_LANDED_LAST, TR_STAGED, X_PAD
+
+OP_QKV, OP_O_PROJ, OP_GATE_UP = int(Opcode.QKV), int(Opcode.O_PROJ), int(Opcode.GATE_UP)
+OP_DOWN, OP_LM_HEAD = int(Opcode.DOWN), int(Opcode.LM_HEAD)
+LOG2E = 1.4426950408889634
+LOAD_KP = 4                # 32-column blocks whose weight fragments are loaded at once
+
+
+class WideMatvec:
+    """Consumer-side matvec past SPLIT_BATCH and MV_REDUCE (a mixin of the interpreter)."""
+
+    def n_tiles(self) -> int:
+        """MMA n-tiles of 8 sequences."""
+        return (self.B + 7) // 8
+
+    def chains(self) -> int:
+        """Independent accumulator chains per n-tile (even and odd 32-column blocks where there are few
+        n-tiles, so an item is not one chain of dependent MMAs)."""
+        return 2 if self.n_tiles() <= 2 else 1
+
+    @cute.jit
+    def matvec_wide(self, tidx: Int32, warp: Int32, lane: Int32, op: Int32, layer: Int32, a0: Int32, a1: Int32,
+                    tile: Int32, kpart: Int32, split: Boolean, k_row: Int32, K: Int32, k0: Int32, slab: Int32,
+                    n_slab: Int32, chunk: Int32, xsl: Int32, merge: Boolean, from_embed: Boolean,
+                    has_norm: Boolean, has_res: Boolean, in_addr: Int64, norm_addr: Int64, out_addr: Int64,
+                    out_w: Int32, res_addr: Int64, k_slot: Int32, ring: Int32, full: Int32, empty: Int32, p, s,
+                    rec: Int64) -> Int32:
+        """One tile past SPLIT_BATCH (matvec's arguments, resolved): columns k0 .. k0 + K of rows a0 .. a0 + a1
+        (k_row columns per weight row and input row)."""
+        s_ired, s_red = s.ired, s.red
+        B = self.B
+        NA = self.n_tiles() * self.chains() * 4
+        is_lm = op == OP_LM_HEAD
+        whole = xsl >= n_slab
+        ss = cute.make_rmem_tensor((1,), Float32)      # (stage adds the sums of squares into s.wv instead)
+        ss[0] = Float32(0.0)
+        s_wv = s.wv
+        if lane == 0:
+            for b in range(B):
+                s_wv[warp * B + b] = Float32(0.0)
+        if whole:
+            self.stage(tidx, layer, k_row, merge, from_embed, has_norm, in_addr, norm_addr, p, s, ss, k0, K,
+                       K + X_PAD)
+            if has_norm:
+                self.norm_statistic(tidx, warp, lane, layer, op, kpart, split, k_row, ss, p, s)
+            self.consumer_sync()
+            if cutlass.const_expr(self.options.trace):
+                if tidx == 0:
+                    st_i32(rec + TR_STAGED * 4, globaltimer_lo())
+        if is_lm and tidx < B:
+            s_red[tidx] = Float32(-math.inf)
+            s_ired[tidx] = Int32(0x7FFFFFFF)
+        x_base = s.x_addr
+        g_own = warp * ITEM_ROWS          # the row group this warp owns in every chunk
+        for c0 in range(0, a1, chunk):
+            rows = a1 - c0
+            if rows > chunk:
+                rows = chunk
+            if c0 > 0:
+                self.consumer_sync()      # the last chunk's argmax merge has read s.wv and s.wi
+            nr = rows - g_own             # rows of the owned group (<= 0: none in this chunk)
+            if nr > ITEM_ROWS:
+                nr = ITEM_ROWS
+            acc = cute.make_rmem_tensor((NA,), Float32)
+            for i in cutlass.range_constexpr(NA):
+                acc[i] = Float32(0.0)
+            for sl in range(n_slab):
+                col0 = sl * slab
+                width = K - sl * slab
+                if width > slab:
+                    width = slab
+                xw = K + X_PAD
+                if not whole:
+                    w0 = sl - sl % xsl
+                    col0 = (sl - w0) * slab
+                    xw = xsl * slab + X_PAD
+                    if sl == w0:
+                        ww = K - w0 * slab
+                        if ww > xsl * slab:
+                            ww = xsl * slab
+                        self.consumer_sync()      # the previous window is read: this one may overwrite it
+                        self.stage(tidx, layer, k_row, merge, from_embed, has_norm and c0 == 0, in_addr, norm_addr,
+                                   p, s, ss, k0 + w0 * slab, ww, xw)
+                        self.consumer_sync()
+                        if cutlass.const_expr(self.options.trace):
+                            if tidx == 0 and c0 == 0 and sl == 0:
+                                st_i32(rec + TR_STAGED * 4, globaltimer_lo())
+                for g0 in range(0, rows, ITEM_ROWS):
+                    slot = k_slot % self.ring_slots
+                    mb = slot * 8
+                    self.wait_full(full + mb, (k_slot // self.ring_slots) % 2, p.error)
+                    if cutlass.const_expr(self.options.trace):
+                        if tidx == 0:
+                            if c0 == 0 and sl == 0 and g0 == 0:
+                                st_i32(rec + TR_LANDED_FIRST * 4, globaltimer_lo())
+                            if c0 + rows >= a1 and sl == n_slab - 1 and g0 + ITEM_ROWS >= rows:
+                                st_i32(rec + TR_LANDED_LAST * 4, globaltimer_lo())
+                    if g0 == g_own:
+                        self.wide_item(lane, slab, width, ring + slot * SLOT_BYTES, x_base, xw, col0, nr, acc)
+                    cute.arch.sync_warp()
+                    if lane == 0:
+                        mbarrier_arrive(empty + mb)       # every consumer warp passes every slot
+                    k_slot = k_slot + 1
+            if not whole and c0 == 0 and has_norm:
+                self.norm_statistic(tidx, warp, lane, layer, op, kpart, split, k_row, ss, p, s)
+            self.consumer_sync()
+            if cutlass.const_expr(self.options.trace):
+                if tidx == 0:
+                    st_i32(rec + TR_CONSUMED * 4, globaltimer_lo())
+            self.epilogue_wide(warp, lane, op, layer, a0, c0 + g_own, nr, kpart, split, has_norm, has_res, out_addr,
+                               out_w, res_addr, acc, p, s)
+            if is_lm:
+                self.consumer_sync()
+                if tidx < B:
+                    bv, bi = self.merge_warp_maxima(tidx, s_red[tidx], s_ired[tidx], s)
+                    s_red[tidx] = bv          # (read and written by thread b alone)
+                    s_ired[tidx] = bi
+        if is_lm and tidx < B:
+            st_f32(p.lm_max + (Int64(tidx) * self.T + Int64(tile)) * 4, s_red[tidx])
+            st_i32(p.lm_idx + (Int64(tidx) * self.T + Int64(tile)) * 4, s_ired[tidx])
+        return k_slot
+
+    @cute.jit
+    def wide_item(self, lane: Int32, slab: Int32, width: Int32, slot_addr: Int32, x_base: Int32, xw: Int32,
+                  col0: Int32, nr: Int32, acc: cute.Tensor):
+        """A slot's row group (16 rows; the second 8-row block absent where nr <= 8) times every sequence's
+        staged input, added to acc: per n-tile nt and chain ch, acc[(ch * NT + nt) * 4 + i] is the MMA's C
+        fragment i (rows lane // 4 and lane // 4 + 8, sequences nt * 8 + 2 (lane % 4) and the next). The slot
+        layout and the staged input's are consume_item's; here only the hi half (bf16) of each input pair is
+        read."""
+        B = self.B
+        NT, CH = self.n_tiles(), self.chains()
+        kp_slab = slab // 32
+        kp_w = width // 32
+        IKP = SLAB_COLS // 32
+        two = 8 < nr
+        n = lane // 4
+        t = lane - n * 4
+        top = slot_addr + lane * 16
+        xa = x_base + (n * xw + col0 + 4 * t) * 4
+        for hf in cutlass.range_constexpr(IKP // LOAD_KP):
+            a = cute.make_rmem_tensor((LOAD_KP * 8,), Int32)
+            for uu in cutlass.range_constexpr(LOAD_KP):
+                u = hf * LOAD_KP + uu
+                for e in cutlass.range_constexpr(8):
+                    a[uu * 8 + e] = Int32(0)
+                if u < kp_w:
+                    v = load_shared_raw(top + u * 512)
+                    for e in cutlass.range_constexpr(4):
+                        a[uu * 8 + e] = v[e]
+                    if two:
+                        v = load_shared_raw(top + u * 512 + kp_slab * 512)
+                        for e in cutlass.range_constexpr(4):
+                            a[uu * 8 + 4 + e] = v[e]
+            for uu in cutlass.range_constexpr(LOAD_KP):
+                u = hf * LOAD_KP + uu
+                if u < kp_w:
+                    for kb in cutlass.range_constexpr(2):
+                        q = uu * 8 + kb * 2
+                        for nt in cutlass.range_constexpr(NT):
+                            b0 = Int32(0)
+                            b1 = Int32(0)
+                            if cutlass.const_expr(B % 8 == 0):
+                                b0, b1 = load_shared_b32x2(xa + (nt * 8 * xw + u * 32 + kb * 16) * 4)
+                            else:
+                                if nt * 8 + n < B:
+                                    b0, b1 = load_shared_b32x2(xa + (nt * 8 * xw + u * 32 + kb * 16) * 4)
+                            c = ((u % CH) * NT + nt) * 4
+                            d = mma_bf16_16816(a[q], a[q + 4], a[q + 1], a[q + 5], b0, b1,
+                                               acc[c], acc[c + 1], acc[c + 2], acc[c + 3])
+                            for i in cutlass.range_constexpr(4):
+                                acc[c + i] = d[i]
+
+    @cute.jit
+    def norm_statistic(self, tidx: Int32, warp: Int32, lane: Int32, layer: Int32, op: Int32, kpart: Int32,
+                       split: Boolean, k_row: Int32, ss: cute.Tensor, p, s):
+        """Every sequence's sum of squares over the staged columns (each warp's share in s.wv): for a K range's
+        tile, stored into part_ssq (MV_REDUCE scales), s.rstd = 1; else s.rstd = rsqrt(mean + eps). A barrier is
+        needed before s.rstd is read."""
+        s_rstd, s_wv = s.rstd, s.wv
+        B = self.B
+        self.consumer_sync()          # every warp's sums (stage: s.wv slot warp * B + b) are in
+        if tidx < B:
+            tot = Float32(0.0)
+            for w in range(self.warps):
+                tot = tot + s_wv[w * B + tidx]
+            if split:
+                st = Int32(0)
+                if op == OP_GATE_UP:
+                    st = Int32(1)
+                st_f32(p.part_ssq + (((Int64(layer) * 2 + Int64(st)) * self.E_ssq + Int64(kpart)) * B
+                                     + Int64(tidx)) * 4, tot)
+                s_rstd[tidx] = Float32(1.0)
+            else:
+                s_rstd[tidx] = rsqrt(tot / Float32(k_row) + Float32(self.eps))
+
+    @cute.jit
+    def epilogue_wide(self, warp: Int32, lane: Int32, op: Int32, layer: Int32, a0: Int32, r0: Int32, nr: Int32,
+                      kpart: Int32, split: Boolean, has_norm: Boolean, has_res: Boolean, out_addr: Int64,
+                      out_w: Int32, res_addr: Int64, acc: cute.Tensor, p, s):
+        """The warp's rows r0 .. r0 + nr of the tile (nr <= 0: none) from its accumulators: a K range's partial
+        into part_<stage>, else the stage's store (the RMS scale, the residual, SiLU(gate) * up: a row group's
+        gate rows are its first 8, its up rows the next 8, so lane quad n holds both of output n); the LM head
+        also its (max, lowest index) per sequence into s.wv / s.wi slot warp * B + b."""
+        s_rstd, s_wi, s_wv = s.rstd, s.wi, s.wv
+        B, H = self.B, self.H
+        NT, CH = self.n_tiles(), self.chains()
+        n = lane // 4
+        t = lane - n * 4
+        is_gate_up = op == OP_GATE_UP
+        is_lm = op == OP_LM_HEAD
+        part_addr, part_rows, part_e = self.part_buffer(op, p)
+        for nt in cutlass.range_constexpr(NT):
+            for e in cutlass.range_constexpr(2):
+                b = nt * 8 + 2 * t + e
+                y = cute.make_rmem_tensor((2,), Float32)      # rows n and n + 8
+                for h in cutlass.range_constexpr(2):
+                    y[h] = acc[nt * 4 + h * 2 + e]
+                    for ch in cutlass.range_constexpr(1, CH):
+                        y[h] = y[h] + acc[(ch * NT + nt) * 4 + h * 2 + e]
+                bv = Float32(-math.inf)
+                bi = Int32(0x7FFFFFFF)
+                if b < B:
+                    scale = Float32(1.0)
+                    if has_norm:
+                        scale = s_rstd[b]
+                    ob = out_addr + Int64(b) * Int64(out_w) * 4
+                    if split:
+                        for h in cutlass.range_constexpr(2):
+                            if n + 8 * h < nr:
+                                st_f32(part_addr + (((Int64(layer) * part_e + Int64(kpart)) * B + Int64(b))
+                                                    * part_rows + Int64(a0 + r0 + n + 8 * h)) * 4, y[h])
+                    elif is_gate_up:
+                        if n < nr:
+                            g = y[0] * scale
+                            silu = g / (Float32(1.0) + ex2(-g * Float32(LOG2E)))
+                            st_f32(ob + Int64(r0 // 2 + n) * 4, silu * (y[1] * scale))
+                    else:
+                        for h in cutlass.range_constexpr(2):
+                            r = r0 + n + 8 * h
+                            if n + 8 * h < nr:
+                                v = y[h] * scale
+                                if has_res:
+                                    v = v + ld_f32(res_addr + (Int64(b) * Int64(H) + Int64(r)) * 4)
+                                st_f32(ob + Int64(r) * 4, v)
+                                if is_lm:
+                                    if v > bv:
+                                        bv = v
+                                        bi = a0 + r
+                if is_lm:
+                    # (every lane: the shuffles need the whole warp) the lowest row among equal maxima
+                    bv, bi = warp_max_index(bv, bi, (16, 8, 4))
+                    if n == 0 and b < B:
+                        s_wv[warp * B + b] = bv
+                        s_wi[warp * B + b] = bi
+
+    @cute.jit
+    def part_buffer(self, op: Int32, p):
+        """(address, rows, E) of a split stage's part buffer (f32 [L, E, B, rows]); (0, 1, 1) for others."""
+        addr = Int64(0)
+        rows = Int64(1)
+        ranges = Int64(1)
+        for code, name in ((OP_QKV, "part_qkv"), (OP_O_PROJ, "part_o"), (OP_GATE_UP, "part_gate_up"),
+                           (OP_DOWN, "part_down")):
+            if cutlass.const_expr(code in self.split_widths):
+                if op == code:
+                    addr = getattr(p, name)
+                    rows = Int64(weight_rows(Opcode(code), self.layout)[0])
+                    ranges = Int64(k_splits(self.layout, Opcode(code)))
+        return addr, rows, ranges
+
+    @cute.jit
+    def mv_reduce(self, tidx: Int32, layer: Int32, a0: Int32, a1: Int32, op: Int32, E: Int32, p, s):
+        """MV_REDUCE: rows a0 .. a0 + a1 of split stage `op`, its E ranges' partials added in range order, times
+        the RMS scale from the ranges' sums of squares (QKV, GATE_UP), then the stage's epilogue; one thread per
+        output, consecutive threads on consecutive rows of a sequence."""
+        s_rstd = s.rstd
+        B, H = self.B, self.H
+        l64 = Int64(layer)
+        part_addr, part_rows, _ = self.part_buffer(op, p)
+        has_norm = op == OP_QKV or op == OP_GATE_UP
+        if has_norm:
+            if tidx < B:
+                st = Int32(0)
+                if op == OP_GATE_UP:
+                    st = Int32(1)
+                tot = Float32(0.0)
+                for e in range(E):
+                    tot = tot + ld_f32(p.part_ssq + (((l64 * 2 + Int64(st)) * self.E_ssq + Int64(e)) * B
+                                                     + Int64(tidx)) * 4)
+                s_rstd[tidx] = rsqrt(tot / Float32(self.H) + Float32(self.eps))
+            self.consumer_sync()
+        n_out = a1
+        if op == OP_GATE_UP:
+            n_out = a1 // 2
+        for i in range(tidx, n_out * B, self.cthreads):
+            b = i // n_out
+            j = i - b * n_out
+            scale = Float32(1.0)
+            if has_norm:
+                scale = s_rstd[b]
+            base = (l64 * E * B + Int64(b)) * part_rows       # range 0 of sequence b; range e is e * B rows on
+            step = Int64(B) * part_rows
+            if op == OP_GATE_UP:
+                pr = j // ROW_GROUP
+                gr = a0 + pr * (2 * ROW_GROUP) + (j - pr * ROW_GROUP)
+                g = Float32(0.0)
+                up = Float32(0.0)
+                for e in range(E):
+                    g = g + ld_f32(part_addr + (base + Int64(e) * step + Int64(gr)) * 4)
+                    up = up + ld_f32(part_addr + (base + Int64(e) * step + Int64(gr + ROW_GROUP)) * 4)
+                g = g * scale
+                up = up * scale
+                silu = g / (Float32(1.0) + ex2(-g * Float32(LOG2E)))
+                st_f32(p.act + ((l64 * B + Int64(b)) * self.F + Int64(a0 // 2 + j)) * 4, silu * up)
+            else:
+                r = a0 + j
+                y = Float32(0.0)
+                for e in range(E):
+                    y = y + ld_f32(part_addr + (base + Int64(e) * step + Int64(r)) * 4)
+                y = y * scale
+                if op == OP_QKV:
+                    st_f32(p.qkv + ((l64 * B + Int64(b)) * self.QKV + Int64(r)) * 4, y)
+                if op == OP_O_PROJ:
+                    row = (l64 * B + Int64(b)) * H + Int64(r)
+                    st_f32(p.h + row * 4, ld_f32(p.x + row * 4) + y)
+                if op == OP_DOWN:
+                    row = (l64 * B + Int64(b)) * H + Int64(r)
+                    st_f32(p.x + (row + Int64(B * H)) * 4, ld_f32(p.h + row * 4) + y)
