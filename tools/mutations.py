@@ -237,8 +237,8 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
        Mutation("aliasing_shared_append_allowed.kernel",
                 "the kernel's aliasing scan (scan_aliasing) lets two sequences append to one KV slot (only reads "
                 "are checked)",
-                (Patch(K_ATTN, "if entry == blk[b] and (t < pt or (t == pt and o != b)):",
-                       "if entry == blk[b] and t < pt:"),),
+                (Patch(K_ATTN, "if entries[u] == s_alias[3 * NB + b] and (t < pt or (t == pt and o != b)):",
+                       "if entries[u] == s_alias[3 * NB + b] and t < pt:"),),
                 (GPU_ALIAS_PROBE,), kernel=True),
        # the weight ring (megakernel/kernel/stream.py): device-only, no VM twin
        Mutation("ring_phase_flipped.kernel",
