@@ -413,8 +413,7 @@ class StepBuffers:
 def part_buffers(layout: StepLayout, device="cpu") -> dict[str, torch.Tensor]:
     """The K-range partial buffers of StepBuffers, sized by split_k.k_splits (E ranges; 0 where not split)."""
     from .matvec_stages import PART_BUFFERS, weight_rows
-    from .opcodes import Opcode
-    from .split_k import k_splits
+    from .split_k import k_splits, ssq_ranges
 
     out = {}
     for op, name in PART_BUFFERS.items():
@@ -422,7 +421,7 @@ def part_buffers(layout: StepLayout, device="cpu") -> dict[str, torch.Tensor]:
         rows, _ = weight_rows(op, layout)
         out[name] = torch.empty(layout.config.num_layers, e if e > 1 else 0, layout.batch, rows,
                                 dtype=torch.float32, device=device)
-    e = max(k_splits(layout, Opcode.QKV), k_splits(layout, Opcode.GATE_UP))
+    e = ssq_ranges(layout)
     out["part_ssq"] = torch.empty(layout.config.num_layers, 2, e if e > 1 else 0, layout.batch,
                                   dtype=torch.float32, device=device)
     return out

@@ -73,6 +73,12 @@ def k_splits(layout, op: Opcode) -> int:
     return best
 
 
+def ssq_ranges(layout) -> int:
+    """E of the device's part_ssq buffer (the K ranges' sums of squares of QKV's and GATE_UP's inputs): the larger
+    of the two stages' splits."""
+    return max(k_splits(layout, Opcode.QKV), k_splits(layout, Opcode.GATE_UP))
+
+
 def _stage(ins: Instruction) -> Opcode:
     op = Opcode(ins.a2)
     if op not in PARTS_STAGE:

@@ -45,7 +45,7 @@ from ..instructions.matvec_stages import weight_rows
 from ..instructions.opcodes import Opcode
 from ..instructions.record import (W_A0, W_A1, W_A2, W_A3, W_INDEX, W_K_PART, W_K_PARTS, W_LAYER, W_OPCODE,
                                    W_SIGNAL_ID, W_WAIT_COUNT, W_WAIT_ID, WORDS)
-from ..instructions.split_k import SPLIT_STAGES, k_splits
+from ..instructions.split_k import SPLIT_STAGES, k_splits, ssq_ranges
 from .attention import ERR_ALIAS, ERR_POSITION, LOG2E, AttentionStage  # noqa: F401  (error codes re-exported)
 from .matvec import MatvecStage
 from .matvec_wide import WideMatvec
@@ -144,7 +144,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, AttentionStage, TokenS
             e = k_splits(layout, op)
             if e > 1:
                 self.split_widths[int(op)] = weight_rows(op, layout)[1] // e
-        self.E_ssq = max([k_splits(layout, op) for op in (Opcode.QKV, Opcode.GATE_UP)])
+        self.E_ssq = ssq_ranges(layout)
         self.plan = StreamPlan.for_config(c, self.B, tuple(self.split_widths.values()))
         self.wide = wide(self.B)
         free = SMEM_LIMIT - self.smem_bytes(ring_slots=0)

@@ -41,6 +41,12 @@ MERGE_PAIRS = 16           # O_PROJ's merge: (sequence, split) pairs whose lse a
                            # (half that with 15 consumer warps, whose 128 registers would spill)
 
 
+@cute.jit
+def silu(g: Float32) -> Float32:
+    """g * sigmoid(g) in float32 (GATE_UP's epilogue)."""
+    return g / (Float32(1.0) + ex2(-g * Float32(LOG2E)))
+
+
 class MatvecStage:
     """Consumer-side matvec (a mixin of the interpreter)."""
 
@@ -249,18 +255,7 @@ class MatvecStage:
         LK = min(LOAD_KP, IKP)
         for hf in cutlass.range_constexpr(IKP // LK):
             a = cute.make_rmem_tensor((LK * 8,), Int32)
-            for uu in cutlass.range_constexpr(LK):
-                u = hf * LK + uu
-                for e in cutlass.range_constexpr(8):
-                    a[uu * 8 + e] = Int32(0)
-                if u < kp_w:
-                    v = load_shared_raw(top + u * 512)
-                    for e in cutlass.range_constexpr(4):
-                        a[uu * 8 + e] = v[e]
-                    if two:
-                        v = load_shared_raw(top + u * 512 + kp_slab * 512)
-                        for e in cutlass.range_constexpr(4):
-                            a[uu * 8 + 4 + e] = v[e]
+            self.load_fragments(a, top, hf * LK, LK, kp_w, kp_slab, two)
             for uu in cutlass.range_constexpr(LK):
                 u = hf * LK + uu
                 if u < kp_w:
@@ -291,6 +286,25 @@ class MatvecStage:
             for e in cutlass.range_constexpr(2):
                 if 2 * t + e < B:
                     s_part[((row + 8) * n_seg + seg) * B + 2 * t + e] = c[2 + e]
+
+    @cute.jit
+    def load_fragments(self, a: cute.Tensor, top: Int32, u0: int, n: int, kp_w: Int32, kp_slab: Int32,
+                       two: Boolean):
+        """The A registers of a 16-row item's 32-column blocks u0 .. u0 + n - 1 into a (8 words per block: the top
+        8-row block's 16 bytes, then the bottom's, which is kp_slab blocks on; zero where absent): `top` is the
+        lane's 16 bytes of the item's first block, blocks past kp_w hold no columns of the slab."""
+        for uu in cutlass.range_constexpr(n):
+            u = u0 + uu
+            for e in cutlass.range_constexpr(8):
+                a[uu * 8 + e] = Int32(0)
+            if u < kp_w:
+                v = load_shared_raw(top + u * 512)
+                for e in cutlass.range_constexpr(4):
+                    a[uu * 8 + e] = v[e]
+                if two:
+                    v = load_shared_raw(top + u * 512 + kp_slab * 512)
+                    for e in cutlass.range_constexpr(4):
+                        a[uu * 8 + 4 + e] = v[e]
 
     @cute.jit
     def epilogue(self, tidx: Int32, warp: Int32, lane: Int32, c0: Int32, rows: Int32, n_seg: Int32, a0: Int32,
@@ -324,8 +338,7 @@ class MatvecStage:
                     up = up + s_part[((gr + ROW_GROUP) * n_seg + sg) * B + b]
                 g = g * scale
                 up = up * scale
-                silu = g / (Float32(1.0) + ex2(-g * Float32(LOG2E)))
-                st_f32(ob + Int64(c0 // 2 + r) * 4, silu * up)
+                st_f32(ob + Int64(c0 // 2 + r) * 4, silu(g) * up)
             else:
                 y = Float32(0.0)
                 for sg in range(n_seg):

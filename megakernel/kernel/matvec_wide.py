@@ -29,14 +29,13 @@ from ..instructions.layout import ROW_GROUP
 from ..instructions.matvec_stages import weight_rows
 from ..instructions.opcodes import Opcode
 from ..instructions.split_k import k_splits
-from .ptx import (ex2, globaltimer_lo, ld_f32, load_shared_b32x2, load_shared_raw, mbarrier_arrive, mma_bf16_16816,
-                  rsqrt, st_f32, st_i32, warp_max_index)
+from .matvec import LOAD_KP, silu
+from .ptx import (globaltimer_lo, ld_f32, load_shared_b32x2, mbarrier_arrive, mma_bf16_16816, rsqrt, st_f32, st_i32,
+                  warp_max_index)
 from .stream import ITEM_ROWS, SLAB_COLS, SLOT_BYTES, TR_CONSUMED, TR_LANDED_FIRST, TR_LANDED_LAST, TR_STAGED, X_PAD
 
 OP_QKV, OP_O_PROJ, OP_GATE_UP = int(Opcode.QKV), int(Opcode.O_PROJ), int(Opcode.GATE_UP)
 OP_DOWN, OP_LM_HEAD = int(Opcode.DOWN), int(Opcode.LM_HEAD)
-LOG2E = 1.4426950408889634
-LOAD_KP = 4                # 32-column blocks whose weight fragments are loaded at once
 
 
 class WideMatvec:
@@ -75,7 +74,7 @@ class WideMatvec:
             self.stage(tidx, layer, k_row, merge, from_embed, has_norm, in_addr, norm_addr, p, s, ss, k0, K,
                        K + X_PAD)
             if has_norm:
-                self.norm_statistic(tidx, warp, lane, layer, op, kpart, split, k_row, ss, p, s)
+                self.norm_statistic(tidx, layer, op, kpart, split, k_row, p, s)
             self.consumer_sync()
             if cutlass.const_expr(self.options.trace):
                 if tidx == 0:
@@ -135,7 +134,7 @@ class WideMatvec:
                         mbarrier_arrive(empty + mb)       # every consumer warp passes every slot
                     k_slot = k_slot + 1
             if not whole and c0 == 0 and has_norm:
-                self.norm_statistic(tidx, warp, lane, layer, op, kpart, split, k_row, ss, p, s)
+                self.norm_statistic(tidx, layer, op, kpart, split, k_row, p, s)
             self.consumer_sync()
             if cutlass.const_expr(self.options.trace):
                 if tidx == 0:
@@ -173,18 +172,7 @@ class WideMatvec:
         xa = x_base + (n * xw + col0 + 4 * t) * 4
         for hf in cutlass.range_constexpr(IKP // LOAD_KP):
             a = cute.make_rmem_tensor((LOAD_KP * 8,), Int32)
-            for uu in cutlass.range_constexpr(LOAD_KP):
-                u = hf * LOAD_KP + uu
-                for e in cutlass.range_constexpr(8):
-                    a[uu * 8 + e] = Int32(0)
-                if u < kp_w:
-                    v = load_shared_raw(top + u * 512)
-                    for e in cutlass.range_constexpr(4):
-                        a[uu * 8 + e] = v[e]
-                    if two:
-                        v = load_shared_raw(top + u * 512 + kp_slab * 512)
-                        for e in cutlass.range_constexpr(4):
-                            a[uu * 8 + 4 + e] = v[e]
+            self.load_fragments(a, top, hf * LOAD_KP, LOAD_KP, kp_w, kp_slab, two)
             for uu in cutlass.range_constexpr(LOAD_KP):
                 u = hf * LOAD_KP + uu
                 if u < kp_w:
@@ -205,8 +193,7 @@ class WideMatvec:
                                 acc[c + i] = d[i]
 
     @cute.jit
-    def norm_statistic(self, tidx: Int32, warp: Int32, lane: Int32, layer: Int32, op: Int32, kpart: Int32,
-                       split: Boolean, k_row: Int32, ss: cute.Tensor, p, s):
+    def norm_statistic(self, tidx: Int32, layer: Int32, op: Int32, kpart: Int32, split: Boolean, k_row: Int32, p, s):
         """Every sequence's sum of squares over the staged columns (each warp's share in s.wv): for a K range's
         tile, stored into part_ssq (MV_REDUCE scales), s.rstd = 1; else s.rstd = rsqrt(mean + eps). A barrier is
         needed before s.rstd is read."""
@@ -218,14 +205,19 @@ class WideMatvec:
             for w in range(self.warps):
                 tot = tot + s_wv[w * B + tidx]
             if split:
-                st = Int32(0)
-                if op == OP_GATE_UP:
-                    st = Int32(1)
-                st_f32(p.part_ssq + (((Int64(layer) * 2 + Int64(st)) * self.E_ssq + Int64(kpart)) * B
-                                     + Int64(tidx)) * 4, tot)
+                st_f32(self.ssq_addr(p, layer, op, kpart, tidx), tot)
                 s_rstd[tidx] = Float32(1.0)
             else:
                 s_rstd[tidx] = rsqrt(tot / Float32(k_row) + Float32(self.eps))
+
+    @cute.jit
+    def ssq_addr(self, p, layer: Int32, op: Int32, e: Int32, b: Int32) -> Int64:
+        """Address of K range e's sum of squares of sequence b's input to QKV or GATE_UP (part_ssq, f32
+        [L, 2, E, B])."""
+        st = Int32(0)
+        if op == OP_GATE_UP:
+            st = Int32(1)
+        return p.part_ssq + (((Int64(layer) * 2 + Int64(st)) * self.E_ssq + Int64(e)) * self.B + Int64(b)) * 4
 
     @cute.jit
     def epilogue_wide(self, warp: Int32, lane: Int32, op: Int32, layer: Int32, a0: Int32, r0: Int32, nr: Int32,
@@ -265,9 +257,7 @@ class WideMatvec:
                                                     * part_rows + Int64(a0 + r0 + n + 8 * h)) * 4, y[h])
                     elif is_gate_up:
                         if n < nr:
-                            g = y[0] * scale
-                            silu = g / (Float32(1.0) + ex2(-g * Float32(LOG2E)))
-                            st_f32(ob + Int64(r0 // 2 + n) * 4, silu * (y[1] * scale))
+                            st_f32(ob + Int64(r0 // 2 + n) * 4, silu(y[0] * scale) * (y[1] * scale))
                     else:
                         for h in cutlass.range_constexpr(2):
                             r = r0 + n + 8 * h
@@ -314,13 +304,9 @@ class WideMatvec:
         has_norm = op == OP_QKV or op == OP_GATE_UP
         if has_norm:
             if tidx < B:
-                st = Int32(0)
-                if op == OP_GATE_UP:
-                    st = Int32(1)
                 tot = Float32(0.0)
                 for e in range(E):
-                    tot = tot + ld_f32(p.part_ssq + (((l64 * 2 + Int64(st)) * self.E_ssq + Int64(e)) * B
-                                                     + Int64(tidx)) * 4)
+                    tot = tot + ld_f32(self.ssq_addr(p, layer, op, e, tidx))
                 s_rstd[tidx] = rsqrt(tot / Float32(self.H) + Float32(self.eps))
             self.consumer_sync()
         n_out = a1
@@ -342,10 +328,7 @@ class WideMatvec:
                 for e in range(E):
                     g = g + ld_f32(part_addr + (base + Int64(e) * step + Int64(gr)) * 4)
                     up = up + ld_f32(part_addr + (base + Int64(e) * step + Int64(gr + ROW_GROUP)) * 4)
-                g = g * scale
-                up = up * scale
-                silu = g / (Float32(1.0) + ex2(-g * Float32(LOG2E)))
-                st_f32(p.act + ((l64 * B + Int64(b)) * self.F + Int64(a0 // 2 + j)) * 4, silu * up)
+                st_f32(p.act + ((l64 * B + Int64(b)) * self.F + Int64(a0 // 2 + j)) * 4, silu(g * scale) * (up * scale))
             else:
                 r = a0 + j
                 y = Float32(0.0)
