@@ -49,6 +49,7 @@ from ..instructions.split_k import SPLIT_STAGES, k_splits, ssq_ranges
 from .attention import ERR_ALIAS, ERR_POSITION, LOG2E, AttentionStage  # noqa: F401  (error codes re-exported)
 from .matvec import MatvecStage
 from .matvec_wide import WideMatvec
+from .staging import InputStaging
 from .ptx import (atomic_add_acq_rel, atomic_cas, cp_async_wait_all, globaltimer_lo, ld_i32, load_acquire,
                   load_relaxed, mbarrier_init, mbarrier_init_fence, red_release_add, st_i32, store_relaxed,
                   store_system_nonzero)
@@ -102,7 +103,7 @@ class Fields:
         self.__dict__.update(values)
 
 
-class DecodeKernel(WeightStream, MatvecStage, WideMatvec, AttentionStage, TokenStages):
+class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, AttentionStage, TokenStages):
     """Compiled once per (StepLayout, options): model shape, batch bucket, KV splits and cache geometry are
     compile-time constants; every address is a runtime argument."""
 

@@ -2,10 +2,11 @@
 
 The stage's record, operands and torch reference are in megakernel.instructions.matvec_stages. Here:
   1. the input row of every sequence (x * norm weight, O_PROJ's merge of the attention splits, or layer
-     0's embedding row) is staged in shared memory as float32, whole or one column slab at a time, with
-     sum(x^2) for the RMSNorm of the stages that have one;
-  2. the tile's weight slots arrive in the ring (megakernel.kernel.stream); each slot's P parts (whole slots
-     at batch 2-8, halves at batch 1: stream.slot_parts) go to P consumer warps, each of which waits for
+     0's embedding row) is staged in shared memory, whole or one column slab at a time, with sum(x^2) for the
+     RMSNorm of the stages that have one (megakernel.kernel.staging);
+  2. the tile's weight slots arrive in the ring (megakernel.kernel.stream); at batch 1-8 (past it:
+     megakernel.kernel.matvec_wide) each slot's P parts (whole slots at batch 2-8, halves at batch 1:
+     stream.slot_parts) go to P consumer warps, each of which waits for
      the slot, multiplies its part on the tensor cores (m16n8k16 MMAs: the weights, fragment-packed at load
      time, are A, read 16 bytes per lane; the batch, padded to 8, is B, its float32 input staged already
      split into bf16 hi + lo, multiplied twice) into one float32 partial per (row, slab, part, sequence), and
@@ -24,8 +25,7 @@ from cutlass import Boolean, Float32, Int32, Int64
 
 from ..instructions.layout import ROW_GROUP
 from ..instructions.opcodes import Opcode
-from .ptx import (ex2, globaltimer_lo, ld_f32, ld_i32, load_f32x4, load_nc_b32x2, load_shared_raw, load_weights_bf16x4,
-                  mbarrier_arrive, mma_bf16_16816, rsqrt, split_bf16x2, st_f32, st_i32, st_shared_b32, unpack_bf16x2,
+from .ptx import (ex2, globaltimer_lo, ld_f32, load_shared_raw, mbarrier_arrive, mma_bf16_16816, rsqrt, st_f32, st_i32,
                   warp_max_index, warp_sum)
 from .ring_model import reader_warp
 from .stream import (ITEM_ROWS, SLAB_COLS, SLOT_BYTES, TR_CONSUMED, TR_LANDED_FIRST, TR_LANDED_LAST, TR_STAGED,
@@ -36,9 +36,6 @@ LOAD_KP = 4                # 32-column blocks whose weight loads are in flight a
 OP_QKV, OP_O_PROJ, OP_GATE_UP = int(Opcode.QKV), int(Opcode.O_PROJ), int(Opcode.GATE_UP)
 OP_DOWN, OP_LM_HEAD = int(Opcode.DOWN), int(Opcode.LM_HEAD)
 LOG2E = 1.4426950408889634
-X_LOADS = 8                # input quads (of all sequences) each thread loads per round when staging, at most
-MERGE_PAIRS = 16           # O_PROJ's merge: (sequence, split) pairs whose lse and partial quad load in one round
-                           # (half that with 15 consumer warps, whose 128 registers would spill)
 
 
 @cute.jit
@@ -372,12 +369,6 @@ class MatvecStage:
                 s_red[tidx] = bv          # (read and written by thread b alone)
                 s_ired[tidx] = bi
 
-    def x_unroll(self) -> int:
-        """Input quads per thread per staging round: enough that the widest staged row is one round, at most
-        X_LOADS loads (quads of every sequence) in flight per thread."""
-        widest = max(g.x_cols for g in self.plan.by_k.values())
-        return max(1, min(X_LOADS // self.B, -(-widest // (4 * self.cthreads))))
-
     @cute.jit
     def rms_statistic(self, tidx: Int32, warp: Int32, lane: Int32, K: Int32, ss: cute.Tensor, s):
         """s_rstd[b] = rsqrt(mean(x^2) + eps) from every thread's partial sum(x^2) in ss (a barrier is
@@ -393,187 +384,3 @@ class MatvecStage:
             for w in range(self.warps):
                 tot = tot + s_wv[w * self.B + tidx]
             s_rstd[tidx] = rsqrt(tot / Float32(K) + Float32(self.eps))
-
-    @cute.jit
-    def store_staged_quad(self, s, w: Int32, y: cute.Tensor):
-        """Four consecutive input columns (float32 y[0..3]; word w of s.x, a sequence's row start plus a column
-        that is a multiple of 4) split into bf16 hi + lo pairs and stored where consume_item's lanes read their
-        B registers: per 32-column block and 16-column k-step, lane quad t's 16 bytes are the packed pairs
-        [hi(2t, 2t+1), hi(2t+8, 2t+9), lo(2t, 2t+1), lo(2t+8, 2t+9)]. A row keeps its word count (one word per
-        column), so one split per input element per instruction, instead of one per element per row group."""
-        r = w % 16                   # (rows start at a multiple of 16 words: the stride and the window are)
-        h = r // 8                   # columns 8..15 of the k-step: the second word of the pair
-        t0 = (r % 8) // 2            # the lane quad of the first pair (the second pair's is t0 + 1)
-        base = s.x_addr + (w - r + t0 * 4 + h) * 4
-        hi0, lo0 = split_bf16x2(y[0], y[1])
-        hi1, lo1 = split_bf16x2(y[2], y[3])
-        st_shared_b32(base, hi0)
-        st_shared_b32(base + 8, lo0)
-        st_shared_b32(base + 16, hi1)
-        st_shared_b32(base + 24, lo1)
-
-    @cute.jit
-    def stage(self, tidx: Int32, layer: Int32, K: Int32, merge: Boolean, from_embed: Boolean, gather: Boolean,
-              in_addr: Int64, norm_addr: Int64, p, s, ss: cute.Tensor, s0: Int32,
-              kw: Int32, stride: Int32):
-        """Columns s0 .. s0 + kw of every sequence's matvec input into s.x at row stride `stride`: O_PROJ's
-        merged attention splits where `merge`, layer 0's embedding row where `from_embed`, else the input
-        row; times the norm weight, with sum(x^2) into ss where `gather`."""
-        B = self.B
-        if merge:
-            self.stage_merged_attention(tidx, layer, p, s, s0, kw, stride)
-        else:
-            # the quads of a column of up to X_LOADS sequences in one round (their loads in flight together), U
-            # columns per thread per round; a larger batch in groups of X_LOADS sequences, each group's sums of
-            # squares added into s.wv (slot warp * B + b, zeroed by the warp's lane 0 before the instruction's
-            # first staging) when its columns are done
-            U = self.x_unroll()
-            if cutlass.const_expr(B <= X_LOADS):
-                for q0 in range(tidx, kw // 4, self.cthreads * U):
-                    self.stage_round(tidx, q0, 0, B, U, from_embed, gather, K, in_addr, norm_addr, p, s, ss, 0,
-                                     s0, kw, stride)
-            else:
-                s_wv = s.wv
-                warp = tidx // 32
-                for g0 in cutlass.range_constexpr(0, B, X_LOADS):
-                    sg = cute.make_rmem_tensor((X_LOADS,), Float32)
-                    for bb in cutlass.range_constexpr(X_LOADS):
-                        sg[bb] = Float32(0.0)
-                    for q0 in range(tidx, kw // 4, self.cthreads * U):
-                        self.stage_round(tidx, q0, g0, X_LOADS, U, from_embed, gather, K, in_addr, norm_addr, p, s,
-                                         sg, -g0, s0, kw, stride)
-                    if gather:
-                        for bb in cutlass.range_constexpr(X_LOADS):
-                            tot = warp_sum(sg[bb])
-                            if tidx % 32 == 0:
-                                s_wv[warp * B + g0 + bb] = s_wv[warp * B + g0 + bb] + tot
-
-    @cute.jit
-    def stage_round(self, tidx: Int32, q0: Int32, g0: int, nb: int, U: int, from_embed: Boolean, gather: Boolean,
-                    K: Int32, in_addr: Int64, norm_addr: Int64, p, s, ss: cute.Tensor, ss_off: int, s0: Int32,
-                    kw: Int32, stride: Int32):
-        """One staging round (`stage`): columns q0, q0 + cthreads, ... (U of them) of sequences g0 .. g0 + nb,
-        their sums of squares into ss[ss_off + b]."""
-        nw = cute.make_rmem_tensor((U * 2,), Int32)           # the norm weights' packed bf16
-        for v in cutlass.range_constexpr(U):
-            nw[2 * v] = Int32(0)
-            nw[2 * v + 1] = Int32(0)
-            q = q0 + v * self.cthreads
-            if q < kw // 4:
-                nw[2 * v], nw[2 * v + 1] = load_nc_b32x2(norm_addr + Int64(s0 + q * 4) * 2)
-        rows = cute.make_rmem_tensor((nb,), Int64)
-        for bb in cutlass.range_constexpr(nb):
-            rows[bb] = in_addr + Int64(g0 + bb) * Int64(K) * 4
-            if cutlass.const_expr(self.layout.embed_folded):
-                if from_embed:
-                    tok = ld_i32(p.tokens + Int64(g0 + bb) * 4)
-                    if tok < 0 or tok >= self.V:
-                        tok = Int32(0)            # EMBED reports it in the error word
-                    rows[bb] = p.w_embed + Int64(tok) * (self.H * 2)
-        # every load of the round first (raw words: nothing uses a value before the last load is out), so the
-        # round is one memory round trip; then the products, sums and stores
-        xv = cute.make_rmem_tensor((U * nb * 4,), Float32)     # the input quads
-        for i in cutlass.range_constexpr(U * nb * 4):
-            xv[i] = Float32(0.0)
-        for v in cutlass.range_constexpr(U):
-            q = q0 + v * self.cthreads
-            if q < kw // 4:
-                k = s0 + q * 4
-                for bb in cutlass.range_constexpr(nb):
-                    j = v * nb + bb
-                    if cutlass.const_expr(self.layout.embed_folded):
-                        if from_embed:
-                            # (layer 0's embedding row, unpacked as it lands: the step's first stage)
-                            xe = load_weights_bf16x4(rows[bb] + Int64(k) * 2)
-                            for e in cutlass.range_constexpr(4):
-                                xv[4 * j + e] = xe[e]
-                        else:
-                            xg = load_f32x4(rows[bb] + Int64(k) * 4)
-                            for e in cutlass.range_constexpr(4):
-                                xv[4 * j + e] = xg[e]
-                    else:
-                        xg = load_f32x4(rows[bb] + Int64(k) * 4)
-                        for e in cutlass.range_constexpr(4):
-                            xv[4 * j + e] = xg[e]
-        for v in cutlass.range_constexpr(U):
-            q = q0 + v * self.cthreads
-            if q < kw // 4:
-                nv = cute.make_rmem_tensor((4,), Float32)
-                nv[0], nv[1] = unpack_bf16x2(nw[2 * v])
-                nv[2], nv[3] = unpack_bf16x2(nw[2 * v + 1])
-                for bb in cutlass.range_constexpr(nb):
-                    j = v * nb + bb
-                    y = cute.make_rmem_tensor((4,), Float32)
-                    for e in cutlass.range_constexpr(4):
-                        x = xv[4 * j + e]
-                        if gather:
-                            ss[ss_off + g0 + bb] = ss[ss_off + g0 + bb] + x * x
-                        y[e] = x * nv[e]
-                    self.store_staged_quad(s, (g0 + bb) * stride + q * 4, y)
-
-    @cute.jit
-    def stage_merged_attention(self, tidx: Int32, layer: Int32, p, s, s0: Int32,
-                               kw: Int32, stride: Int32):
-        """O_PROJ folded with the attention merge: s.x = the merged attention output of every sequence, one
-        quad per thread at a time. Up to MERGE_PAIRS splits: the lse values and partials of as many sequences
-        as fit MERGE_PAIRS (sequence, split) pairs load in one round, then merge without a branch (an empty
-        split's lse is -inf, its weight ex2(-inf) = 0; a sequence has at least one token, so the maximum is
-        finite); more splits: one sequence at a time (merge_quad)."""
-        S, D = self.S, self.D
-        GB = (MERGE_PAIRS if self.warps <= 8 else MERGE_PAIRS // 2) // S   # sequences per round (0: more splits
-                                                                            # than a round holds)
-        # quads per thread per round: two where one round's loads of both fit the registers (batch 1, at most 4
-        # splits: the widest input, 2048 columns, is 512 quads over 480 threads), their loads out together
-        UQ = 2 if GB > 0 and self.B * S <= 4 else 1
-        for q0 in range(tidx, kw // 4, self.cthreads * UQ):
-            if cutlass.const_expr(GB == 0):
-                q = q0
-                k = s0 + q * 4
-                for b in cutlass.range_constexpr(self.B):
-                    xv = cute.make_rmem_tensor((4,), Float32)
-                    self.merge_quad(layer, b, k, p.attn_part_o, p.attn_part_lse, xv)
-                    self.store_staged_quad(s, b * stride + q * 4, xv)
-            else:
-                for b0 in cutlass.range_constexpr(0, self.B, GB):
-                    nb = min(GB, self.B - b0)
-                    n = nb * S                       # (sequence, split) pairs of a quad
-                    lse = cute.make_rmem_tensor((UQ * n,), Float32)
-                    ov = cute.make_rmem_tensor((UQ * n * 4,), Float32)
-                    for i in cutlass.range_constexpr(UQ * n):
-                        lse[i] = Float32(0.0)
-                        for e in cutlass.range_constexpr(4):
-                            ov[i * 4 + e] = Float32(0.0)
-                    for u in cutlass.range_constexpr(UQ):        # every load of the round first
-                        qu = q0 + u * self.cthreads
-                        if qu < kw // 4:
-                            ku = s0 + qu * 4
-                            head = ku // D
-                            d = ku - head * D
-                            for bb in cutlass.range_constexpr(nb):
-                                base = ((Int64(layer) * self.B + Int64(b0 + bb)) * self.Hq + Int64(head)) * S
-                                for sp in cutlass.range_constexpr(S):
-                                    i = u * n + bb * S + sp
-                                    lse[i] = ld_f32(p.attn_part_lse + (base + sp) * 4)
-                                    o4 = load_f32x4(p.attn_part_o + ((base + sp) * D + Int64(d)) * 4)
-                                    for e in cutlass.range_constexpr(4):
-                                        ov[i * 4 + e] = o4[e]
-                    for u in cutlass.range_constexpr(UQ):
-                        qu = q0 + u * self.cthreads
-                        if qu < kw // 4:
-                            for bb in cutlass.range_constexpr(nb):
-                                i0 = u * n + bb * S
-                                mx = lse[i0]
-                                for sp in cutlass.range_constexpr(1, S):
-                                    mx = cute.arch.fmax(mx, lse[i0 + sp])
-                                tot = Float32(0.0)
-                                acc = cute.make_rmem_tensor((4,), Float32)
-                                for e in cutlass.range_constexpr(4):
-                                    acc[e] = Float32(0.0)
-                                for sp in cutlass.range_constexpr(S):
-                                    f = ex2((lse[i0 + sp] - mx) * Float32(LOG2E))
-                                    tot = tot + f
-                                    for e in cutlass.range_constexpr(4):
-                                        acc[e] = acc[e] + f * ov[(i0 + sp) * 4 + e]
-                                for e in cutlass.range_constexpr(4):
-                                    acc[e] = acc[e] / tot
-                                self.store_staged_quad(s, (b0 + bb) * stride + qu * 4, acc)

@@ -4,9 +4,11 @@ At batch 1-8 (megakernel.kernel.matvec) each slot part goes to the warp that own
 partial sum per (row, slab, part, sequence) in shared memory; with 64 sequences those partials would leave chunks
 of a few rows, each staging the input again. Here (docs/batch_path.md):
   - a chunk is WIDE_WARPS row groups of ITEM_ROWS rows, and consumer warp w owns row group w of every chunk: it
-    multiplies that row group's slot of every slab into float32 accumulators in its registers (m16n8k16 MMAs,
-    the weights as A, the batch as N in tiles of 8 sequences, the input as bf16: its hi half, one MMA per
-    fragment; tools/activation_precision.py has what that costs in accuracy), so a chunk's input is staged once;
+    multiplies that row group's slot of every slab into float32 accumulators in its registers (m16n8k16 MMAs:
+    the batch is M, in m-tiles of 16 sequences, its input staged as bf16 A fragments, one 16-byte load per lane
+    and k-step (stream.wide_x_word); each 8-row block of the weights is N, the fragment-packed slot giving a lane
+    its B registers of two k-steps in one 16-byte load; tools/activation_precision.py has what bf16 inputs cost in
+    accuracy), so a chunk's input is staged once;
   - every consumer warp waits for every slot and arrives on its empty barrier (initialised to WIDE_WARPS), so each
     use of a ring slot is complete before any warp waits for the next one (the parity of an mbarrier wait is
     exact), whichever warp reads it;
@@ -30,9 +32,10 @@ from ..instructions.matvec_stages import weight_rows
 from ..instructions.opcodes import Opcode
 from ..instructions.split_k import k_splits
 from .matvec import LOAD_KP, silu
-from .ptx import (globaltimer_lo, ld_f32, load_shared_b32x2, mbarrier_arrive, mma_bf16_16816, rsqrt, st_f32, st_i32,
-                  warp_max_index)
-from .stream import ITEM_ROWS, SLAB_COLS, SLOT_BYTES, TR_CONSUMED, TR_LANDED_FIRST, TR_LANDED_LAST, TR_STAGED, X_PAD
+from .ptx import (globaltimer_lo, ld_f32, load_shared_raw, mbarrier_arrive, mma_bf16_16816, rsqrt, st_f32, st_f32x2,
+                  st_i32, warp_max_index)
+from .stream import (ITEM_ROWS, M_TILE, SLAB_COLS, SLOT_BYTES, TR_CONSUMED, TR_LANDED_FIRST, TR_LANDED_LAST, TR_STAGED,
+                     m_tiles, wide_x_lane_word)
 
 OP_QKV, OP_O_PROJ, OP_GATE_UP = int(Opcode.QKV), int(Opcode.O_PROJ), int(Opcode.GATE_UP)
 OP_DOWN, OP_LM_HEAD = int(Opcode.DOWN), int(Opcode.LM_HEAD)
@@ -41,14 +44,10 @@ OP_DOWN, OP_LM_HEAD = int(Opcode.DOWN), int(Opcode.LM_HEAD)
 class WideMatvec:
     """Consumer-side matvec past SPLIT_BATCH and MV_REDUCE (a mixin of the interpreter)."""
 
-    def n_tiles(self) -> int:
-        """MMA n-tiles of 8 sequences."""
-        return (self.B + 7) // 8
-
     def chains(self) -> int:
-        """Independent accumulator chains per n-tile (even and odd 32-column blocks where there are few
-        n-tiles, so an item is not one chain of dependent MMAs)."""
-        return 2 if self.n_tiles() <= 2 else 1
+        """Independent accumulator chains per (8-row block, m-tile): even and odd 32-column blocks where there is
+        one m-tile, so an item is not two chains of dependent MMAs."""
+        return 2 if m_tiles(self.B) == 1 else 1
 
     @cute.jit
     def matvec_wide(self, tidx: Int32, warp: Int32, lane: Int32, op: Int32, layer: Int32, a0: Int32, a1: Int32,
@@ -61,7 +60,7 @@ class WideMatvec:
         (k_row columns per weight row and input row)."""
         s_ired, s_red = s.ired, s.red
         B = self.B
-        NA = self.n_tiles() * self.chains() * 4
+        NA = self.chains() * 2 * m_tiles(B) * 4
         is_lm = op == OP_LM_HEAD
         whole = xsl >= n_slab
         ss = cute.make_rmem_tensor((1,), Float32)      # (stage adds the sums of squares into s.wv instead)
@@ -72,7 +71,7 @@ class WideMatvec:
                 s_wv[warp * B + b] = Float32(0.0)
         if whole:
             self.stage(tidx, layer, k_row, merge, from_embed, has_norm, in_addr, norm_addr, p, s, ss, k0, K,
-                       K + X_PAD)
+                       Int32(0))
             if has_norm:
                 self.norm_statistic(tidx, layer, op, kpart, split, k_row, p, s)
             self.consumer_sync()
@@ -101,18 +100,16 @@ class WideMatvec:
                 width = K - sl * slab
                 if width > slab:
                     width = slab
-                xw = K + X_PAD
                 if not whole:
                     w0 = sl - sl % xsl
                     col0 = (sl - w0) * slab
-                    xw = xsl * slab + X_PAD
                     if sl == w0:
                         ww = K - w0 * slab
                         if ww > xsl * slab:
                             ww = xsl * slab
                         self.consumer_sync()      # the previous window is read: this one may overwrite it
                         self.stage(tidx, layer, k_row, merge, from_embed, has_norm and c0 == 0, in_addr, norm_addr,
-                                   p, s, ss, k0 + w0 * slab, ww, xw)
+                                   p, s, ss, k0 + w0 * slab, ww, Int32(0))
                         self.consumer_sync()
                         if cutlass.const_expr(self.options.trace):
                             if tidx == 0 and c0 == 0 and sl == 0:
@@ -128,7 +125,7 @@ class WideMatvec:
                             if c0 + rows >= a1 and sl == n_slab - 1 and g0 + ITEM_ROWS >= rows:
                                 st_i32(rec + TR_LANDED_LAST * 4, globaltimer_lo())
                     if g0 == g_own:
-                        self.wide_item(lane, slab, width, ring + slot * SLOT_BYTES, x_base, xw, col0, nr, acc)
+                        self.wide_item(lane, slab, width, ring + slot * SLOT_BYTES, x_base, col0, nr, acc)
                     cute.arch.sync_warp()
                     if lane == 0:
                         mbarrier_arrive(empty + mb)       # every consumer warp passes every slot
@@ -153,44 +150,47 @@ class WideMatvec:
         return k_slot
 
     @cute.jit
-    def wide_item(self, lane: Int32, slab: Int32, width: Int32, slot_addr: Int32, x_base: Int32, xw: Int32,
-                  col0: Int32, nr: Int32, acc: cute.Tensor):
-        """A slot's row group (16 rows; the second 8-row block absent where nr <= 8) times every sequence's
-        staged input, added to acc: per n-tile nt and chain ch, acc[(ch * NT + nt) * 4 + i] is the MMA's C
-        fragment i (rows lane // 4 and lane // 4 + 8, sequences nt * 8 + 2 (lane % 4) and the next). The slot
-        layout and the staged input's are consume_item's; here only the hi half (bf16) of each input pair is
-        read."""
-        B = self.B
-        NT, CH = self.n_tiles(), self.chains()
-        kp_slab = slab // 32
+    def wide_item(self, lane: Int32, slab: Int32, width: Int32, slot_addr: Int32, x_base: Int32, col0: Int32,
+                  nr: Int32, acc: cute.Tensor):
+        """A slot's row group (16 rows: two 8-row blocks, the second absent where nr <= 8) times every sequence's
+        staged input, added to acc: acc[((ch * 2 + blk) * NM + mt) * 4 + i] is the C fragment i of chain ch, block
+        blk, m-tile mt (sequences mt * 16 + lane // 4 and + 8, rows blk * 8 + 2 (lane % 4) and the next). The slot
+        holds per 8-row block (slab * 16 bytes apart) 512-byte blocks of 32 columns in which lane l's 16 bytes are
+        its B registers (row l // 4) of the block's two k-steps; the staged input's k-steps from col0 (a multiple
+        of 128 columns, so its k-step count is a multiple of 8 and wide_x_lane_word's lane permutation is that of
+        the slab's own k-step) hold the A registers (stream.wide_x_lane_word)."""
+        NM, CH = m_tiles(self.B), self.chains()
         kp_w = width // 32
         IKP = SLAB_COLS // 32
-        two = 8 < nr
-        n = lane // 4
-        t = lane - n * 4
         top = slot_addr + lane * 16
-        xa = x_base + (n * xw + col0 + 4 * t) * 4
+        bottom = top + slab * 16                        # the second 8-row block
+        xa = x_base + (col0 // 16) * NM * 512          # the slab's first k-step of the staged input
         for hf in cutlass.range_constexpr(IKP // LOAD_KP):
-            a = cute.make_rmem_tensor((LOAD_KP * 8,), Int32)
-            self.load_fragments(a, top, hf * LOAD_KP, LOAD_KP, kp_w, kp_slab, two)
+            # the B registers of LOAD_KP blocks, loaded whatever the slot holds: blocks past the slab's width are
+            # not multiplied, and an absent second 8-row block only gives the C columns of rows past nr, which
+            # the epilogue does not store (the loads stay inside the slot: 2 x 16 blocks of 512 bytes at most)
+            w = cute.make_rmem_tensor((LOAD_KP * 8,), Int32)
+            for uu in cutlass.range_constexpr(LOAD_KP):
+                u = hf * LOAD_KP + uu
+                v = load_shared_raw(top + u * 512)
+                for e in cutlass.range_constexpr(4):
+                    w[uu * 8 + e] = v[e]
+                v = load_shared_raw(bottom + u * 512)
+                for e in cutlass.range_constexpr(4):
+                    w[uu * 8 + 4 + e] = v[e]
             for uu in cutlass.range_constexpr(LOAD_KP):
                 u = hf * LOAD_KP + uu
                 if u < kp_w:
                     for kb in cutlass.range_constexpr(2):
-                        q = uu * 8 + kb * 2
-                        for nt in cutlass.range_constexpr(NT):
-                            b0 = Int32(0)
-                            b1 = Int32(0)
-                            if cutlass.const_expr(B % 8 == 0):
-                                b0, b1 = load_shared_b32x2(xa + (nt * 8 * xw + u * 32 + kb * 16) * 4)
-                            else:
-                                if nt * 8 + n < B:
-                                    b0, b1 = load_shared_b32x2(xa + (nt * 8 * xw + u * 32 + kb * 16) * 4)
-                            c = ((u % CH) * NT + nt) * 4
-                            d = mma_bf16_16816(a[q], a[q + 4], a[q + 1], a[q + 5], b0, b1,
-                                               acc[c], acc[c + 1], acc[c + 2], acc[c + 3])
-                            for i in cutlass.range_constexpr(4):
-                                acc[c + i] = d[i]
+                        for mt in cutlass.range_constexpr(NM):
+                            a0, a1, a2, a3 = load_shared_raw(xa + wide_x_lane_word(2 * u + kb, mt, lane, NM) * 4)
+                            for blk in cutlass.range_constexpr(2):
+                                q = uu * 8 + blk * 4 + kb * 2
+                                c = (((u % CH) * 2 + blk) * NM + mt) * 4
+                                d = mma_bf16_16816(a0, a1, a2, a3, w[q], w[q + 1],
+                                                   acc[c], acc[c + 1], acc[c + 2], acc[c + 3])
+                                for i in cutlass.range_constexpr(4):
+                                    acc[c + i] = d[i]
 
     @cute.jit
     def norm_statistic(self, tidx: Int32, layer: Int32, op: Int32, kpart: Int32, split: Boolean, k_row: Int32, p, s):
@@ -223,26 +223,28 @@ class WideMatvec:
     def epilogue_wide(self, warp: Int32, lane: Int32, op: Int32, layer: Int32, a0: Int32, r0: Int32, nr: Int32,
                       kpart: Int32, split: Boolean, has_norm: Boolean, has_res: Boolean, out_addr: Int64,
                       out_w: Int32, res_addr: Int64, acc: cute.Tensor, p, s):
-        """The warp's rows r0 .. r0 + nr of the tile (nr <= 0: none) from its accumulators: a K range's partial
-        into part_<stage>, else the stage's store (the RMS scale, the residual, SiLU(gate) * up: a row group's
-        gate rows are its first 8, its up rows the next 8, so lane quad n holds both of output n); the LM head
-        also its (max, lowest index) per sequence into s.wv / s.wi slot warp * B + b."""
+        """The warp's rows r0 .. r0 + nr of the tile (nr <= 0: none; a multiple of 8) from its accumulators: lane
+        (g, t) holds sequences mt * 16 + g and + 8, rows blk * 8 + 2t and the next (wide_item). A K range's
+        partial into part_<stage>, else the stage's store (the RMS scale, the residual, SiLU(gate) * up: a row
+        group's gate rows are its first 8, its up rows the next 8, so a lane holds both of its two outputs); the
+        LM head also its (max, lowest index) per sequence into s.wv / s.wi slot warp * B + b."""
         s_rstd, s_wi, s_wv = s.rstd, s.wi, s.wv
         B, H = self.B, self.H
-        NT, CH = self.n_tiles(), self.chains()
-        n = lane // 4
-        t = lane - n * 4
+        NM, CH = m_tiles(B), self.chains()
+        g = lane // 4
+        t = lane - g * 4
         is_gate_up = op == OP_GATE_UP
         is_lm = op == OP_LM_HEAD
         part_addr, part_rows, part_e = self.part_buffer(op, p)
-        for nt in cutlass.range_constexpr(NT):
-            for e in cutlass.range_constexpr(2):
-                b = nt * 8 + 2 * t + e
-                y = cute.make_rmem_tensor((2,), Float32)      # rows n and n + 8
-                for h in cutlass.range_constexpr(2):
-                    y[h] = acc[nt * 4 + h * 2 + e]
-                    for ch in cutlass.range_constexpr(1, CH):
-                        y[h] = y[h] + acc[(ch * NT + nt) * 4 + h * 2 + e]
+        for mt in cutlass.range_constexpr(NM):
+            for hf in cutlass.range_constexpr(2):
+                b = mt * M_TILE + hf * 8 + g
+                y = cute.make_rmem_tensor((4,), Float32)      # [block][row 2t, 2t + 1]
+                for blk in cutlass.range_constexpr(2):
+                    for e in cutlass.range_constexpr(2):
+                        y[blk * 2 + e] = acc[(blk * NM + mt) * 4 + hf * 2 + e]
+                        for ch in cutlass.range_constexpr(1, CH):
+                            y[blk * 2 + e] = y[blk * 2 + e] + acc[((ch * 2 + blk) * NM + mt) * 4 + hf * 2 + e]
                 bv = Float32(-math.inf)
                 bi = Int32(0x7FFFFFFF)
                 if b < B:
@@ -251,29 +253,36 @@ class WideMatvec:
                         scale = s_rstd[b]
                     ob = out_addr + Int64(b) * Int64(out_w) * 4
                     if split:
-                        for h in cutlass.range_constexpr(2):
-                            if n + 8 * h < nr:
-                                st_f32(part_addr + (((Int64(layer) * part_e + Int64(kpart)) * B + Int64(b))
-                                                    * part_rows + Int64(a0 + r0 + n + 8 * h)) * 4, y[h])
+                        for blk in cutlass.range_constexpr(2):
+                            if blk * 8 < nr:
+                                st_f32x2(part_addr + (((Int64(layer) * part_e + Int64(kpart)) * B + Int64(b))
+                                                      * part_rows + Int64(a0 + r0 + blk * 8 + 2 * t)) * 4,
+                                         y[blk * 2], y[blk * 2 + 1])
                     elif is_gate_up:
-                        if n < nr:
-                            st_f32(ob + Int64(r0 // 2 + n) * 4, silu(y[0] * scale) * (y[1] * scale))
+                        st_f32x2(ob + Int64(r0 // 2 + 2 * t) * 4, silu(y[0] * scale) * (y[2] * scale),
+                                 silu(y[1] * scale) * (y[3] * scale))
                     else:
-                        for h in cutlass.range_constexpr(2):
-                            r = r0 + n + 8 * h
-                            if n + 8 * h < nr:
-                                v = y[h] * scale
+                        for blk in cutlass.range_constexpr(2):
+                            r = r0 + blk * 8 + 2 * t
+                            if blk * 8 < nr:
+                                v0 = y[blk * 2] * scale
+                                v1 = y[blk * 2 + 1] * scale
                                 if has_res:
-                                    v = v + ld_f32(res_addr + (Int64(b) * Int64(H) + Int64(r)) * 4)
-                                st_f32(ob + Int64(r) * 4, v)
+                                    rb = res_addr + (Int64(b) * Int64(H) + Int64(r)) * 4
+                                    v0 = v0 + ld_f32(rb)
+                                    v1 = v1 + ld_f32(rb + 4)
+                                st_f32x2(ob + Int64(r) * 4, v0, v1)
                                 if is_lm:
-                                    if v > bv:
-                                        bv = v
+                                    if v0 > bv:
+                                        bv = v0
                                         bi = a0 + r
+                                    if v1 > bv:
+                                        bv = v1
+                                        bi = a0 + r + 1
                 if is_lm:
                     # (every lane: the shuffles need the whole warp) the lowest row among equal maxima
-                    bv, bi = warp_max_index(bv, bi, (16, 8, 4))
-                    if n == 0 and b < B:
+                    bv, bi = warp_max_index(bv, bi, (2, 1))
+                    if t == 0 and b < B:
                         s_wv[warp * B + b] = bv
                         s_wi[warp * B + b] = bi
 

@@ -255,6 +255,12 @@ def st_f32(addr: Int64, v: Float32):
 
 
 @cute.jit
+def st_f32x2(addr: Int64, v0: Float32, v1: Float32):
+    """Two float32 to consecutive words (8-byte aligned)."""
+    cute.arch.inline_ptx("st.global.v2.f32 [{$r0}], {{$r1}, {$r2}};", read_only_args=[addr, v0, v1])
+
+
+@cute.jit
 def st_i32(addr: Int64, v: Int32):
     cute.arch.inline_ptx("st.global.b32 [{$r0}], {$r1};", read_only_args=[addr, v])
 

@@ -90,6 +90,37 @@ MAX_IN_FLIGHT = 3
 
 X_PAD = 16                  # words between the staged input rows of two sequences: rows start on a 16-word k-step
                             # and two sequences' 64-byte k-steps fall in different banks (conflict-free B loads)
+M_TILE = 16                 # sequences of one MMA m-tile past SPLIT_BATCH (the batch is the MMA's M there)
+
+
+def m_tiles(batch: int) -> int:
+    """MMA m-tiles of M_TILE sequences past SPLIT_BATCH."""
+    return -(-batch // M_TILE)
+
+
+def x_col_bytes(batch: int) -> int:
+    """Shared-memory bytes of one staged input column, all sequences: float32 (as bf16 hi and lo) per sequence up
+    to SPLIT_BATCH; past it bf16 per sequence of the padded m-tiles (wide_x_word)."""
+    return m_tiles(batch) * M_TILE * 2 if wide(batch) else batch * 4
+
+
+def wide_x_lane_word(ks, mt, lane, n_mt):
+    """Past SPLIT_BATCH, the staged input is the MMA's A operand: per 16-column k-step ks and m-tile mt of 16
+    sequences, a 512-byte block in which each lane finds its four A registers as one 16-byte load. The word of
+    lane `lane`'s registers in block (ks, mt): blocks k-step-major, lanes permuted by ks % 8 within a block, so
+    the staging stores of consecutive k-steps fall in different banks (the loads of one block are a permutation
+    of its 16-byte words: conflict-free either way). Plain arithmetic, for device code and host tests alike."""
+    return ((ks * n_mt + mt) * 32 + (lane ^ (ks % 8))) * 4
+
+
+def wide_x_word(b, c, n_mt):
+    """The word of sequence b's input columns c, c + 1 (c even; a bf16 pair, c in the low half) in the staged input
+    past SPLIT_BATCH: lane (b % 8) * 4 + t of block (c // 16, b // 16) holds the m16n8k16 A registers a0 = (row
+    b % 8, columns 2t, 2t + 1), a1 = (row b % 8 + 8, the same columns), a2 and a3 = the same rows at columns 2t + 8,
+    2t + 9, where t = (c % 16) // 2 % 4."""
+    j = (c % 16) // 2                   # the column pair within the k-step
+    r = b % M_TILE
+    return wide_x_lane_word(c // 16, b // M_TILE, (r % 8) * 4 + j % 4, n_mt) + r // 8 + 2 * (j // 4)
 
 
 @dataclass(frozen=True)
@@ -162,9 +193,10 @@ def slot_geometry(k: int, batch: int, parts: int | None = None) -> SlotGeometry:
     if wide(batch):
         # a slot is one row group of one slab, read by the warp that owns the row group in the chunk
         rows_per_slot, parts, chunk = ITEM_ROWS, 1, WIDE_WARPS * ITEM_ROWS
+    xb = x_col_bytes(batch)
     return SlotGeometry(k=k, slab_cols=slab, n_slab=n_slab, rows_per_slot=rows_per_slot, parts=parts,
-                        chunk_rows=chunk, x_slabs=n_slab if batch * k * 4 <= X_WHOLE_BYTES
-                        else max(1, X_WHOLE_BYTES // (batch * 4 * slab)))
+                        chunk_rows=chunk, x_slabs=n_slab if xb * k <= X_WHOLE_BYTES
+                        else max(1, X_WHOLE_BYTES // (xb * slab)))
 
 
 @dataclass(frozen=True)
@@ -200,7 +232,10 @@ class StreamPlan:
 
     @property
     def x_floats(self) -> int:
-        """Floats of the staged-input buffer: the widest staged row, all sequences."""
+        """32-bit words of the staged-input buffer: the widest staged row, all sequences (past SPLIT_BATCH in
+        bf16, the m-tiles padded to M_TILE sequences: wide_x_word)."""
+        if wide(self.batch):
+            return max(g.x_cols for g in self.by_k.values()) * x_col_bytes(self.batch) // 4
         return self.batch * max(g.x_stride for g in self.by_k.values())
 
     @staticmethod

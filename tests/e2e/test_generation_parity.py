@@ -358,7 +358,8 @@ def test_megakernel_matches_transformers_generate(name, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.hopper
 @pytest.mark.parametrize("name,batch", [("tiny-qwen3", 3), ("llama-3.2-1b-L2", 3), ("llama-3.2-1b-L2", 16),
-                                        ("qwen3-0.6b-L2", 16), ("llama-3.2-1b-L2", 32), ("tiny-llama", 64)])
+                                        ("qwen3-0.6b-L2", 16), ("llama-3.2-1b-L2", 32), ("tiny-llama", 64),
+                                        ("qwen3-0.6b-L2", 20), ("tiny-llama", 41)])
 def test_megakernel_batch_equals_each_sequence_alone(name, batch):
     config = GPU_MODELS[name]()
     seed = 41

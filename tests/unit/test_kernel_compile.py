@@ -182,7 +182,22 @@ def test_short_cache_layouts_compile_without_spills(name, batch):
 # Batches past SPLIT_BATCH: the wide consumers (row-group owners) and, on the real widths, the tiles of K ranges and
 # MV_REDUCE. llama-3.2-1b at 16 compiles without spills; at 32 and 64 the real presets still spill a few registers
 # (docs/batch_path.md), which these cases do not hide: they check the stream and the MMAs, and the shared memory.
-WIDE_CASES = [("llama-3.2-1b", 16), ("tiny-llama", 64), ("llama-3.1-8b", 32)]
+WIDE_CASES = [("llama-3.2-1b", 16), ("tiny-llama", 64), ("llama-3.1-8b", 32), ("qwen3-0.6b", 20)]
+
+
+def mma_loop(sass: str) -> tuple[int, int, int]:
+    """(MMAs, instructions, register moves) of the SASS's longest run of MMAs (no gap of 30 instructions)."""
+    ins = [line.split("*/", 1)[1].strip() for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]+\*/", line)]
+    at = [i for i, x in enumerate(ins) if "HMMA" in x]
+    runs = [[at[0]]]
+    for i in at[1:]:
+        if i - runs[-1][-1] < 30:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    run = max(runs, key=len)
+    body = ins[run[0]:run[-1] + 1]
+    return len(run), len(body), sum(1 for x in body if re.match(r"(@\S+\s+)?(MOV|IMAD\.MOV)\b", x))
 
 
 @pytest.mark.parametrize("name,batch", WIDE_CASES)
@@ -198,3 +213,8 @@ def test_wide_batches_stream_and_multiply(name, batch):
         assert dk.split_widths, f"{what}: no stage split over K"
     if (name, batch) == ("llama-3.2-1b", 16):
         assert art["spills"] == 0 and art["usage"].get("frame_bytes", 0) == 0, what
+    # the MMA loop (wide_item): the staged input's 16-byte loads are A fragments and the slot's are B pairs as the
+    # MMA takes them, so no register moves between MMAs and about two instructions per MMA (the loop once had 5.7,
+    # a third of them moves that rebuilt the A registers)
+    mmas, body, moves = mma_loop(art["sass"])
+    assert moves == 0 and body <= 2.25 * mmas, f"{what}: {moves} moves, {body} instructions for {mmas} MMAs"

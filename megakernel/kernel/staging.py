@@ -1,0 +1,269 @@
+"""Device code that stages a matvec stage's input in shared memory, every sequence's row (or a window of its
+columns) at once, before the weight slots are multiplied by it (megakernel.kernel.matvec, matvec_wide):
+  - the input row x (times the norm weight, with sum(x^2) for the RMSNorm of the stages that have one), layer 0's
+    embedding row where QKV stages it, or O_PROJ's merge of the attention splits;
+  - up to SPLIT_BATCH as float32 split into bf16 hi + lo pairs, in the B-register order of the narrow consumers
+    (store_staged_quad); past it as bf16 A fragments of m-tiles of 16 sequences (stream.wide_x_word);
+  - every load of a round first, so a round is one memory round trip; past X_LOADS sequences the rounds go over
+    (group of sequences, quad) pairs, so every thread has loads in flight whatever the window's width.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Boolean, Float32, Int32, Int64
+
+from .attention import LOG2E
+from .ptx import (ex2, ld_f32, ld_i32, load_f32x4, load_nc_b32x2, load_weights_bf16x4, pack_bf16x2, split_bf16x2,
+                  st_shared_b32, unpack_bf16x2, warp_sum)
+from .stream import m_tiles, wide_x_word
+
+X_LOADS = 8                # input quads (of all sequences) each thread loads per round when staging, at most
+MERGE_PAIRS = 16           # O_PROJ's merge: (sequence, split) pairs whose lse and partial quad load in one round
+                           # (half that with 15 consumer warps, whose 128 registers would spill, and past SPLIT_BATCH)
+
+
+class InputStaging:
+    """The matvec stages' input staging (a mixin of the interpreter)."""
+
+    def x_unroll(self) -> int:
+        """Input quads per thread per staging round: enough that the widest staged row is one round, at most
+        X_LOADS loads (quads of every sequence) in flight per thread."""
+        widest = max(g.x_cols for g in self.plan.by_k.values())
+        return max(1, min(X_LOADS // self.B, -(-widest // (4 * self.cthreads))))
+
+    @cute.jit
+    def store_staged_quad(self, s, w: Int32, y: cute.Tensor):
+        """Four consecutive input columns (float32 y[0..3]; word w of s.x, a sequence's row start plus a column
+        that is a multiple of 4) split into bf16 hi + lo pairs and stored where consume_item's lanes read their
+        B registers: per 32-column block and 16-column k-step, lane quad t's 16 bytes are the packed pairs
+        [hi(2t, 2t+1), hi(2t+8, 2t+9), lo(2t, 2t+1), lo(2t+8, 2t+9)]. A row keeps its word count (one word per
+        column), so one split per input element per instruction, instead of one per element per row group."""
+        r = w % 16                   # (rows start at a multiple of 16 words: the stride and the window are)
+        h = r // 8                   # columns 8..15 of the k-step: the second word of the pair
+        t0 = (r % 8) // 2            # the lane quad of the first pair (the second pair's is t0 + 1)
+        base = s.x_addr + (w - r + t0 * 4 + h) * 4
+        hi0, lo0 = split_bf16x2(y[0], y[1])
+        hi1, lo1 = split_bf16x2(y[2], y[3])
+        st_shared_b32(base, hi0)
+        st_shared_b32(base + 8, lo0)
+        st_shared_b32(base + 16, hi1)
+        st_shared_b32(base + 24, lo1)
+
+    @cute.jit
+    def store_x_quad(self, s, b: Int32, c: Int32, stride: Int32, y: cute.Tensor):
+        """Sequence b's input columns c .. c + 3 (float32 y; c a multiple of 4, counted from the staged window's
+        first): up to SPLIT_BATCH split into bf16 hi + lo at row stride `stride` (store_staged_quad), past it two
+        bf16 pairs where matvec_wide's A-operand loads read them (stream.wide_x_word)."""
+        if cutlass.const_expr(self.wide):
+            n_mt = m_tiles(self.B)
+            st_shared_b32(s.x_addr + wide_x_word(b, c, n_mt) * 4, pack_bf16x2(y[0], y[1]))
+            st_shared_b32(s.x_addr + wide_x_word(b, c + 2, n_mt) * 4, pack_bf16x2(y[2], y[3]))
+        else:
+            self.store_staged_quad(s, b * stride + c, y)
+
+    @cute.jit
+    def stage(self, tidx: Int32, layer: Int32, K: Int32, merge: Boolean, from_embed: Boolean, gather: Boolean,
+              in_addr: Int64, norm_addr: Int64, p, s, ss: cute.Tensor, s0: Int32,
+              kw: Int32, stride: Int32):
+        """Columns s0 .. s0 + kw of every sequence's matvec input into s.x (store_x_quad; row stride `stride` up to
+        SPLIT_BATCH): O_PROJ's merged attention splits where `merge`, layer 0's embedding row where `from_embed`,
+        else the input row; times the norm weight, with sum(x^2) where `gather` (into ss up to X_LOADS
+        sequences, past it into s.wv, slot warp * B + b, which the warp's lane 0 zeroes before the instruction's
+        first staging)."""
+        B = self.B
+        if merge:
+            self.stage_merged_attention(tidx, layer, p, s, s0, kw, stride)
+        else:
+            # the quads of a column of up to X_LOADS sequences in one round (their loads in flight together), U
+            # columns per thread per round
+            if cutlass.const_expr(B <= X_LOADS):
+                U = self.x_unroll()
+                for q0 in range(tidx, kw // 4, self.cthreads * U):
+                    self.stage_round(tidx, q0, 0, B, U, from_embed, gather, K, in_addr, norm_addr, p, s, ss, s0, kw,
+                                     stride)
+            else:
+                # a larger batch: one (group of X_LOADS sequences, quad) pair per thread per round, all threads busy
+                # whatever the window's width; kw / 4 is a multiple of 64, so a warp's 32 pairs of a round share
+                # a group and its sums of squares are one warp sum per sequence
+                s_wv = s.wv
+                warp = tidx // 32
+                nq = kw // 4
+                for it in range(tidx, (B + X_LOADS - 1) // X_LOADS * nq, self.cthreads):
+                    g0 = it // nq * X_LOADS
+                    sg = cute.make_rmem_tensor((X_LOADS,), Float32)
+                    for bb in cutlass.range_constexpr(X_LOADS):
+                        sg[bb] = Float32(0.0)
+                    self.stage_round(tidx, it - g0 // X_LOADS * nq, g0, X_LOADS, 1, from_embed, gather, K, in_addr,
+                                     norm_addr, p, s, sg, s0, kw, stride)
+                    if gather:
+                        for bb in cutlass.range_constexpr(X_LOADS):
+                            tot = warp_sum(sg[bb])
+                            if tidx % 32 == 0 and g0 + bb < B:
+                                s_wv[warp * B + g0 + bb] = s_wv[warp * B + g0 + bb] + tot
+
+    @cute.jit
+    def stage_round(self, tidx: Int32, q0: Int32, g0: Int32, nb: int, U: int, from_embed: Boolean, gather: Boolean,
+                    K: Int32, in_addr: Int64, norm_addr: Int64, p, s, ss: cute.Tensor, s0: Int32, kw: Int32,
+                    stride: Int32):
+        """One staging round (`stage`): quads q0, q0 + cthreads, ... (U of them) of sequences g0 .. g0 + nb (those
+        below B), sequence g0 + bb's sum of squares into ss[bb]."""
+        some = cutlass.const_expr(self.B % nb != 0)       # the last group of sequences is partial
+        nw = cute.make_rmem_tensor((U * 2,), Int32)           # the norm weights' packed bf16
+        for v in cutlass.range_constexpr(U):
+            nw[2 * v] = Int32(0)
+            nw[2 * v + 1] = Int32(0)
+            q = q0 + v * self.cthreads
+            if q < kw // 4:
+                nw[2 * v], nw[2 * v + 1] = load_nc_b32x2(norm_addr + Int64(s0 + q * 4) * 2)
+        rows = cute.make_rmem_tensor((nb,), Int64)
+        for bb in cutlass.range_constexpr(nb):
+            sq = g0 + bb
+            if cutlass.const_expr(some):
+                if sq >= self.B:
+                    sq = Int32(self.B - 1)        # (a sequence past the batch loads the last one's row, unused)
+            rows[bb] = in_addr + Int64(sq) * Int64(K) * 4
+            if cutlass.const_expr(self.layout.embed_folded):
+                if from_embed:
+                    tok = ld_i32(p.tokens + Int64(sq) * 4)
+                    if tok < 0 or tok >= self.V:
+                        tok = Int32(0)            # EMBED reports it in the error word
+                    rows[bb] = p.w_embed + Int64(tok) * (self.H * 2)
+        # every load of the round first (raw words: nothing uses a value before the last load is out), so the
+        # round is one memory round trip; then the products, sums and stores
+        xv = cute.make_rmem_tensor((U * nb * 4,), Float32)     # the input quads
+        for i in cutlass.range_constexpr(U * nb * 4):
+            xv[i] = Float32(0.0)
+        for v in cutlass.range_constexpr(U):
+            q = q0 + v * self.cthreads
+            if q < kw // 4:
+                k = s0 + q * 4
+                for bb in cutlass.range_constexpr(nb):
+                    j = v * nb + bb
+                    if cutlass.const_expr(self.layout.embed_folded):
+                        if from_embed:
+                            # (layer 0's embedding row, unpacked as it lands: the step's first stage)
+                            xe = load_weights_bf16x4(rows[bb] + Int64(k) * 2)
+                            for e in cutlass.range_constexpr(4):
+                                xv[4 * j + e] = xe[e]
+                        else:
+                            xg = load_f32x4(rows[bb] + Int64(k) * 4)
+                            for e in cutlass.range_constexpr(4):
+                                xv[4 * j + e] = xg[e]
+                    else:
+                        xg = load_f32x4(rows[bb] + Int64(k) * 4)
+                        for e in cutlass.range_constexpr(4):
+                            xv[4 * j + e] = xg[e]
+        for v in cutlass.range_constexpr(U):
+            q = q0 + v * self.cthreads
+            if q < kw // 4:
+                nv = cute.make_rmem_tensor((4,), Float32)
+                nv[0], nv[1] = unpack_bf16x2(nw[2 * v])
+                nv[2], nv[3] = unpack_bf16x2(nw[2 * v + 1])
+                for bb in cutlass.range_constexpr(nb):
+                    j = v * nb + bb
+                    y = cute.make_rmem_tensor((4,), Float32)
+                    for e in cutlass.range_constexpr(4):
+                        x = xv[4 * j + e]
+                        if gather:
+                            ss[bb] = ss[bb] + x * x
+                        y[e] = x * nv[e]
+                    if cutlass.const_expr(some):
+                        if g0 + bb < self.B:
+                            self.store_x_quad(s, g0 + bb, q * 4, stride, y)
+                    else:
+                        self.store_x_quad(s, g0 + bb, q * 4, stride, y)
+
+    @cute.jit
+    def stage_merged_attention(self, tidx: Int32, layer: Int32, p, s, s0: Int32,
+                               kw: Int32, stride: Int32):
+        """O_PROJ folded with the attention merge: s.x = the merged attention output of every sequence, one
+        quad per thread at a time. Up to MERGE_PAIRS splits: the lse values and partials of as many sequences
+        as fit MERGE_PAIRS (sequence, split) pairs load in one round (merge_round); more splits: one sequence at
+        a time (merge_quad)."""
+        S = self.S
+        # sequences per round (0: more splits than a round holds; half the pairs with 15 consumer warps, whose 128
+        # registers would spill, and past SPLIT_BATCH, where every thread has its pairs)
+        GB = (MERGE_PAIRS if self.warps <= 8 and not self.wide else MERGE_PAIRS // 2) // S
+        # quads per thread per round: two where one round's loads of both fit the registers (batch 1, at most 4
+        # splits: the widest input, 2048 columns, is 512 quads over 480 threads), their loads out together
+        UQ = 2 if GB > 0 and self.B * S <= 4 else 1
+        if cutlass.const_expr(self.wide and GB > 0):
+            # past SPLIT_BATCH: one (group of GB sequences, quad) pair per thread per round, all threads busy
+            # whatever the window's width
+            nq = kw // 4
+            for it in range(tidx, (self.B + GB - 1) // GB * nq, self.cthreads):
+                gi = it // nq
+                self.merge_round(layer, p, s, s0, it - gi * nq, gi * GB, GB, 1, kw, stride)
+        else:
+            for q0 in range(tidx, kw // 4, self.cthreads * UQ):
+                if cutlass.const_expr(GB == 0):
+                    q = q0
+                    k = s0 + q * 4
+                    for b in cutlass.range_constexpr(self.B):
+                        xv = cute.make_rmem_tensor((4,), Float32)
+                        self.merge_quad(layer, b, k, p.attn_part_o, p.attn_part_lse, xv)
+                        self.store_x_quad(s, b, q * 4, stride, xv)
+                else:
+                    for b0 in cutlass.range_constexpr(0, self.B, GB):
+                        self.merge_round(layer, p, s, s0, q0, b0, min(GB, self.B - b0), UQ, kw, stride)
+
+    @cute.jit
+    def merge_round(self, layer: Int32, p, s, s0: Int32, q0: Int32, b0: Int32, nb: int, UQ: int, kw: Int32,
+                    stride: Int32):
+        """One round of stage_merged_attention: quads q0, q0 + cthreads, ... (UQ of them) of sequences b0 .. b0 +
+        nb (those below B; a sequence past the batch loads the last one's, unused), every load first, then the
+        merge without a branch (an empty split's lse is -inf, its weight ex2(-inf) = 0; a sequence has at least
+        one token, so the maximum is finite)."""
+        S, D = self.S, self.D
+        some = cutlass.const_expr(self.wide and self.B % nb != 0)     # the last group of sequences is partial
+        n = nb * S                       # (sequence, split) pairs of a quad
+        lse = cute.make_rmem_tensor((UQ * n,), Float32)
+        ov = cute.make_rmem_tensor((UQ * n * 4,), Float32)
+        for i in cutlass.range_constexpr(UQ * n):
+            lse[i] = Float32(0.0)
+            for e in cutlass.range_constexpr(4):
+                ov[i * 4 + e] = Float32(0.0)
+        for u in cutlass.range_constexpr(UQ):        # every load of the round first
+            qu = q0 + u * self.cthreads
+            if qu < kw // 4:
+                ku = s0 + qu * 4
+                head = ku // D
+                d = ku - head * D
+                for bb in cutlass.range_constexpr(nb):
+                    sq = b0 + bb
+                    if cutlass.const_expr(some):
+                        if sq >= self.B:
+                            sq = Int32(self.B - 1)
+                    base = ((Int64(layer) * self.B + Int64(sq)) * self.Hq + Int64(head)) * S
+                    for sp in cutlass.range_constexpr(S):
+                        i = u * n + bb * S + sp
+                        lse[i] = ld_f32(p.attn_part_lse + (base + sp) * 4)
+                        o4 = load_f32x4(p.attn_part_o + ((base + sp) * D + Int64(d)) * 4)
+                        for e in cutlass.range_constexpr(4):
+                            ov[i * 4 + e] = o4[e]
+        for u in cutlass.range_constexpr(UQ):
+            qu = q0 + u * self.cthreads
+            if qu < kw // 4:
+                for bb in cutlass.range_constexpr(nb):
+                    i0 = u * n + bb * S
+                    mx = lse[i0]
+                    for sp in cutlass.range_constexpr(1, S):
+                        mx = cute.arch.fmax(mx, lse[i0 + sp])
+                    tot = Float32(0.0)
+                    acc = cute.make_rmem_tensor((4,), Float32)
+                    for e in cutlass.range_constexpr(4):
+                        acc[e] = Float32(0.0)
+                    for sp in cutlass.range_constexpr(S):
+                        f = ex2((lse[i0 + sp] - mx) * Float32(LOG2E))
+                        tot = tot + f
+                        for e in cutlass.range_constexpr(4):
+                            acc[e] = acc[e] + f * ov[(i0 + sp) * 4 + e]
+                    for e in cutlass.range_constexpr(4):
+                        acc[e] = acc[e] / tot
+                    if cutlass.const_expr(some):
+                        if b0 + bb < self.B:
+                            self.store_x_quad(s, b0 + bb, qu * 4, stride, acc)
+                    else:
+                        self.store_x_quad(s, b0 + bb, qu * 4, stride, acc)
