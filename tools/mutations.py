@@ -87,6 +87,8 @@ SCHEDULE_PROBE = Probe("schedule", (SCHEDULE, "-k", "tiny_presets_fully or race_
 E2E_CPU_PROBE = Probe("e2e-vm", (E2E, "-k", "test_vm_matches_transformers_generate and tiny"))
 GPU_STAGES_PROBE = Probe("gpu-stages", (f"{STAGES}::test_stages_on_gpu_match_reference",), gpu=True)
 GPU_E2E_PROBE = Probe("gpu-e2e", (E2E, "-m", "gpu"), gpu=True)
+GPU_WIDE_STAGES_PROBE = Probe("gpu-stages-wide", (f"{STAGES}::test_stages_on_gpu_match_reference_past_split_batch",),
+                              gpu=True)
 GPU_ALIAS_PROBE = Probe("gpu-aliasing", ("tests/unit/test_error_paths.py", "-k", "aliasing"), gpu=True)
 
 CPU_PROBES_ATTENTION = (stage_probe("test_attention_partial_and_reduce_stages"), VM_PROBE, E2E_CPU_PROBE)
@@ -132,9 +134,11 @@ DAG = "megakernel/schedule/dag.py"
 SPLIT_K = "megakernel/instructions/split_k.py"
 K_INTERP = "megakernel/kernel/interpreter.py"
 K_MATVEC = "megakernel/kernel/matvec.py"
+K_WIDE = "megakernel/kernel/matvec_wide.py"
 K_ATTN = "megakernel/kernel/attention.py"
 K_TOKENS = "megakernel/kernel/tokens.py"
-KERNEL_MODULES = (K_INTERP, K_MATVEC, K_ATTN, K_TOKENS, "megakernel/kernel/stream.py")
+KERNEL_MODULES = (K_INTERP, K_MATVEC, K_WIDE, K_ATTN, K_TOKENS, "megakernel/kernel/stream.py",
+                  "megakernel/kernel/staging.py")
 VM_MODULE = "megakernel/schedule/vm.py"
 ENGINE_OPTIONS = "tests/unit/test_engine_options.py"
 
@@ -227,7 +231,7 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
             "the MMA's A operand registers in the wrong order: the second 8-row block's registers where the first "
             "block's columns k+8 belong")
     + [Mutation("split_k_reduce_drops_a_range",
-                "MV_REDUCE adds the partials of every K range but the last (batch 16-64 programs, no device code yet)",
+                "MV_REDUCE adds the partials of every K range but the last (the VM's form of batch 16-64 programs)",
                 (Patch(SPLIT_K, "    for e in range(1, ins.a3):", "    for e in range(1, ins.a3 - 1):"),),
                 (Probe("vm-split-k", (VM, "-k", "split_over_k or large_batch")),)),
        Mutation("aliasing_shared_append_allowed",
@@ -240,6 +244,12 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
                 (Patch(K_ATTN, "if entries[u] == s_alias[3 * NB + b] and (t < pt or (t == pt and o != b)):",
                        "if entries[u] == s_alias[3 * NB + b] and t < pt:"),),
                 (GPU_ALIAS_PROBE,), kernel=True),
+       Mutation("wide_gate_up_stored_without_rows.kernel",
+                "past batch 8, a consumer warp that owns no rows of a small GATE_UP tile still stores its (zero) "
+                "outputs, over the next tiles' outputs",
+                (Patch(K_WIDE, "                        if nr > 0:\n                            st_f32x2(ob + Int64(r0 // 2",
+                       "                        if True:\n                            st_f32x2(ob + Int64(r0 // 2"),),
+                (GPU_WIDE_STAGES_PROBE,), kernel=True),
        # the weight ring (megakernel/kernel/stream.py): device-only, no VM twin
        Mutation("ring_phase_flipped.kernel",
                 "consumers wait for the weight slot's full barrier with the parity of its previous use, so they read "

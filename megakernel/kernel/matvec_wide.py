@@ -259,8 +259,9 @@ class WideMatvec:
                                                       * part_rows + Int64(a0 + r0 + blk * 8 + 2 * t)) * 4,
                                          y[blk * 2], y[blk * 2 + 1])
                     elif is_gate_up:
-                        st_f32x2(ob + Int64(r0 // 2 + 2 * t) * 4, silu(y[0] * scale) * (y[2] * scale),
-                                 silu(y[1] * scale) * (y[3] * scale))
+                        if nr > 0:
+                            st_f32x2(ob + Int64(r0 // 2 + 2 * t) * 4, silu(y[0] * scale) * (y[2] * scale),
+                                     silu(y[1] * scale) * (y[3] * scale))
                     else:
                         for blk in cutlass.range_constexpr(2):
                             r = r0 + blk * 8 + 2 * t

@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 
 from megakernel.instructions import STAGE_MODULES
 from megakernel.instructions.context import StageContext
-from megakernel.instructions.layout import StepBuffers, StepLayout, allocate_buffers, pack_weights
+from megakernel.instructions.layout import SPLIT_BATCH, StepBuffers, StepLayout, allocate_buffers, pack_weights
 from megakernel.instructions.opcodes import Opcode
 from megakernel.instructions.record import Instruction
 from megakernel.kernel.stream import X_WHOLE_BYTES
@@ -80,6 +80,9 @@ class Bench:
     weights: ModelWeights          # unpacked, as the model ops see them (any device)
     ctx: StageContext              # CPU: packed weights, buffers, KV cache
     gen: torch.Generator
+    # the tolerance of the matvec stages' outputs: float32, but bf16 for the kernel past SPLIT_BATCH, which
+    # multiplies bf16 inputs (docs/batch_path.md; tools/activation_precision.py)
+    matvec_dtype: torch.dtype = torch.float32
 
     def what(self, ins: Instruction | None = None) -> str:
         s = f"{self.case.describe()} sms={self.layout.num_sms}"
@@ -259,7 +262,7 @@ def check_qkv(bench, ins, before, after, what):
     lw = bench.weights.layers[l]
     normed = ops.rms_norm(f64(before.bufs.x[l]), f64(lw.attn_norm), c.rms_norm_eps)
     expected = normed @ f64(lw.qkv[rows]).T
-    assert_region(after.bufs.qkv, (l, slice(None), rows), expected, F32, what)
+    assert_region(after.bufs.qkv, (l, slice(None), rows), expected, bench.matvec_dtype, what)
 
 
 def check_o_proj(bench, ins, before, after, what):
@@ -273,7 +276,7 @@ def check_o_proj(bench, ins, before, after, what):
     else:
         attn = f64(before.bufs.attn_out[l])
     expected = f64(before.bufs.x[l, :, rows]) + attn @ w.T
-    assert_region(after.bufs.h, (l, slice(None), rows), expected, F32, what)
+    assert_region(after.bufs.h, (l, slice(None), rows), expected, bench.matvec_dtype, what)
 
 
 def check_gate_up(bench, ins, before, after, what):
@@ -285,27 +288,27 @@ def check_gate_up(bench, ins, before, after, what):
     gate_w, up_w = f64(lw.gate_up[:f][cols]), f64(lw.gate_up[f:][cols])
     normed = ops.rms_norm(f64(before.bufs.h[l]), f64(lw.mlp_norm), c.rms_norm_eps)
     expected = ops.silu_and_mul(normed @ gate_w.T, normed @ up_w.T)
-    assert_region(after.bufs.act, (l, slice(None), cols), expected, F32, what)
+    assert_region(after.bufs.act, (l, slice(None), cols), expected, bench.matvec_dtype, what)
 
 
 def check_down(bench, ins, before, after, what):
     l, rows = ins.layer, _rows(ins)
     w = f64(bench.weights.layers[l].down[rows])
     expected = f64(before.bufs.h[l, :, rows]) + f64(before.bufs.act[l]) @ w.T
-    assert_region(after.bufs.x, (l + 1, slice(None), rows), expected, F32, what)
+    assert_region(after.bufs.x, (l + 1, slice(None), rows), expected, bench.matvec_dtype, what)
 
 
 def check_lm_head(bench, ins, before, after, what):
     c, rows, tile = bench.config, _rows(ins), ins.a2
     normed = ops.rms_norm(f64(before.bufs.x[c.num_layers]), f64(bench.weights.final_norm), c.rms_norm_eps)
     y = normed @ f64(bench.weights.lm_head[rows]).T                       # [B, rows]
-    assert_region(after.bufs.logits, (slice(None), rows), y, F32, what)
-    assert_region(after.bufs.lm_max, (slice(None), tile), y.max(dim=1).values, F32, what)
+    assert_region(after.bufs.logits, (slice(None), rows), y, bench.matvec_dtype, what)
+    assert_region(after.bufs.lm_max, (slice(None), tile), y.max(dim=1).values, bench.matvec_dtype, what)
     idx = after.bufs.lm_idx
     others = torch.ones(idx.shape[1], dtype=torch.bool)
     others[tile] = False
     assert (idx[:, others] == -1).all(), f"{what}: lm_idx written outside tile {tile}"
-    tol = tolerance_for(F32)
+    tol = tolerance_for(bench.matvec_dtype)
     for b in range(y.shape[0]):
         i = int(idx[b, tile])
         top = float(y[b].max())
@@ -572,7 +575,7 @@ def _gpu_bench(case: StageCase, **engine_kw):
     packed = engine.weights.to("cpu")
     ctx = _cpu_context(engine.layout, engine.program, packed, engine.num_blocks)
     bench = Bench(case, config, engine.layout, engine.program, weights, ctx,
-                  torch.Generator().manual_seed(case.seed))
+                  torch.Generator().manual_seed(case.seed), BF16 if s.batch > SPLIT_BATCH else F32)
     return bench, engine
 
 
@@ -592,13 +595,17 @@ def pull(engine, like: StageContext) -> StageContext:
     return StageContext(like.layout, like.weights, bufs, engine.k_cache.cpu(), engine.v_cache.cpu())
 
 
-def _compare_with_reference(op: Opcode, instructions, gpu: StageContext, ref: StageContext, what: str) -> None:
+MATVEC_OPS = (Opcode.QKV, Opcode.O_PROJ, Opcode.GATE_UP, Opcode.DOWN, Opcode.LM_HEAD)
+
+
+def _compare_with_reference(op: Opcode, instructions, gpu: StageContext, ref: StageContext, what: str,
+                            matvec_dtype: torch.dtype = F32) -> None:
     """The kernel's outputs against the stage reference's on the same inputs. Attention goes through the
     bf16 cache: the new token's k, v are rounded to bf16 on both sides, and the kernel's float32 (with
     approximate rsqrt/exp2) may land one bf16 ulp away from the reference's; that ulp reaches the scores,
     so attention outputs are compared at the bf16 tolerance (the float64 check above holds them to float32
-    against the values the kernel actually stored)."""
-    dtype = LOOSE_DTYPE.get(op, F32)
+    against the values the kernel actually stored). The matvec stages at `matvec_dtype` (Bench.matvec_dtype)."""
+    dtype = LOOSE_DTYPE.get(op, matvec_dtype if op in MATVEC_OPS else F32)
     floats, ints = OUTPUTS[op]
     for name in floats:
         mine, theirs = getattr(gpu.bufs, name), getattr(ref.bufs, name)
@@ -654,6 +661,25 @@ def test_stages_on_gpu_match_reference_with_slab_staging(case):
     run_gpu_stages(case, slab_staging=True, expect_slabs=True)
 
 
+# Past SPLIT_BATCH: the wide consumers (row-group owners, the batch as the MMA's M), every stage of one tile against
+# float64 at the bf16 tolerance, and nothing written outside the tile (a warp that owns no rows of a small tile
+# writes nothing). Widths of 256 columns, so no stage splits over K (the picked tile is the stage's whole tile);
+# one m-tile, three with a partial last one and a partial last staging group, four.
+def _wide_batch_case(batch: int, seed: int) -> StageCase:
+    g = torch.Generator().manual_seed(seed)
+    lens = tuple(int(n) for n in torch.randint(1, 64, (batch,), generator=g))
+    return StageCase(shape=DecodeShape(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=256,
+                                       batch=batch, kv_lens=lens, block_size=16, max_seq_len=64),
+                     architecture="LlamaForCausalLM", num_layers=2, layer=1, vocab_size=1024, kv_splits=1, seed=seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("batch", [16, 41, 64])
+def test_stages_on_gpu_match_reference_past_split_batch(batch):
+    run_gpu_stages(_wide_batch_case(batch, seed=batch))
+
+
 # At the batches compiled with it (attention.STREAM_UNROLL), splits of more cached tokens than consumer warps take
 # the streamed attention pass (several tokens per warp, 16-byte k/v loads in flight together, an iteration's tokens
 # one softmax block), short ones the per-warp pass: both in one step, head dims 64 and 128.
@@ -701,7 +727,7 @@ def run_gpu_stages(case: StageCase, expect_slabs: bool = False, **engine_kw) -> 
             run_reference(ref, instructions)
             what = f"kernel (GPU) {bench.what(instructions[-1])}"
             check(bench, op, instructions, before, gpu, "kernel (GPU) vs float64")
-            _compare_with_reference(op, instructions, gpu, ref, what)
+            _compare_with_reference(op, instructions, gpu, ref, what, bench.matvec_dtype)
     finally:
         del engine
         torch.cuda.empty_cache()
