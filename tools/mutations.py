@@ -247,8 +247,8 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
        Mutation("wide_gate_up_stored_without_rows.kernel",
                 "past batch 8, a consumer warp that owns no rows of a small GATE_UP tile still stores its (zero) "
                 "outputs, over the next tiles' outputs",
-                (Patch(K_WIDE, "                        if nr > 0:\n                            st_f32x2(ob + Int64(r0 // 2",
-                       "                        if True:\n                            st_f32x2(ob + Int64(r0 // 2"),),
+                (Patch(K_WIDE, "if nr > 0:\n                            st_f32x2(ob + Int64(r0 // 2",
+                       "if True:\n                            st_f32x2(ob + Int64(r0 // 2"),),
                 (GPU_WIDE_STAGES_PROBE,), kernel=True),
        # the weight ring (megakernel/kernel/stream.py): device-only, no VM twin
        Mutation("ring_phase_flipped.kernel",

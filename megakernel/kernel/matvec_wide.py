@@ -125,7 +125,7 @@ class WideMatvec:
                             if c0 + rows >= a1 and sl == n_slab - 1 and g0 + ITEM_ROWS >= rows:
                                 st_i32(rec + TR_LANDED_LAST * 4, globaltimer_lo())
                     if g0 == g_own:
-                        self.wide_item(lane, slab, width, ring + slot * SLOT_BYTES, x_base, col0, nr, acc)
+                        self.wide_item(lane, slab, width, ring + slot * SLOT_BYTES, x_base, col0, acc)
                     cute.arch.sync_warp()
                     if lane == 0:
                         mbarrier_arrive(empty + mb)       # every consumer warp passes every slot
@@ -151,14 +151,14 @@ class WideMatvec:
 
     @cute.jit
     def wide_item(self, lane: Int32, slab: Int32, width: Int32, slot_addr: Int32, x_base: Int32, col0: Int32,
-                  nr: Int32, acc: cute.Tensor):
-        """A slot's row group (16 rows: two 8-row blocks, the second absent where nr <= 8) times every sequence's
-        staged input, added to acc: acc[((ch * 2 + blk) * NM + mt) * 4 + i] is the C fragment i of chain ch, block
-        blk, m-tile mt (sequences mt * 16 + lane // 4 and + 8, rows blk * 8 + 2 (lane % 4) and the next). The slot
-        holds per 8-row block (slab * 16 bytes apart) 512-byte blocks of 32 columns in which lane l's 16 bytes are
-        its B registers (row l // 4) of the block's two k-steps; the staged input's k-steps from col0 (a multiple
-        of 128 columns, so its k-step count is a multiple of 8 and wide_x_lane_word's lane permutation is that of
-        the slab's own k-step) hold the A registers (stream.wide_x_lane_word)."""
+                  acc: cute.Tensor):
+        """A slot's row group (16 rows: two 8-row blocks, the second absent from a slot of 8 rows) times every
+        sequence's staged input, added to acc: acc[((ch * 2 + blk) * NM + mt) * 4 + i] is the C fragment i of chain
+        ch, block blk, m-tile mt (sequences mt * 16 + lane // 4 and + 8, rows blk * 8 + 2 (lane % 4) and the next).
+        The slot holds per 8-row block (slab * 16 bytes apart) 512-byte blocks of 32 columns in which lane l's 16
+        bytes are its B registers (row l // 4) of the block's two k-steps; the staged input's k-steps from col0 (a
+        multiple of 128 columns, so its k-step count is a multiple of 8 and wide_x_lane_word's lane permutation is
+        that of the slab's own k-step) hold the A registers (stream.wide_x_lane_word)."""
         NM, CH = m_tiles(self.B), self.chains()
         kp_w = width // 32
         IKP = SLAB_COLS // 32
@@ -167,8 +167,8 @@ class WideMatvec:
         xa = x_base + (col0 // 16) * NM * 512          # the slab's first k-step of the staged input
         for hf in cutlass.range_constexpr(IKP // LOAD_KP):
             # the B registers of LOAD_KP blocks, loaded whatever the slot holds: blocks past the slab's width are
-            # not multiplied, and an absent second 8-row block only gives the C columns of rows past nr, which
-            # the epilogue does not store (the loads stay inside the slot: 2 x 16 blocks of 512 bytes at most)
+            # not multiplied, and an absent second 8-row block only gives the C columns of rows the tile does not
+            # have, which the epilogue does not store (the loads stay inside the slot: 2 x 16 blocks of 512 bytes)
             w = cute.make_rmem_tensor((LOAD_KP * 8,), Int32)
             for uu in cutlass.range_constexpr(LOAD_KP):
                 u = hf * LOAD_KP + uu
