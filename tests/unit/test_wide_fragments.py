@@ -5,11 +5,17 @@ and the C fragment read back as (sequence, row) the way epilogue_wide stores it.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from megakernel.instructions.layout import fragment_pack
-from megakernel.kernel.stream import M_TILE, m_tiles, slot_geometry, wide_x_lane_word, wide_x_word, x_col_bytes
+from megakernel.instructions.layout import StepLayout, default_kv_splits, fragment_pack
+from megakernel.instructions.record import serialize
+from megakernel.kernel.interpreter import SMEM_LIMIT, DecodeKernel
+from megakernel.kernel.stream import (M_TILE, MIN_SLOTS, m_tiles, slot_geometry, wide_x_lane_word, wide_x_word,
+                                      x_col_bytes)
+from megakernel.model.presets import get_preset
+from megakernel.schedule import assign, build_program
 
 
 def mma_16816(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -96,3 +102,25 @@ def test_wide_geometry_stages_bf16_m_tiles():
     g = slot_geometry(2048, 64)
     assert g.x_slabs * g.slab_cols * x_col_bytes(64) == 64 * 1024 and not g.x_whole
     assert slot_geometry(512, 64).x_whole and slot_geometry(2048, 16).x_whole
+
+
+@pytest.mark.parametrize("name,batch", [("llama-3.2-1b", 9), ("llama-3.2-1b", 64), ("qwen3-0.6b", 41),
+                                        ("qwen3-0.6b", 64), ("llama-3.1-8b", 64), ("llama-2-7b", 33),
+                                        ("tiny-llama", 17)])
+def test_real_shapes_stage_inside_their_buffer_and_keep_a_ring(name, batch):
+    """Past SPLIT_BATCH, on the real widths (and their K ranges where a stage splits): the kernel's staged-input
+    buffer holds every word any window of any matrix stages (wide_x_word over all sequences and the window's
+    columns), and the shared memory left keeps at least MIN_SLOTS ring slots."""
+    config = get_preset(name)
+    layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, 132, 4096),
+                        block_size=16, max_blocks_per_seq=16, num_sms=132)
+    program = build_program(layout)
+    table, _ = serialize(assign(program, "balanced"))
+    dk = DecodeKernel(layout, program.lm_tiles, program.num_counters, table.shape[1])
+    n_mt = m_tiles(batch)
+    for k, g in dk.plan.by_k.items():
+        # the highest words: the window's last k-step, the sequences of the last m-tile
+        last = max(wide_x_word(b, c, n_mt) for b in range(max(0, batch - M_TILE), batch)
+                   for c in range(g.x_cols - 16, g.x_cols, 2))
+        assert last < dk.plan.x_floats, f"{name} batch {batch} K={k}: word {last} of {dk.plan.x_floats}"
+    assert MIN_SLOTS <= dk.ring_slots and dk.smem_bytes() <= SMEM_LIMIT, f"{name} batch {batch}: {dk.ring_slots} slots"
