@@ -117,7 +117,6 @@ class MatvecStage:
                       norm_addr: Int64, out_addr: Int64, out_w: Int32, res_addr: Int64, k_slot: Int32, ring: Int32,
                       full: Int32, empty: Int32, p, s, rec: Int64) -> Int32:
         """A tile at batch 1-8 (matvec's arguments, resolved; the module docstring's steps)."""
-        s_ired, s_red = s.ired, s.red
         B, H = self.B, self.H
         whole = xsl >= n_slab
         P = self.plan.parts
@@ -145,9 +144,8 @@ class MatvecStage:
             if cutlass.const_expr(self.options.trace):
                 if tidx == 0:
                     st_i32(rec + TR_STAGED * 4, globaltimer_lo())       # the input staged
-        if is_lm and tidx < B:
-            s_red[tidx] = Float32(-math.inf)
-            s_ired[tidx] = Int32(0x7FFFFFFF)
+        if is_lm:
+            self.reset_tile_maximum(tidx, s)
         x_base = s.x_addr
         for c0 in range(0, a1, chunk):
             rows = a1 - c0
@@ -209,9 +207,8 @@ class MatvecStage:
                     st_i32(rec + TR_CONSUMED * 4, globaltimer_lo())     # every warp past the chunk's last slot
             self.epilogue(tidx, warp, lane, c0, rows, n_seg, a0, tile, is_gate_up, is_lm, has_norm, has_res,
                           res_addr, res0, out_addr, out_w, s)
-        if is_lm and tidx < B:
-            st_f32(p.lm_max + (Int64(tidx) * self.T + Int64(tile)) * 4, s_red[tidx])
-            st_i32(p.lm_idx + (Int64(tidx) * self.T + Int64(tile)) * 4, s_ired[tidx])
+        if is_lm:
+            self.store_tile_maximum(tidx, tile, p, s)
         return k_slot
 
     @cute.jit
@@ -311,7 +308,7 @@ class MatvecStage:
         times the RMSNorm scale, then the stage's store; the LM head also reduces the chunk's (max, argmax)
         into the tile's per sequence (ties -> lowest row). No barrier at the end: the next chunk begins
         with one, and the instruction's signal follows one."""
-        s_ired, s_part, s_red, s_rstd, s_wi, s_wv = s.ired, s.part, s.red, s.rstd, s.wi, s.wv
+        s_part, s_rstd, s_wi, s_wv = s.part, s.rstd, s.wi, s.wv
         B, H = self.B, self.H
         n_out = rows * B
         if is_gate_up:
@@ -363,11 +360,33 @@ class MatvecStage:
                 if lane == 0:
                     s_wv[warp * B + b] = bv
                     s_wi[warp * B + b] = bi
-            self.consumer_sync()
-            if tidx < B:
-                bv, bi = self.merge_warp_maxima(tidx, s_red[tidx], s_ired[tidx], s)
-                s_red[tidx] = bv          # (read and written by thread b alone)
-                s_ired[tidx] = bi
+            self.merge_chunk_maxima(tidx, s)
+
+    @cute.jit
+    def reset_tile_maximum(self, tidx: Int32, s):
+        """The LM head tile's running (max, index) of every sequence (s.red / s.ired), before its first chunk."""
+        s_ired, s_red = s.ired, s.red
+        if tidx < self.B:
+            s_red[tidx] = Float32(-math.inf)
+            s_ired[tidx] = Int32(0x7FFFFFFF)
+
+    @cute.jit
+    def merge_chunk_maxima(self, tidx: Int32, s):
+        """After a barrier, every warp's (max, index) of a chunk's rows per sequence (s.wv / s.wi) merged into the
+        tile's running ones (s.red / s.ired), sequence b by thread b alone."""
+        s_ired, s_red = s.ired, s.red
+        self.consumer_sync()
+        if tidx < self.B:
+            bv, bi = self.merge_warp_maxima(tidx, s_red[tidx], s_ired[tidx], s)
+            s_red[tidx] = bv
+            s_ired[tidx] = bi
+
+    @cute.jit
+    def store_tile_maximum(self, tidx: Int32, tile: Int32, p, s):
+        """The LM head tile's (max, index) of every sequence into lm_max / lm_idx [B, T], slot `tile`."""
+        if tidx < self.B:
+            st_f32(p.lm_max + (Int64(tidx) * self.T + Int64(tile)) * 4, s.red[tidx])
+            st_i32(p.lm_idx + (Int64(tidx) * self.T + Int64(tile)) * 4, s.ired[tidx])
 
     @cute.jit
     def rms_statistic(self, tidx: Int32, warp: Int32, lane: Int32, K: Int32, ss: cute.Tensor, s):

@@ -58,7 +58,6 @@ class WideMatvec:
                     rec: Int64) -> Int32:
         """One tile past SPLIT_BATCH (matvec's arguments, resolved): columns k0 .. k0 + K of rows a0 .. a0 + a1
         (k_row columns per weight row and input row)."""
-        s_ired, s_red = s.ired, s.red
         B = self.B
         NA = self.chains() * 2 * m_tiles(B) * 4
         is_lm = op == OP_LM_HEAD
@@ -78,9 +77,8 @@ class WideMatvec:
             if cutlass.const_expr(self.options.trace):
                 if tidx == 0:
                     st_i32(rec + TR_STAGED * 4, globaltimer_lo())
-        if is_lm and tidx < B:
-            s_red[tidx] = Float32(-math.inf)
-            s_ired[tidx] = Int32(0x7FFFFFFF)
+        if is_lm:
+            self.reset_tile_maximum(tidx, s)
         x_base = s.x_addr
         g_own = warp * ITEM_ROWS          # the row group this warp owns in every chunk
         for c0 in range(0, a1, chunk):
@@ -139,14 +137,9 @@ class WideMatvec:
             self.epilogue_wide(warp, lane, op, layer, a0, c0 + g_own, nr, kpart, split, has_norm, has_res, out_addr,
                                out_w, res_addr, acc, p, s)
             if is_lm:
-                self.consumer_sync()
-                if tidx < B:
-                    bv, bi = self.merge_warp_maxima(tidx, s_red[tidx], s_ired[tidx], s)
-                    s_red[tidx] = bv          # (read and written by thread b alone)
-                    s_ired[tidx] = bi
-        if is_lm and tidx < B:
-            st_f32(p.lm_max + (Int64(tidx) * self.T + Int64(tile)) * 4, s_red[tidx])
-            st_i32(p.lm_idx + (Int64(tidx) * self.T + Int64(tile)) * 4, s_ired[tidx])
+                self.merge_chunk_maxima(tidx, s)
+        if is_lm:
+            self.store_tile_maximum(tidx, tile, p, s)
         return k_slot
 
     @cute.jit

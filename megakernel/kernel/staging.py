@@ -33,6 +33,22 @@ class InputStaging:
         widest = max(g.x_cols for g in self.plan.by_k.values())
         return max(1, min(X_LOADS // self.B, -(-widest // (4 * self.cthreads))))
 
+    def partial_group(self, nb: int) -> bool:
+        """Whether the last of the staging rounds' groups of nb sequences holds fewer (past SPLIT_BATCH, where the
+        groups do not follow the batch; rounds then load a valid row for the missing sequences and store nothing
+        for them)."""
+        return self.wide and self.B % nb != 0
+
+    @cute.jit
+    def loaded_sequence(self, b, partial: bool):
+        """The sequence whose row a round loads for sequence b: b, or the batch's last where b is past it (a
+        partial group's missing sequences; their values are not stored)."""
+        sq = b
+        if cutlass.const_expr(partial):
+            if sq >= self.B:
+                sq = Int32(self.B - 1)
+        return sq
+
     @cute.jit
     def store_staged_quad(self, s, w: Int32, y: cute.Tensor):
         """Four consecutive input columns (float32 y[0..3]; word w of s.x, a sequence's row start plus a column
@@ -109,7 +125,7 @@ class InputStaging:
                     stride: Int32):
         """One staging round (`stage`): quads q0, q0 + cthreads, ... (U of them) of sequences g0 .. g0 + nb (those
         below B), sequence g0 + bb's sum of squares into ss[bb]."""
-        some = cutlass.const_expr(self.B % nb != 0)       # the last group of sequences is partial
+        some = self.partial_group(nb)
         nw = cute.make_rmem_tensor((U * 2,), Int32)           # the norm weights' packed bf16
         for v in cutlass.range_constexpr(U):
             nw[2 * v] = Int32(0)
@@ -119,10 +135,7 @@ class InputStaging:
                 nw[2 * v], nw[2 * v + 1] = load_nc_b32x2(norm_addr + Int64(s0 + q * 4) * 2)
         rows = cute.make_rmem_tensor((nb,), Int64)
         for bb in cutlass.range_constexpr(nb):
-            sq = g0 + bb
-            if cutlass.const_expr(some):
-                if sq >= self.B:
-                    sq = Int32(self.B - 1)        # (a sequence past the batch loads the last one's row, unused)
+            sq = self.loaded_sequence(g0 + bb, some)
             rows[bb] = in_addr + Int64(sq) * Int64(K) * 4
             if cutlass.const_expr(self.layout.embed_folded):
                 if from_embed:
@@ -217,7 +230,7 @@ class InputStaging:
         merge without a branch (an empty split's lse is -inf, its weight ex2(-inf) = 0; a sequence has at least
         one token, so the maximum is finite)."""
         S, D = self.S, self.D
-        some = cutlass.const_expr(self.wide and self.B % nb != 0)     # the last group of sequences is partial
+        some = self.partial_group(nb)
         n = nb * S                       # (sequence, split) pairs of a quad
         lse = cute.make_rmem_tensor((UQ * n,), Float32)
         ov = cute.make_rmem_tensor((UQ * n * 4,), Float32)
@@ -232,10 +245,7 @@ class InputStaging:
                 head = ku // D
                 d = ku - head * D
                 for bb in cutlass.range_constexpr(nb):
-                    sq = b0 + bb
-                    if cutlass.const_expr(some):
-                        if sq >= self.B:
-                            sq = Int32(self.B - 1)
+                    sq = self.loaded_sequence(b0 + bb, some)
                     base = ((Int64(layer) * self.B + Int64(sq)) * self.Hq + Int64(head)) * S
                     for sp in cutlass.range_constexpr(S):
                         i = u * n + bb * S + sp
