@@ -87,8 +87,9 @@ SCHEDULE_PROBE = Probe("schedule", (SCHEDULE, "-k", "tiny_presets_fully or race_
 E2E_CPU_PROBE = Probe("e2e-vm", (E2E, "-k", "test_vm_matches_transformers_generate and tiny"))
 GPU_STAGES_PROBE = Probe("gpu-stages", (f"{STAGES}::test_stages_on_gpu_match_reference",), gpu=True)
 GPU_E2E_PROBE = Probe("gpu-e2e", (E2E, "-m", "gpu"), gpu=True)
-GPU_WIDE_STAGES_PROBE = Probe("gpu-stages-wide", (f"{STAGES}::test_stages_on_gpu_match_reference_past_split_batch",),
-                              gpu=True)
+GPU_WIDE_STAGES_PROBE = Probe("gpu-stages-wide", (f"{STAGES}::test_stages_on_gpu_match_reference_past_split_batch",
+                                                  f"{STAGES}::test_stages_on_gpu_match_reference_with_a_second_row_"
+                                                  "group_per_warp"), gpu=True)
 GPU_ALIAS_PROBE = Probe("gpu-aliasing", ("tests/unit/test_error_paths.py", "-k", "aliasing"), gpu=True)
 
 CPU_PROBES_ATTENTION = (stage_probe("test_attention_partial_and_reduce_stages"), VM_PROBE, E2E_CPU_PROBE)
@@ -117,10 +118,8 @@ class Mutation:
         return self.kernel
 
 
-# the kernel's ARGMAX comparisons (TokenStages.scan_tiles, merge_warp_maxima), for the tie mutation
-_SCAN_BODY = ("            v = ld_f32(p.lm_max + (Int64(b) * self.T + Int64(t)) * 4)\n"
-              "            vi = ld_i32(p.lm_idx + (Int64(b) * self.T + Int64(t)) * 4)\n"
-              "            if v > bv or (v == bv and vi < bi):")
+# the kernel's (max, index) comparisons (TokenStages.argmax, merge_warp_maxima), for the tie mutation
+_SCAN_BODY = "                if vs[j] > bv or (vs[j] == bv and ids[j] < bi):"
 _MERGE_BODY = ("            v = s_wv[w * self.B + b]\n"
                "            vi = s_wi[w * self.B + b]\n"
                "            if v > bv or (v == bv and vi < bi):")
@@ -137,7 +136,8 @@ K_MATVEC = "megakernel/kernel/matvec.py"
 K_WIDE = "megakernel/kernel/matvec_wide.py"
 K_ATTN = "megakernel/kernel/attention.py"
 K_TOKENS = "megakernel/kernel/tokens.py"
-KERNEL_MODULES = (K_INTERP, K_MATVEC, K_WIDE, K_ATTN, K_TOKENS, "megakernel/kernel/stream.py",
+K_PTX = "megakernel/kernel/ptx.py"
+KERNEL_MODULES = (K_INTERP, K_MATVEC, K_WIDE, K_ATTN, K_TOKENS, K_PTX, "megakernel/kernel/stream.py",
                   "megakernel/kernel/staging.py")
 VM_MODULE = "megakernel/schedule/vm.py"
 ENGINE_OPTIONS = "tests/unit/test_engine_options.py"
@@ -215,11 +215,14 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
             (Patch(ARGMAX, "torch.where(vals == top, idx, torch.iinfo(torch.int32).max).min(dim=1).values",
                    "torch.where(vals == top, idx, -1).max(dim=1).values"),),
             (stage_probe("test_argmax_stage"), VM_PROBE, E2E_CPU_PROBE),
-            # the tile scan (both ARGMAX forms), then the warps' maxima (parallel ARGMAX, batch 1-2)
-            (Patch(K_TOKENS, "for t in range(t0, num_tiles, step):\n" + _SCAN_BODY,
-                   "for t in range(t0, num_tiles, step):\n" + _SCAN_BODY.replace("vi < bi", "vi > bi")),
+            # a lane's scan of its tiles, then the warp reduction over the lanes (which the LM head's tiles share)
+            # and the LM head's merge of its warps' maxima
+            (Patch(K_TOKENS, _SCAN_BODY, _SCAN_BODY.replace("ids[j] < bi", "ids[j] > bi")),
+             Patch(K_PTX, "if ov > v or (ov == v and oi < i):", "if ov > v or (ov == v and oi > i):"),
              Patch(K_TOKENS, "for w in range(self.warps):\n" + _MERGE_BODY,
-                   "for w in range(self.warps):\n" + _MERGE_BODY.replace("vi < bi", "vi > bi"))))
+                   "for w in range(self.warps):\n" + _MERGE_BODY.replace("vi < bi", "vi > bi"))),
+            "the device's (max, index) merges (ARGMAX's scan of a lane's tiles, the warp reduction it shares with "
+            "the LM head, the LM head's merge of its warps' maxima) break ties toward the highest index")
     + _pair("fragment_halves_swapped",
             "fragment_pack nests a lane's 8-column halves and 16-column halves the other way round, so its registers "
             "hold columns 2t+16, 2t+17 where 2t+8, 2t+9 belong",
@@ -247,8 +250,13 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
        Mutation("wide_gate_up_stored_without_rows.kernel",
                 "past batch 8, a consumer warp that owns no rows of a small GATE_UP tile still stores its (zero) "
                 "outputs, over the next tiles' outputs",
-                (Patch(K_WIDE, "if nr > 0:\n                            st_f32x2(ob + Int64(r0 // 2",
-                       "if True:\n                            st_f32x2(ob + Int64(r0 // 2"),),
+                (Patch(K_WIDE, "if nr > 0:\n                                st_f32x2(ob + Int64(r0 // 2",
+                       "if True:\n                                st_f32x2(ob + Int64(r0 // 2"),),
+                (GPU_WIDE_STAGES_PROBE,), kernel=True),
+       Mutation("wide_second_group_reads_the_first.kernel",
+                "past batch 8, a consumer warp multiplies its first row group's slot into the accumulators of its "
+                "second row group too, so rows past the chunk's first 128 get another group's sums",
+                (Patch(K_WIDE, "if g0 == g_own + j * GS:", "if g0 == g_own:"),),
                 (GPU_WIDE_STAGES_PROBE,), kernel=True),
        # the weight ring (megakernel/kernel/stream.py): device-only, no VM twin
        Mutation("ring_phase_flipped.kernel",

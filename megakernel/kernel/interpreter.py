@@ -54,7 +54,7 @@ from .ptx import (atomic_add_acq_rel, atomic_cas, cp_async_wait_all, globaltimer
                   load_relaxed, mbarrier_init, mbarrier_init_fence, red_release_add, st_i32, store_relaxed,
                   store_system_nonzero)
 from .stream import (ERR_RING, SLOT_BYTES, TRACE_WORDS, WIDE_WARPS, StreamPlan, WeightStream, is_matvec,  # noqa: F401
-                     wide)
+                     wide, wide_groups)
 from .stream import TR_BEGIN, TR_CONSUMED, TR_END, TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY, TR_STAGED
 from .tokens import ERR_TOKEN, TokenStages  # noqa: F401
 
@@ -86,6 +86,9 @@ class KernelOptions:
     # over zeroed shared memory, so a step takes what the dependency chain and the consumers' work take without
     # the weight stream (tools/gpu_sweep.py 'nocopy:diag_no_copy=1'; profiles/RESULTS.md, 2026-12-03)
     diag_no_copy: bool = False
+    # row groups each consumer warp owns per chunk past SPLIT_BATCH (0: stream.wide_groups(batch)): for an A/B
+    # sweep
+    wide_groups: int = 0
 
 OP_EMBED, OP_ATTN_PARTIAL, OP_ATTN_REDUCE = int(Opcode.EMBED), int(Opcode.ATTN_PARTIAL), int(Opcode.ATTN_REDUCE)
 OP_QKV, OP_O_PROJ, OP_GATE_UP, OP_DOWN = int(Opcode.QKV), int(Opcode.O_PROJ), int(Opcode.GATE_UP), int(Opcode.DOWN)
@@ -146,7 +149,9 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
             if e > 1:
                 self.split_widths[int(op)] = weight_rows(op, layout)[1] // e
         self.E_ssq = ssq_ranges(layout)
-        self.plan = StreamPlan.for_config(c, self.B, tuple(self.split_widths.values()))
+        widest = max(-(-weight_rows(op, layout)[0] * k_splits(layout, op) // self.num_sms) for op in SPLIT_STAGES)
+        self.wide_groups = self.options.wide_groups or wide_groups(self.B, widest)
+        self.plan = StreamPlan.for_config(c, self.B, tuple(self.split_widths.values()), self.wide_groups)
         self.wide = wide(self.B)
         free = SMEM_LIMIT - self.smem_bytes(ring_slots=0)
         self.ring_slots = StreamPlan.ring_slots(free)
@@ -397,7 +402,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                     if op == OP_ATTN_REDUCE:
                         self.attn_reduce(tidx, layer, a0, a1, a3, p)
                     if op == OP_ARGMAX:
-                        self.argmax(tidx, warp, lane, a0, p, s)
+                        self.argmax(warp, lane, a0, p)
                     if cutlass.const_expr(len(self.split_widths) > 0):
                         if op == OP_MV_REDUCE:
                             self.mv_reduce(tidx, layer, a0, a1, a2, a3, p, s)

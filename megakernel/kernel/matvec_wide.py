@@ -3,12 +3,12 @@
 At batch 1-8 (megakernel.kernel.matvec) each slot part goes to the warp that owns its ring slot, which stores one
 partial sum per (row, slab, part, sequence) in shared memory; with 64 sequences those partials would leave chunks
 of a few rows, each staging the input again. Here (docs/batch_path.md):
-  - a chunk is WIDE_WARPS row groups of ITEM_ROWS rows, and consumer warp w owns row group w of every chunk: it
-    multiplies that row group's slot of every slab into float32 accumulators in its registers (m16n8k16 MMAs:
-    the batch is M, in m-tiles of 16 sequences, its input staged as bf16 A fragments, one 16-byte load per lane
-    and k-step (stream.wide_x_word); each 8-row block of the weights is N, the fragment-packed slot giving a lane
-    its B registers of two k-steps in one 16-byte load; tools/activation_precision.py has what bf16 inputs cost in
-    accuracy), so a chunk's input is staged once;
+  - a chunk is G x WIDE_WARPS row groups of ITEM_ROWS rows (G = stream.wide_groups: 1 or 2), and consumer warp w
+    owns row groups w, w + WIDE_WARPS, ... of every chunk: it multiplies those row groups' slots of every slab into
+    float32 accumulators in its registers (m16n8k16 MMAs: the batch is M, in m-tiles of 16 sequences, its input
+    staged as bf16 A fragments, one 16-byte load per lane and k-step (stream.wide_x_word); each 8-row block of the
+    weights is N, the fragment-packed slot giving a lane its B registers of two k-steps in one 16-byte load;
+    tools/activation_precision.py has what bf16 inputs cost in accuracy), so a chunk's input is staged once;
   - every consumer warp waits for every slot and arrives on its empty barrier (initialised to WIDE_WARPS), so each
     use of a ring slot is complete before any warp waits for the next one (the parity of an mbarrier wait is
     exact), whichever warp reads it;
@@ -35,7 +35,7 @@ from .matvec import LOAD_KP, silu
 from .ptx import (globaltimer_lo, ld_f32, load_shared_raw, mbarrier_arrive, mma_bf16_16816, rsqrt, st_f32, st_f32x2,
                   st_i32, warp_max_index)
 from .stream import (ITEM_ROWS, M_TILE, SLAB_COLS, SLOT_BYTES, TR_CONSUMED, TR_LANDED_FIRST, TR_LANDED_LAST, TR_STAGED,
-                     m_tiles, wide_x_lane_word)
+                     WIDE_WARPS, m_tiles, wide_x_lane_word)
 
 OP_QKV, OP_O_PROJ, OP_GATE_UP = int(Opcode.QKV), int(Opcode.O_PROJ), int(Opcode.GATE_UP)
 OP_DOWN, OP_LM_HEAD = int(Opcode.DOWN), int(Opcode.LM_HEAD)
@@ -49,6 +49,12 @@ class WideMatvec:
         one m-tile, so an item is not two chains of dependent MMAs."""
         return 2 if m_tiles(self.B) == 1 else 1
 
+    def wide_load_kp(self) -> int:
+        """32-column blocks whose B registers (8 words per lane) a warp loads at once: LOAD_KP, or 2 where a warp's
+        accumulators take 64 registers (two row groups of 4 m-tiles), so that the MMA loop and the epilogue fit
+        the registers without spills."""
+        return 2 if self.wide_groups * self.chains() * 2 * m_tiles(self.B) * 4 > 32 else LOAD_KP
+
     @cute.jit
     def matvec_wide(self, tidx: Int32, warp: Int32, lane: Int32, op: Int32, layer: Int32, a0: Int32, a1: Int32,
                     tile: Int32, kpart: Int32, split: Boolean, k_row: Int32, K: Int32, k0: Int32, slab: Int32,
@@ -59,7 +65,8 @@ class WideMatvec:
         """One tile past SPLIT_BATCH (matvec's arguments, resolved): columns k0 .. k0 + K of rows a0 .. a0 + a1
         (k_row columns per weight row and input row)."""
         B = self.B
-        NA = self.chains() * 2 * m_tiles(B) * 4
+        G = self.wide_groups
+        NA = self.chains() * 2 * m_tiles(B) * 4          # accumulators of one owned row group
         is_lm = op == OP_LM_HEAD
         whole = xsl >= n_slab
         ss = cute.make_rmem_tensor((1,), Float32)      # (stage adds the sums of squares into s.wv instead)
@@ -80,18 +87,16 @@ class WideMatvec:
         if is_lm:
             self.reset_tile_maximum(tidx, s)
         x_base = s.x_addr
-        g_own = warp * ITEM_ROWS          # the row group this warp owns in every chunk
+        g_own = warp * ITEM_ROWS          # the first row group this warp owns in every chunk (then every
+        GS = WIDE_WARPS * ITEM_ROWS       # GS rows further: G in all)
         for c0 in range(0, a1, chunk):
             rows = a1 - c0
             if rows > chunk:
                 rows = chunk
             if c0 > 0:
                 self.consumer_sync()      # the last chunk's argmax merge has read s.wv and s.wi
-            nr = rows - g_own             # rows of the owned group (<= 0: none in this chunk)
-            if nr > ITEM_ROWS:
-                nr = ITEM_ROWS
-            acc = cute.make_rmem_tensor((NA,), Float32)
-            for i in cutlass.range_constexpr(NA):
+            acc = cute.make_rmem_tensor((G * NA,), Float32)
+            for i in cutlass.range_constexpr(G * NA):
                 acc[i] = Float32(0.0)
             for sl in range(n_slab):
                 col0 = sl * slab
@@ -122,8 +127,9 @@ class WideMatvec:
                                 st_i32(rec + TR_LANDED_FIRST * 4, globaltimer_lo())
                             if c0 + rows >= a1 and sl == n_slab - 1 and g0 + ITEM_ROWS >= rows:
                                 st_i32(rec + TR_LANDED_LAST * 4, globaltimer_lo())
-                    if g0 == g_own:
-                        self.wide_item(lane, slab, width, ring + slot * SLOT_BYTES, x_base, col0, acc)
+                    for j in cutlass.range_constexpr(G):
+                        if g0 == g_own + j * GS:
+                            self.wide_item(lane, slab, width, ring + slot * SLOT_BYTES, x_base, col0, acc, j * NA)
                     cute.arch.sync_warp()
                     if lane == 0:
                         mbarrier_arrive(empty + mb)       # every consumer warp passes every slot
@@ -134,8 +140,8 @@ class WideMatvec:
             if cutlass.const_expr(self.options.trace):
                 if tidx == 0:
                     st_i32(rec + TR_CONSUMED * 4, globaltimer_lo())
-            self.epilogue_wide(warp, lane, op, layer, a0, c0 + g_own, nr, kpart, split, has_norm, has_res, out_addr,
-                               out_w, res_addr, acc, p, s)
+            self.epilogue_wide(warp, lane, op, layer, a0, c0, rows - g_own, kpart, split, has_norm, has_res,
+                               out_addr, out_w, res_addr, acc, p, s)
             if is_lm:
                 self.merge_chunk_maxima(tidx, s)
         if is_lm:
@@ -144,42 +150,44 @@ class WideMatvec:
 
     @cute.jit
     def wide_item(self, lane: Int32, slab: Int32, width: Int32, slot_addr: Int32, x_base: Int32, col0: Int32,
-                  acc: cute.Tensor):
+                  acc: cute.Tensor, a_base: int):
         """A slot's row group (16 rows: two 8-row blocks, the second absent from a slot of 8 rows) times every
-        sequence's staged input, added to acc: acc[((ch * 2 + blk) * NM + mt) * 4 + i] is the C fragment i of chain
-        ch, block blk, m-tile mt (sequences mt * 16 + lane // 4 and + 8, rows blk * 8 + 2 (lane % 4) and the next).
+        sequence's staged input, added to acc: acc[a_base + ((ch * 2 + blk) * NM + mt) * 4 + i] is the C fragment i
+        of chain ch, block blk, m-tile mt (sequences mt * 16 + lane // 4 and + 8, rows blk * 8 + 2 (lane % 4) and the
+        next).
         The slot holds per 8-row block (slab * 16 bytes apart) 512-byte blocks of 32 columns in which lane l's 16
         bytes are its B registers (row l // 4) of the block's two k-steps; the staged input's k-steps from col0 (a
         multiple of 128 columns, so its k-step count is a multiple of 8 and wide_x_lane_word's lane permutation is
         that of the slab's own k-step) hold the A registers (stream.wide_x_lane_word)."""
         NM, CH = m_tiles(self.B), self.chains()
+        KP = self.wide_load_kp()
         kp_w = width // 32
         IKP = SLAB_COLS // 32
         top = slot_addr + lane * 16
         bottom = top + slab * 16                        # the second 8-row block
         xa = x_base + (col0 // 16) * NM * 512          # the slab's first k-step of the staged input
-        for hf in cutlass.range_constexpr(IKP // LOAD_KP):
-            # the B registers of LOAD_KP blocks, loaded whatever the slot holds: blocks past the slab's width are
+        for hf in cutlass.range_constexpr(IKP // KP):
+            # the B registers of KP blocks, loaded whatever the slot holds: blocks past the slab's width are
             # not multiplied, and an absent second 8-row block only gives the C columns of rows the tile does not
             # have, which the epilogue does not store (the loads stay inside the slot: 2 x 16 blocks of 512 bytes)
-            w = cute.make_rmem_tensor((LOAD_KP * 8,), Int32)
-            for uu in cutlass.range_constexpr(LOAD_KP):
-                u = hf * LOAD_KP + uu
+            w = cute.make_rmem_tensor((KP * 8,), Int32)
+            for uu in cutlass.range_constexpr(KP):
+                u = hf * KP + uu
                 v = load_shared_raw(top + u * 512)
                 for e in cutlass.range_constexpr(4):
                     w[uu * 8 + e] = v[e]
                 v = load_shared_raw(bottom + u * 512)
                 for e in cutlass.range_constexpr(4):
                     w[uu * 8 + 4 + e] = v[e]
-            for uu in cutlass.range_constexpr(LOAD_KP):
-                u = hf * LOAD_KP + uu
+            for uu in cutlass.range_constexpr(KP):
+                u = hf * KP + uu
                 if u < kp_w:
                     for kb in cutlass.range_constexpr(2):
                         for mt in cutlass.range_constexpr(NM):
                             a0, a1, a2, a3 = load_shared_raw(xa + wide_x_lane_word(2 * u + kb, mt, lane, NM) * 4)
                             for blk in cutlass.range_constexpr(2):
                                 q = uu * 8 + blk * 4 + kb * 2
-                                c = (((u % CH) * 2 + blk) * NM + mt) * 4
+                                c = a_base + (((u % CH) * 2 + blk) * NM + mt) * 4
                                 d = mma_bf16_16816(a0, a1, a2, a3, w[q], w[q + 1],
                                                    acc[c], acc[c + 1], acc[c + 2], acc[c + 3])
                                 for i in cutlass.range_constexpr(4):
@@ -213,17 +221,21 @@ class WideMatvec:
         return p.part_ssq + (((Int64(layer) * 2 + Int64(st)) * self.E_ssq + Int64(e)) * self.B + Int64(b)) * 4
 
     @cute.jit
-    def epilogue_wide(self, warp: Int32, lane: Int32, op: Int32, layer: Int32, a0: Int32, r0: Int32, nr: Int32,
+    def epilogue_wide(self, warp: Int32, lane: Int32, op: Int32, layer: Int32, a0: Int32, c0: Int32, nr0: Int32,
                       kpart: Int32, split: Boolean, has_norm: Boolean, has_res: Boolean, out_addr: Int64,
                       out_w: Int32, res_addr: Int64, acc: cute.Tensor, p, s):
-        """The warp's rows r0 .. r0 + nr of the tile (nr <= 0: none; a multiple of 8) from its accumulators: lane
-        (g, t) holds sequences mt * 16 + g and + 8, rows blk * 8 + 2t and the next (wide_item). A K range's
-        partial into part_<stage>, else the stage's store (the RMS scale, the residual, SiLU(gate) * up: a row
-        group's gate rows are its first 8, its up rows the next 8, so a lane holds both of its two outputs); the
-        LM head also its (max, lowest index) per sequence into s.wv / s.wi slot warp * B + b."""
+        """The warp's rows of chunk c0 from its accumulators: owned group j (acc[j * NA ...]) is rows c0 + warp *
+        ITEM_ROWS + j * WIDE_WARPS * ITEM_ROWS and the next ITEM_ROWS of the tile, of which nr0 - j * WIDE_WARPS *
+        ITEM_ROWS exist (<= 0: none; a multiple of 8); lane (g, t) holds sequences mt * 16 + g and + 8, rows
+        blk * 8 + 2t and the next (wide_item). A K range's partial into part_<stage>, else the stage's store (the
+        RMS scale, the residual, SiLU(gate) * up: a row group's gate rows are its first 8, its up rows the next 8,
+        so a lane holds both of its two outputs); the LM head also its (max, lowest index) per sequence over both
+        groups into s.wv / s.wi slot warp * B + b."""
         s_rstd, s_wi, s_wv = s.rstd, s.wi, s.wv
         B, H = self.B, self.H
-        NM, CH = m_tiles(B), self.chains()
+        NM, CH, G = m_tiles(B), self.chains(), self.wide_groups
+        NA = CH * 2 * NM * 4
+        GS = WIDE_WARPS * ITEM_ROWS
         g = lane // 4
         t = lane - g * 4
         is_gate_up = op == OP_GATE_UP
@@ -232,47 +244,55 @@ class WideMatvec:
         for mt in cutlass.range_constexpr(NM):
             for hf in cutlass.range_constexpr(2):
                 b = mt * M_TILE + hf * 8 + g
-                y = cute.make_rmem_tensor((4,), Float32)      # [block][row 2t, 2t + 1]
-                for blk in cutlass.range_constexpr(2):
-                    for e in cutlass.range_constexpr(2):
-                        y[blk * 2 + e] = acc[(blk * NM + mt) * 4 + hf * 2 + e]
-                        for ch in cutlass.range_constexpr(1, CH):
-                            y[blk * 2 + e] = y[blk * 2 + e] + acc[((ch * 2 + blk) * NM + mt) * 4 + hf * 2 + e]
                 bv = Float32(-math.inf)
                 bi = Int32(0x7FFFFFFF)
-                if b < B:
-                    scale = Float32(1.0)
-                    if has_norm:
-                        scale = s_rstd[b]
-                    ob = out_addr + Int64(b) * Int64(out_w) * 4
-                    if split:
-                        for blk in cutlass.range_constexpr(2):
-                            if blk * 8 < nr:
-                                st_f32x2(part_addr + (((Int64(layer) * part_e + Int64(kpart)) * B + Int64(b))
-                                                      * part_rows + Int64(a0 + r0 + blk * 8 + 2 * t)) * 4,
-                                         y[blk * 2], y[blk * 2 + 1])
-                    elif is_gate_up:
-                        if nr > 0:
-                            st_f32x2(ob + Int64(r0 // 2 + 2 * t) * 4, silu(y[0] * scale) * (y[2] * scale),
-                                     silu(y[1] * scale) * (y[3] * scale))
-                    else:
-                        for blk in cutlass.range_constexpr(2):
-                            r = r0 + blk * 8 + 2 * t
-                            if blk * 8 < nr:
-                                v0 = y[blk * 2] * scale
-                                v1 = y[blk * 2 + 1] * scale
-                                if has_res:
-                                    rb = res_addr + (Int64(b) * Int64(H) + Int64(r)) * 4
-                                    v0 = v0 + ld_f32(rb)
-                                    v1 = v1 + ld_f32(rb + 4)
-                                st_f32x2(ob + Int64(r) * 4, v0, v1)
-                                if is_lm:
-                                    if v0 > bv:
-                                        bv = v0
-                                        bi = a0 + r
-                                    if v1 > bv:
-                                        bv = v1
-                                        bi = a0 + r + 1
+                for j in cutlass.range_constexpr(G):
+                    r0 = c0 + warp * ITEM_ROWS + j * GS
+                    nr = nr0 - j * GS
+                    if nr > ITEM_ROWS:
+                        nr = ITEM_ROWS
+                    y = cute.make_rmem_tensor((4,), Float32)      # [block][row 2t, 2t + 1]
+                    for blk in cutlass.range_constexpr(2):
+                        for e in cutlass.range_constexpr(2):
+                            y[blk * 2 + e] = acc[j * NA + (blk * NM + mt) * 4 + hf * 2 + e]
+                            for ch in cutlass.range_constexpr(1, CH):
+                                y[blk * 2 + e] = (y[blk * 2 + e]
+                                                  + acc[j * NA + ((ch * 2 + blk) * NM + mt) * 4 + hf * 2 + e])
+                    if b < B:
+                        scale = Float32(1.0)
+                        if has_norm:
+                            scale = s_rstd[b]
+                        ob = out_addr + Int64(b) * Int64(out_w) * 4
+                        if split:
+                            for blk in cutlass.range_constexpr(2):
+                                if blk * 8 < nr:
+                                    st_f32x2(part_addr + (((Int64(layer) * part_e + Int64(kpart)) * B + Int64(b))
+                                                          * part_rows + Int64(a0 + r0 + blk * 8 + 2 * t)) * 4,
+                                             y[blk * 2], y[blk * 2 + 1])
+                        elif is_gate_up:
+                            if nr > 0:
+                                st_f32x2(ob + Int64(r0 // 2 + 2 * t) * 4, silu(y[0] * scale) * (y[2] * scale),
+                                         silu(y[1] * scale) * (y[3] * scale))
+                        else:
+                            for blk in cutlass.range_constexpr(2):
+                                r = r0 + blk * 8 + 2 * t
+                                if blk * 8 < nr:
+                                    v0 = y[blk * 2] * scale
+                                    v1 = y[blk * 2 + 1] * scale
+                                    if has_res:
+                                        rb = res_addr + (Int64(b) * Int64(H) + Int64(r)) * 4
+                                        v0 = v0 + ld_f32(rb)
+                                        v1 = v1 + ld_f32(rb + 4)
+                                    st_f32x2(ob + Int64(r) * 4, v0, v1)
+                                    if is_lm:
+                                        # (groups in row order and a strict comparison: the lowest row among
+                                        # equal maxima)
+                                        if v0 > bv:
+                                            bv = v0
+                                            bi = a0 + r
+                                        if v1 > bv:
+                                            bv = v1
+                                            bi = a0 + r + 1
                 if is_lm:
                     # (every lane: the shuffles need the whole warp) the lowest row among equal maxima
                     bv, bi = warp_max_index(bv, bi, (2, 1))

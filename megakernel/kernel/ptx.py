@@ -254,6 +254,13 @@ def st_f32x2(addr: Int64, v0: Float32, v1: Float32):
 
 
 @cute.jit
+def st_f32x4(addr: Int64, v0: Float32, v1: Float32, v2: Float32, v3: Float32):
+    """Four float32 to consecutive words (16-byte aligned)."""
+    cute.arch.inline_ptx("st.global.v4.f32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+                         read_only_args=[addr, v0, v1, v2, v3])
+
+
+@cute.jit
 def st_i32(addr: Int64, v: Int32):
     cute.arch.inline_ptx("st.global.b32 [{$r0}], {$r1};", read_only_args=[addr, v])
 

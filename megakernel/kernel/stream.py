@@ -61,8 +61,9 @@ ITEM_ROWS = 16              # rows of a consumer work item: the M of one m16n8k1
 SLAB_COLS = SLOT_BYTES // (ITEM_ROWS * 2)   # the widest slab: ITEM_ROWS rows of it fill a slot
 
 
-WIDE_WARPS = 8              # consumer warps past SPLIT_BATCH: each owns one row group of a chunk (ITEM_ROWS rows x
-                            # every sequence) across all of the tile's slabs, its accumulators in registers
+WIDE_WARPS = 8              # consumer warps past SPLIT_BATCH: each owns wide_groups() row groups of a chunk
+                            # (ITEM_ROWS rows x every sequence) across all of the tile's slabs, its accumulators in
+                            # registers
 
 
 def slot_parts(batch: int) -> int:
@@ -74,8 +75,18 @@ def slot_parts(batch: int) -> int:
     return 2 if batch == 1 else 1
 
 
+def wide_groups(batch: int, widest_tile: int) -> int:
+    """Row groups each consumer warp owns per chunk past SPLIT_BATCH. A tile whose input is staged in windows
+    stages it once per chunk, so two groups (chunks of 256 rows) halve that staging for twice the accumulators:
+    always up to batch 32 (32 registers a warp); at 33-64 (64 registers, where matvec_wide loads half as many B
+    registers at once to fit them) only where a layer's tiles (widest_tile rows per SM) outgrow a chunk of one
+    group per warp (llama-3.1-8b, 435-row tiles, at 64: 10.81 ms per step against 13.15; llama-3.2-1b, 125-row
+    tiles: 2.81 against 2.66; profiles/RESULTS.md, 2026-12-03, sixth session)."""
+    return 2 if m_tiles(batch) <= 2 or widest_tile > WIDE_WARPS * ITEM_ROWS else 1
+
+
 def wide(batch: int) -> bool:
-    """Past SPLIT_BATCH the consumers own row groups (WIDE_WARPS of them per chunk) and accumulate across a
+    """Past SPLIT_BATCH the consumers own row groups (wide_groups per warp in a chunk) and accumulate across a
     tile's slabs in registers: partial sums per (row, slab, part, sequence) in shared memory would leave chunks
     of a few rows, each staging the input again."""
     return batch > SPLIT_BATCH
@@ -170,10 +181,10 @@ class SlotGeometry:
         return sum(self.chunk_slots(rows))
 
 
-def slot_geometry(k: int, batch: int, parts: int | None = None) -> SlotGeometry:
+def slot_geometry(k: int, batch: int, parts: int | None = None, groups: int = 1) -> SlotGeometry:
     """The slot geometry of a K-column matrix at a batch size: the fewest slabs whose ITEM_ROWS rows fit a
     slot, slots as many rows as fit, `parts` work items across a slab (slot_parts(batch) unless given),
-    chunks as many rows as PART_FLOATS partials allow."""
+    chunks as many rows as PART_FLOATS partials allow (past SPLIT_BATCH, `groups` row groups per consumer warp)."""
     if k % COL_PASS:
         raise ValueError(f"K={k} must be a multiple of {COL_PASS}")
     ppr = k // COL_PASS
@@ -192,7 +203,7 @@ def slot_geometry(k: int, batch: int, parts: int | None = None) -> SlotGeometry:
     chunk = max(rows_per_slot, PART_FLOATS // (n_slab * parts * batch) // rows_per_slot * rows_per_slot)
     if wide(batch):
         # a slot is one row group of one slab, read by the warp that owns the row group in the chunk
-        rows_per_slot, parts, chunk = ITEM_ROWS, 1, WIDE_WARPS * ITEM_ROWS
+        rows_per_slot, parts, chunk = ITEM_ROWS, 1, WIDE_WARPS * ITEM_ROWS * groups
     xb = x_col_bytes(batch)
     return SlotGeometry(k=k, slab_cols=slab, n_slab=n_slab, rows_per_slot=rows_per_slot, parts=parts,
                         chunk_rows=chunk, x_slabs=n_slab if xb * k <= X_WHOLE_BYTES
@@ -208,11 +219,12 @@ class StreamPlan:
     by_k: dict
 
     @classmethod
-    def for_config(cls, config, batch: int, split_widths: tuple[int, ...] = ()) -> "StreamPlan":
+    def for_config(cls, config, batch: int, split_widths: tuple[int, ...] = (),
+                   groups: int = 1) -> "StreamPlan":
         """split_widths: the K ranges' widths of the stages split over K (split_k.k_splits), beside the whole
         widths."""
         ks = sorted({config.hidden_size, config.q_size, config.intermediate_size, *split_widths})
-        return cls(batch=batch, by_k={k: slot_geometry(k, batch) for k in ks})
+        return cls(batch=batch, by_k={k: slot_geometry(k, batch, groups=groups) for k in ks})
 
     @property
     def parts(self) -> int:

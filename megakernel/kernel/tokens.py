@@ -10,10 +10,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from .ptx import atomic_cas, ld_f32, ld_i32, load_bf16x8, st_f32, st_i32, store_relaxed, warp_max_index
+from .ptx import atomic_cas, ld_f32, ld_i32, load_bf16x8, st_f32x4, st_i32, store_relaxed, warp_max_index
 
 ERR_TOKEN = 3
-EMBED_UNROLL = 2           # rounds of EMBED's loads in flight per thread
+EMBED_UNROLL = 8           # rounds of EMBED's loads in flight per thread
 
 
 class TokenStages:
@@ -21,16 +21,28 @@ class TokenStages:
 
     @cute.jit
     def embed(self, tidx: Int32, index: Int32, p):
-        """x[0][b] = embed[token b] (float32), 8 columns per thread per round, EMBED_UNROLL rounds in flight;
-        a token outside the vocabulary reads row 0 and is reported in the error word."""
+        """x[0][b] = embed[token b] (float32), 8 columns per thread per round, EMBED_UNROLL rounds' loads issued
+        before any of their stores (a store between two loads would make each round a memory round trip), each
+        column octet stored as two 16-byte stores (eight 4-byte stores, one sector per lane each, took 57 us at
+        batch 64 on the stage's one SM); a token outside the vocabulary reads row 0 and is reported in the error
+        word."""
         n8 = self.H // 8
         for t0 in range(tidx, self.B * n8, self.cthreads * EMBED_UNROLL):
+            toks = cute.make_rmem_tensor((EMBED_UNROLL,), Int32)
+            for v in cutlass.range_constexpr(EMBED_UNROLL):
+                toks[v] = Int32(0)
+                t = t0 + v * self.cthreads
+                if t < self.B * n8:
+                    toks[v] = ld_i32(p.tokens + Int64(t // n8) * 4)
+            w = cute.make_rmem_tensor((EMBED_UNROLL * 8,), Float32)
             for v in cutlass.range_constexpr(EMBED_UNROLL):
                 t = t0 + v * self.cthreads
+                for e in cutlass.range_constexpr(8):
+                    w[v * 8 + e] = Float32(0.0)
                 if t < self.B * n8:
                     b = t // n8
                     k = (t - b * n8) * 8
-                    tok = ld_i32(p.tokens + Int64(b) * 4)
+                    tok = toks[v]
                     if tok < 0 or tok >= self.V:
                         if k == 0:
                             if atomic_cas(p.error, Int32(0), Int32(ERR_TOKEN)) == 0:
@@ -39,38 +51,43 @@ class TokenStages:
                         tok = Int32(0)
                     w8 = load_bf16x8(p.w_embed + (Int64(tok) * self.H + Int64(k)) * 2)
                     for e in cutlass.range_constexpr(8):
-                        st_f32(p.x + (Int64(b) * self.H + Int64(k + e)) * 4, w8[e])
+                        w[v * 8 + e] = w8[e]
+            for v in cutlass.range_constexpr(EMBED_UNROLL):
+                t = t0 + v * self.cthreads
+                if t < self.B * n8:
+                    b = t // n8
+                    k = (t - b * n8) * 8
+                    for e in cutlass.range_constexpr(0, 8, 4):
+                        st_f32x4(p.x + (Int64(b) * self.H + Int64(k + e)) * 4, w[v * 8 + e], w[v * 8 + e + 1],
+                                 w[v * 8 + e + 2], w[v * 8 + e + 3])
 
     @cute.jit
-    def argmax(self, tidx: Int32, warp: Int32, lane: Int32, num_tiles: Int32, p, s):
-        """Per sequence, the (max, lowest index among equal maxima) over the LM head tiles' results, then
-        the next token is written and the inputs advanced. Every consumer thread scans some tiles of every
-        sequence and the warps' results are merged with the same comparison (associative: the same token as
-        a serial scan)."""
-        s_wi, s_wv = s.wi, s.wv
-        for b in cutlass.range_constexpr(self.B):
-            bv, bi = self.scan_tiles(b, tidx, self.cthreads, num_tiles, p)
+    def argmax(self, warp: Int32, lane: Int32, num_tiles: Int32, p):
+        """Per sequence, the (max, lowest index among equal maxima) over the LM head tiles' results, then the next
+        token is written and the inputs advanced. Warp w takes sequences w, w + warps, ...: its lanes load every
+        tile's result of the sequence at once (tiles lane, lane + 32, ...) and one warp reduction merges them with
+        the same comparison (associative: the same token as a serial scan). Before, one sequence at a time over
+        every thread took a memory round trip per sequence: 60 us at batch 64 (profiles/RESULTS.md)."""
+        TL = -(-self.T // 32)                # tiles per lane
+        for b in range(warp, self.B, self.warps):
+            vs = cute.make_rmem_tensor((TL,), Float32)
+            ids = cute.make_rmem_tensor((TL,), Int32)
+            for j in cutlass.range_constexpr(TL):        # every load first
+                vs[j] = Float32(-math.inf)
+                ids[j] = Int32(0x7FFFFFFF)
+                t = lane + 32 * j
+                if t < num_tiles:
+                    vs[j] = ld_f32(p.lm_max + (Int64(b) * self.T + Int64(t)) * 4)
+                    ids[j] = ld_i32(p.lm_idx + (Int64(b) * self.T + Int64(t)) * 4)
+            bv = vs[0]
+            bi = ids[0]
+            for j in cutlass.range_constexpr(1, TL):
+                if vs[j] > bv or (vs[j] == bv and ids[j] < bi):
+                    bv = vs[j]
+                    bi = ids[j]
             bv, bi = warp_max_index(bv, bi)
             if lane == 0:
-                s_wv[warp * self.B + b] = bv
-                s_wi[warp * self.B + b] = bi
-        self.consumer_sync()
-        if tidx < self.B:
-            _, ci = self.merge_warp_maxima(tidx, Float32(-math.inf), Int32(0x7FFFFFFF), s)
-            self.emit_token(tidx, ci, p)
-
-    @cute.jit
-    def scan_tiles(self, b: Int32, t0: Int32, step: int, num_tiles: Int32, p):
-        """(max, lowest index among equal maxima) of sequence b over LM head tiles t0, t0 + step, ..."""
-        bv = Float32(-math.inf)
-        bi = Int32(0x7FFFFFFF)
-        for t in range(t0, num_tiles, step):
-            v = ld_f32(p.lm_max + (Int64(b) * self.T + Int64(t)) * 4)
-            vi = ld_i32(p.lm_idx + (Int64(b) * self.T + Int64(t)) * 4)
-            if v > bv or (v == bv and vi < bi):
-                bv = v
-                bi = vi
-        return bv, bi
+                self.emit_token(b, bi, p)
 
     @cute.jit
     def merge_warp_maxima(self, b: Int32, bv: Float32, bi: Int32, s):

@@ -680,6 +680,16 @@ def test_stages_on_gpu_match_reference_past_split_batch(batch):
     run_gpu_stages(_wide_batch_case(batch, seed=batch))
 
 
+# On 2 or 3 SMs the same shapes' tiles have 128-512 rows: past WIDE_WARPS x ITEM_ROWS (128) each consumer warp
+# multiplies a second row group of the chunk (stream.wide_groups), partly present in the 160-, 176- and 344-row
+# tiles, and the LM head's maxima run over both groups and over several chunks.
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("batch,num_sms", [(16, 2), (41, 3), (64, 2)])
+def test_stages_on_gpu_match_reference_with_a_second_row_group_per_warp(batch, num_sms):
+    run_gpu_stages(_wide_batch_case(batch, seed=batch + 100), num_sms=num_sms)
+
+
 # At the batches compiled with it (attention.STREAM_UNROLL), splits of more cached tokens than consumer warps take
 # the streamed attention pass (several tokens per warp, 16-byte k/v loads in flight together, an iteration's tokens
 # one softmax block), short ones the per-warp pass: both in one step, head dims 64 and 128.

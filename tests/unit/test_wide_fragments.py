@@ -124,3 +124,23 @@ def test_real_shapes_stage_inside_their_buffer_and_keep_a_ring(name, batch):
                    for c in range(g.x_cols - 16, g.x_cols, 2))
         assert last < dk.plan.x_floats, f"{name} batch {batch} K={k}: word {last} of {dk.plan.x_floats}"
     assert MIN_SLOTS <= dk.ring_slots and dk.smem_bytes() <= SMEM_LIMIT, f"{name} batch {batch}: {dk.ring_slots} slots"
+
+
+@pytest.mark.parametrize("name,batch,groups", [("llama-3.2-1b", 16, 2), ("llama-3.2-1b", 32, 2),
+                                               ("llama-3.2-1b", 33, 1), ("llama-3.2-1b", 64, 1), ("qwen3-0.6b", 64, 1),
+                                               ("llama-3.1-8b", 64, 2), ("llama-2-7b", 48, 2), ("tiny-llama", 20, 2)])
+def test_row_groups_per_warp_follow_the_batch_and_the_tiles(name, batch, groups):
+    """Past SPLIT_BATCH each consumer warp owns two row groups of a chunk (chunks of 256 rows) up to batch 32, and at
+    33-64 only where a layer stage's tiles have more than 128 rows per SM (llama-3.1-8b's GATE_UP, llama-2-7b's DOWN;
+    llama-3.2-1b's largest have 125): the kernel's slot geometry, which the producer and the consumers both walk,
+    has that chunk at every width."""
+    config = get_preset(name)
+    layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, 132, 4096),
+                        block_size=16, max_blocks_per_seq=16, num_sms=132)
+    program = build_program(layout)
+    table, _ = serialize(assign(program, "balanced"))
+    dk = DecodeKernel(layout, program.lm_tiles, program.num_counters, table.shape[1])
+    assert dk.wide_groups == groups, f"{name} batch {batch}: {dk.wide_groups} row groups per warp"
+    assert {g.chunk_rows for g in dk.plan.by_k.values()} == {128 * groups}, f"{name} batch {batch}"
+    # the MMA loop's B registers: half as many blocks at once where a warp holds 64 accumulators
+    assert dk.wide_load_kp() == (2 if groups == 2 and m_tiles(batch) > 2 else 4), f"{name} batch {batch}"
