@@ -68,7 +68,7 @@ class TokenStages:
         tile's result of the sequence at once (tiles lane, lane + 32, ...) and one warp reduction merges them with
         the same comparison (associative: the same token as a serial scan). Before, one sequence at a time over
         every thread took a memory round trip per sequence: 60 us at batch 64 (profiles/RESULTS.md)."""
-        TL = -(-self.T // 32)                # tiles per lane
+        TL = max(1, -(-self.T // 32))        # tiles per lane (a step without an LM head has none)
         for b in range(warp, self.B, self.warps):
             vs = cute.make_rmem_tensor((TL,), Float32)
             ids = cute.make_rmem_tensor((TL,), Int32)
