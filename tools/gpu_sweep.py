@@ -5,7 +5,7 @@ times. Usage: gpu_sweep.py MODEL BATCH 'name:key=val,key=val' ... [--no-trace] [
 the KV bytes at --context)
 
 Any KernelOptions field is a variant key (`nocopy:diag_no_copy=1` times the step without weight copies: the
-dependency chain and the consumers alone). Every variant is built first (one packed copy of the weights shared by all), its logits checked
+dependency chain and the consumers alone; `nostage:diag_no_stage=1` without the consumers' input staging). Every variant is built first (one packed copy of the weights shared by all), its logits checked
 against the first variant's, and one step captured in a CUDA graph; then the graphs are timed in
 interleaved rounds (each round replays every variant STEPS times), so that clock or thermal drift
 during the sweep falls on all variants alike. Per variant: the median of all its replays, and the

@@ -86,6 +86,10 @@ class KernelOptions:
     # over zeroed shared memory, so a step takes what the dependency chain and the consumers' work take without
     # the weight stream (tools/gpu_sweep.py 'nocopy:diag_no_copy=1'; profiles/RESULTS.md, 2026-12-03)
     diag_no_copy: bool = False
+    # a diagnostic (wrong results, for timing only): no matvec stage stages its input (each staging zeroes the
+    # window instead), so a step takes what it takes without the consumers' input staging
+    # (tools/gpu_sweep.py 'nostage:diag_no_stage=1'; docs/batch_path.md)
+    diag_no_stage: bool = False
     # row groups each consumer warp owns per chunk past SPLIT_BATCH (0: stream.wide_groups(batch)): for an A/B
     # sweep
     wide_groups: int = 0

@@ -89,6 +89,12 @@ class InputStaging:
         sequences, past it into s.wv, slot warp * B + b, which the warp's lane 0 zeroes before the instruction's
         first staging)."""
         B = self.B
+        if cutlass.const_expr(self.options.diag_no_stage):
+            # (KernelOptions.diag_no_stage, for timing only: the window zeroed instead, wrong results but finite)
+            s_x = s.x
+            for i in range(tidx, self.plan.x_floats, self.cthreads):
+                s_x[i] = Float32(0.0)
+            return
         if merge:
             self.stage_merged_attention(tidx, layer, p, s, s0, kw, stride)
         else:

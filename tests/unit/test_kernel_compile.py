@@ -112,6 +112,17 @@ def test_the_no_copy_diagnostic_copies_no_weights_and_still_multiplies():
     assert re.findall(r"\bHMMA\.16816\.F32\.BF16\b", art["sass"]), f"{what}: no MMA in the no-copy build"
 
 
+def test_the_no_stage_diagnostic_stages_no_input_and_still_multiplies():
+    """KernelOptions(diag_no_stage=True), the timing-only build without the consumers' input staging (each window
+    zeroed instead): the staging's bf16 conversions are gone (those left: other stages'), the MMAs are not."""
+    plain = compiled("llama-3.2-1b", 16)
+    art = compiled("llama-3.2-1b", 16, options=KernelOptions(diag_no_stage=True))
+    what = _what("llama-3.2-1b", 16, art)
+    packs = [len(re.findall(r"\bF2FP\.BF16\.F32\.PACK_AB\b", a["sass"])) for a in (plain, art)]
+    assert packs[1] * 4 < packs[0], f"{what}: {packs[1]} bf16 conversions left of {packs[0]}"
+    assert re.findall(r"\bHMMA\.16816\.F32\.BF16\b", art["sass"]), f"{what}: no MMA in the no-stage build"
+
+
 @pytest.mark.parametrize("name,batch", CASES)
 def test_matvecs_multiply_on_the_tensor_cores(name, batch):
     """Every matvec work item is m16n8k16 bf16 MMAs with float32 accumulation (SASS HMMA.16816.F32.BF16),
