@@ -96,7 +96,7 @@ def decode_shapes(draw, hidden_multiple: int = 256, max_hidden: int = 4096, head
     kv_heads = draw(st.sampled_from([k for k in KV_HEADS if k <= max_heads]))
     ratio = draw(st.sampled_from([r for r in GQA_RATIOS if kv_heads * r <= max_heads]))
     head_dim = draw(st.sampled_from(tuple(head_dims)))
-    batch = draw(st.integers(1, max_batch))
+    batch = draw(st.integers(min_batch, max_batch))
     kv_lens = tuple(draw(st.lists(kv_lengths(max_seq_len, block_size), min_size=batch, max_size=batch)))
     return DecodeShape(hidden_size=hidden, num_heads=kv_heads * ratio, num_kv_heads=kv_heads, head_dim=head_dim,
                        intermediate_size=intermediate, batch=batch, kv_lens=kv_lens, block_size=block_size,
@@ -152,9 +152,9 @@ def _accepted_head_counts(head_dim: int, max_heads: int, col_pass: int = 256) ->
 @st.composite
 def kernel_decode_shapes(draw, max_hidden: int = 4096, max_intermediate: int | None = None, head_dims=HEAD_DIMS,
                          max_heads: int = 64, max_batch: int = 8, max_blocks: int = 16,
-                         block_sizes=BLOCK_SIZES) -> DecodeShape:
+                         block_sizes=BLOCK_SIZES, min_batch: int = 1) -> DecodeShape:
     """Decode shapes StepLayout.validate accepts: hidden and intermediate multiples of 256, query width
-    (heads x head_dim) a multiple of 256, GQA ratio <= 8, head_dim 64/128, batch 1..max_batch. The cache holds
+    (heads x head_dim) a multiple of 256, GQA ratio <= 8, head_dim 64/128, batch min_batch..max_batch. The cache holds
     a whole number of blocks (max_seq_len = block_size x blocks), so a KV length of max_seq_len puts the
     decoded token at the cache limit - 1; KV lengths 1 and block edges are drawn often."""
     block_size = draw(st.sampled_from(tuple(block_sizes)))
@@ -164,7 +164,7 @@ def kernel_decode_shapes(draw, max_hidden: int = 4096, max_intermediate: int | N
     hidden = 256 * draw(st.integers(1, max_hidden // 256))
     max_f = max_intermediate if max_intermediate is not None else 4 * max_hidden
     intermediate = 256 * draw(st.integers(1, max_f // 256))
-    batch = draw(st.integers(1, max_batch))
+    batch = draw(st.integers(min_batch, max_batch))
     kv_lens = tuple(draw(st.lists(kv_lengths(max_seq_len, block_size), min_size=batch, max_size=batch)))
     return DecodeShape(hidden_size=hidden, num_heads=kv_heads * ratio, num_kv_heads=kv_heads, head_dim=head_dim,
                        intermediate_size=intermediate, batch=batch, kv_lens=kv_lens, block_size=block_size,
@@ -208,11 +208,13 @@ def model_axes(draw, max_vocab: int = 4096, min_vocab: int = 8) -> ModelAxes:
 
 @st.composite
 def stage_cases(draw, max_hidden: int = 4096, max_intermediate: int | None = None, max_heads: int = 64,
-                max_batch: int = 8, max_blocks: int = 16, max_vocab: int = 4096, max_splits: int = 8) -> StageCase:
+                max_batch: int = 8, max_blocks: int = 16, max_vocab: int = 4096, max_splits: int = 8,
+                min_batch: int = 1) -> StageCase:
     """A StageCase over `kernel_decode_shapes` and `model_axes`: 1-2 layers (the instruction in either),
     1..max_splits KV splits."""
     shape = draw(kernel_decode_shapes(max_hidden=max_hidden, max_intermediate=max_intermediate,
-                                      max_heads=max_heads, max_batch=max_batch, max_blocks=max_blocks))
+                                      max_heads=max_heads, max_batch=max_batch, max_blocks=max_blocks,
+                                      min_batch=min_batch))
     num_layers = draw(st.integers(1, 2))
     axes = draw(model_axes(max_vocab=max_vocab))
     return StageCase(shape=shape, architecture=axes.architecture, num_layers=num_layers,
