@@ -96,7 +96,7 @@ def decode_shapes(draw, hidden_multiple: int = 256, max_hidden: int = 4096, head
     kv_heads = draw(st.sampled_from([k for k in KV_HEADS if k <= max_heads]))
     ratio = draw(st.sampled_from([r for r in GQA_RATIOS if kv_heads * r <= max_heads]))
     head_dim = draw(st.sampled_from(tuple(head_dims)))
-    batch = draw(st.integers(min_batch, max_batch))
+    batch = draw(st.integers(1, max_batch))
     kv_lens = tuple(draw(st.lists(kv_lengths(max_seq_len, block_size), min_size=batch, max_size=batch)))
     return DecodeShape(hidden_size=hidden, num_heads=kv_heads * ratio, num_kv_heads=kv_heads, head_dim=head_dim,
                        intermediate_size=intermediate, batch=batch, kv_lens=kv_lens, block_size=block_size,
