@@ -118,11 +118,11 @@ class Mutation:
         return self.kernel
 
 
-# the kernel's (max, index) comparisons (TokenStages.argmax, merge_warp_maxima), for the tie mutation
+# the kernel's (max, index) comparisons (TokenStages.argmax, MatvecStage.merge_chunk_maxima), for the tie mutation
 _SCAN_BODY = "                if vs[j] > bv or (vs[j] == bv and ids[j] < bi):"
-_MERGE_BODY = ("            v = s_wv[w * self.B + b]\n"
-               "            vi = s_wi[w * self.B + b]\n"
-               "            if v > bv or (v == bv and vi < bi):")
+_MERGE_BODY = ("                v = s_wv[w * self.B + tidx]\n"
+               "                vi = s_wi[w * self.B + tidx]\n"
+               "                if v > bv or (v == bv and vi < bi):")
 
 ATTN = "megakernel/instructions/attention.py"
 LAYOUT = "megakernel/instructions/layout.py"
@@ -219,8 +219,7 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
             # and the LM head's merge of its warps' maxima
             (Patch(K_TOKENS, _SCAN_BODY, _SCAN_BODY.replace("ids[j] < bi", "ids[j] > bi")),
              Patch(K_PTX, "if ov > v or (ov == v and oi < i):", "if ov > v or (ov == v and oi > i):"),
-             Patch(K_TOKENS, "for w in range(self.warps):\n" + _MERGE_BODY,
-                   "for w in range(self.warps):\n" + _MERGE_BODY.replace("vi < bi", "vi > bi"))),
+             Patch(K_MATVEC, _MERGE_BODY, _MERGE_BODY.replace("vi < bi", "vi > bi"))),
             "the device's (max, index) merges (ARGMAX's scan of a lane's tiles, the warp reduction it shares with "
             "the LM head, the LM head's merge of its warps' maxima) break ties toward the highest index")
     + _pair("fragment_halves_swapped",

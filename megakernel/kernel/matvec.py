@@ -374,10 +374,17 @@ class MatvecStage:
     def merge_chunk_maxima(self, tidx: Int32, s):
         """After a barrier, every warp's (max, index) of a chunk's rows per sequence (s.wv / s.wi) merged into the
         tile's running ones (s.red / s.ired), sequence b by thread b alone."""
-        s_ired, s_red = s.ired, s.red
+        s_ired, s_red, s_wi, s_wv = s.ired, s.red, s.wi, s.wv
         self.consumer_sync()
         if tidx < self.B:
-            bv, bi = self.merge_warp_maxima(tidx, s_red[tidx], s_ired[tidx], s)
+            bv = s_red[tidx]
+            bi = s_ired[tidx]
+            for w in range(self.warps):      # the larger value, the lower index among equal ones
+                v = s_wv[w * self.B + tidx]
+                vi = s_wi[w * self.B + tidx]
+                if v > bv or (v == bv and vi < bi):
+                    bv = v
+                    bi = vi
             s_red[tidx] = bv
             s_ired[tidx] = bi
 

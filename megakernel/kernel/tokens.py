@@ -90,19 +90,6 @@ class TokenStages:
                 self.emit_token(b, bi, p)
 
     @cute.jit
-    def merge_warp_maxima(self, b: Int32, bv: Float32, bi: Int32, s):
-        """(bv, bi) merged with every consumer warp's (max, index) of sequence b in s.wv / s.wi (slot
-        warp * B + b): the larger value, the lower index among equal ones."""
-        s_wi, s_wv = s.wi, s.wv
-        for w in range(self.warps):
-            v = s_wv[w * self.B + b]
-            vi = s_wi[w * self.B + b]
-            if v > bv or (v == bv and vi < bi):
-                bv = v
-                bi = vi
-        return bv, bi
-
-    @cute.jit
     def emit_token(self, b: Int32, token: Int32, p):
         st_i32(p.out_tokens + Int64(b) * 4, token)
         # advance the inputs: the next launch decodes the token just chosen, one position on
