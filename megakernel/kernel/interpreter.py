@@ -94,6 +94,13 @@ class KernelOptions:
     # sweep
     wide_groups: int = 0
 
+    def __post_init__(self):
+        if self.timeout_ns <= 0:
+            raise ValueError(f"KernelOptions.timeout_ns={self.timeout_ns}: every wait needs a positive bound")
+        if self.wide_groups not in (0, 1, 2):
+            raise ValueError(f"KernelOptions.wide_groups={self.wide_groups}: 0 (by the batch and tiles), 1 or 2 row "
+                             "groups per consumer warp")
+
 OP_EMBED, OP_ATTN_PARTIAL, OP_ATTN_REDUCE = int(Opcode.EMBED), int(Opcode.ATTN_PARTIAL), int(Opcode.ATTN_REDUCE)
 OP_QKV, OP_O_PROJ, OP_GATE_UP, OP_DOWN = int(Opcode.QKV), int(Opcode.O_PROJ), int(Opcode.GATE_UP), int(Opcode.DOWN)
 OP_LM_HEAD, OP_ARGMAX, OP_MV_REDUCE = int(Opcode.LM_HEAD), int(Opcode.ARGMAX), int(Opcode.MV_REDUCE)
