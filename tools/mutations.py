@@ -118,12 +118,6 @@ class Mutation:
         return self.kernel
 
 
-# the kernel's (max, index) comparisons (TokenStages.argmax, MatvecStage.merge_chunk_maxima), for the tie mutation
-_SCAN_BODY = "                if vs[j] > bv or (vs[j] == bv and ids[j] < bi):"
-_MERGE_BODY = ("                v = s_wv[w * self.B + tidx]\n"
-               "                vi = s_wi[w * self.B + tidx]\n"
-               "                if v > bv or (v == bv and vi < bi):")
-
 ATTN = "megakernel/instructions/attention.py"
 LAYOUT = "megakernel/instructions/layout.py"
 MATVEC = "megakernel/instructions/matvec_stages.py"
@@ -215,13 +209,10 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
             (Patch(ARGMAX, "torch.where(vals == top, idx, torch.iinfo(torch.int32).max).min(dim=1).values",
                    "torch.where(vals == top, idx, -1).max(dim=1).values"),),
             (stage_probe("test_argmax_stage"), VM_PROBE, E2E_CPU_PROBE),
-            # a lane's scan of its tiles, then the warp reduction over the lanes (which the LM head's tiles share)
-            # and the LM head's merge of its warps' maxima
-            (Patch(K_TOKENS, _SCAN_BODY, _SCAN_BODY.replace("ids[j] < bi", "ids[j] > bi")),
-             Patch(K_PTX, "if ov > v or (ov == v and oi < i):", "if ov > v or (ov == v and oi > i):"),
-             Patch(K_MATVEC, _MERGE_BODY, _MERGE_BODY.replace("vi < bi", "vi > bi"))),
-            "the device's (max, index) merges (ARGMAX's scan of a lane's tiles, the warp reduction it shares with "
-            "the LM head, the LM head's merge of its warps' maxima) break ties toward the highest index")
+            # ptx.max_index: the one rule of every (max, index) merge on the device
+            (Patch(K_PTX, "if ov > v or (ov == v and oi < i):", "if ov > v or (ov == v and oi > i):"),),
+            "the device's (max, index) merges (ARGMAX's scan of a lane's tiles and its warp reduction, the LM head's "
+            "merges of its warps' maxima: ptx.max_index) break ties toward the highest index")
     + _pair("fragment_halves_swapped",
             "fragment_pack nests a lane's 8-column halves and 16-column halves the other way round, so its registers "
             "hold columns 2t+16, 2t+17 where 2t+8, 2t+9 belong",

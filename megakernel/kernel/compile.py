@@ -30,6 +30,16 @@ class KernelKey:
     options: KernelOptions
 
 
+def device_code(layout: StepLayout, program, options: KernelOptions = KernelOptions()) -> DecodeKernel:
+    """The DecodeKernel the engine compiles for `program` (its trace-time decisions: slot geometry, ring depth,
+    consumer warps, row groups), built on the CPU without compiling; the queues as the default policy lays them."""
+    from ..instructions.record import serialize
+    from ..schedule import assign
+
+    table, _ = serialize(assign(program, "balanced"))
+    return DecodeKernel(layout, program.lm_tiles, program.num_counters, table.shape[1], None, options)
+
+
 @functools.lru_cache(maxsize=16)
 def compile_decode_kernel(key: KernelKey, keep_artifacts: bool = False):
     """-> compiled callable taking (*addresses in ARG_NAMES order, stream). Cached per key."""

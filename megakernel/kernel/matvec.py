@@ -25,8 +25,8 @@ from cutlass import Boolean, Float32, Int32, Int64
 
 from ..instructions.layout import ROW_GROUP
 from ..instructions.opcodes import Opcode
-from .ptx import (ex2, globaltimer_lo, ld_f32, load_shared_raw, mbarrier_arrive, mma_bf16_16816, rsqrt, st_f32, st_i32,
-                  warp_max_index, warp_sum)
+from .ptx import (ex2, globaltimer_lo, ld_f32, load_shared_raw, max_index, mbarrier_arrive, mma_bf16_16816, rsqrt,
+                  st_f32, st_i32, warp_max_index, warp_sum)
 from .ring_model import reader_warp
 from .stream import (ITEM_ROWS, SLAB_COLS, SLOT_BYTES, TR_CONSUMED, TR_LANDED_FIRST, TR_LANDED_LAST, TR_STAGED,
                      X_PAD)
@@ -379,12 +379,8 @@ class MatvecStage:
         if tidx < self.B:
             bv = s_red[tidx]
             bi = s_ired[tidx]
-            for w in range(self.warps):      # the larger value, the lower index among equal ones
-                v = s_wv[w * self.B + tidx]
-                vi = s_wi[w * self.B + tidx]
-                if v > bv or (v == bv and vi < bi):
-                    bv = v
-                    bi = vi
+            for w in range(self.warps):
+                bv, bi = max_index(bv, bi, s_wv[w * self.B + tidx], s_wi[w * self.B + tidx])
             s_red[tidx] = bv
             s_ired[tidx] = bi
 

@@ -49,11 +49,16 @@ class WideMatvec:
         one m-tile, so an item is not two chains of dependent MMAs."""
         return 2 if m_tiles(self.B) == 1 else 1
 
+    def group_accumulators(self) -> int:
+        """float32 accumulators a lane holds for one owned row group: a C fragment (4) per chain, 8-row block and
+        m-tile (wide_item's acc layout)."""
+        return self.chains() * 2 * m_tiles(self.B) * 4
+
     def wide_load_kp(self) -> int:
         """32-column blocks whose B registers (8 words per lane) a warp loads at once: LOAD_KP, or 2 where a warp's
         accumulators take 64 registers (two row groups of 4 m-tiles), so that the MMA loop and the epilogue fit
         the registers without spills."""
-        return 2 if self.wide_groups * self.chains() * 2 * m_tiles(self.B) * 4 > 32 else LOAD_KP
+        return 2 if self.wide_groups * self.group_accumulators() > 32 else LOAD_KP
 
     @cute.jit
     def matvec_wide(self, tidx: Int32, warp: Int32, lane: Int32, op: Int32, layer: Int32, a0: Int32, a1: Int32,
@@ -66,7 +71,7 @@ class WideMatvec:
         (k_row columns per weight row and input row)."""
         B = self.B
         G = self.wide_groups
-        NA = self.chains() * 2 * m_tiles(B) * 4          # accumulators of one owned row group
+        NA = self.group_accumulators()
         is_lm = op == OP_LM_HEAD
         whole = xsl >= n_slab
         ss = cute.make_rmem_tensor((1,), Float32)      # (stage adds the sums of squares into s.wv instead)
@@ -233,8 +238,7 @@ class WideMatvec:
         groups into s.wv / s.wi slot warp * B + b."""
         s_rstd, s_wi, s_wv = s.rstd, s.wi, s.wv
         B, H = self.B, self.H
-        NM, CH, G = m_tiles(B), self.chains(), self.wide_groups
-        NA = CH * 2 * NM * 4
+        NM, CH, G, NA = m_tiles(B), self.chains(), self.wide_groups, self.group_accumulators()
         GS = WIDE_WARPS * ITEM_ROWS
         g = lane // 4
         t = lane - g * 4

@@ -209,15 +209,21 @@ def warp_sum(v: Float32) -> Float32:
 
 
 @cute.jit
+def max_index(v: Float32, i: Int32, ov: Float32, oi: Int32):
+    """(v, i) and (ov, oi) merged: the larger value, the lower index among equal ones (the one rule every (max,
+    index) merge of the LM head and ARGMAX follows, so the token is a serial scan's whatever the merge order)."""
+    if ov > v or (ov == v and oi < i):
+        v = ov
+        i = oi
+    return v, i
+
+
+@cute.jit
 def warp_max_index(v: Float32, i: Int32, offsets: tuple = (16, 8, 4, 2, 1)):
     """(max, lowest index among equal maxima) of a warp's (value, index) pairs, on every lane (over the lanes
     that differ in the bits of `offsets` only, where given)."""
     for off in offsets:
-        ov = cute.arch.shuffle_sync_bfly(v, offset=off)
-        oi = cute.arch.shuffle_sync_bfly(i, offset=off)
-        if ov > v or (ov == v and oi < i):
-            v = ov
-            i = oi
+        v, i = max_index(v, i, cute.arch.shuffle_sync_bfly(v, offset=off), cute.arch.shuffle_sync_bfly(i, offset=off))
     return v, i
 
 

@@ -10,7 +10,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from .ptx import atomic_cas, ld_f32, ld_i32, load_bf16x8, st_f32x4, st_i32, store_relaxed, warp_max_index
+from .ptx import (atomic_cas, ld_f32, ld_i32, load_bf16x8, max_index, st_f32x4, st_i32, store_relaxed,
+                  warp_max_index)
 
 ERR_TOKEN = 3
 EMBED_UNROLL = 8           # rounds of EMBED's loads in flight per thread
@@ -82,9 +83,7 @@ class TokenStages:
             bv = vs[0]
             bi = ids[0]
             for j in cutlass.range_constexpr(1, TL):
-                if vs[j] > bv or (vs[j] == bv and ids[j] < bi):
-                    bv = vs[j]
-                    bi = ids[j]
+                bv, bi = max_index(bv, bi, vs[j], ids[j])
             bv, bi = warp_max_index(bv, bi)
             if lane == 0:
                 self.emit_token(b, bi, p)

@@ -44,17 +44,6 @@ def _layout(name: str = "tiny-qwen3", batch: int = 2, max_seq_len: int = 40, blo
                       num_sms=num_sms, **layout_options)
 
 
-def _device_code(layout: StepLayout, program, options):
-    """The DecodeKernel (trace-time decisions: slot geometry, ring depth, consumer warps) the engine would compile for
-    `program` with `options`, built on the CPU without compiling."""
-    from megakernel.instructions.record import serialize
-    from megakernel.kernel.interpreter import DecodeKernel
-    from megakernel.schedule import assign
-
-    table, _ = serialize(assign(program, "balanced"))
-    return DecodeKernel(layout, program.lm_tiles, program.num_counters, table.shape[1], None, options)
-
-
 def _compile_without_spills(layout: StepLayout, program, options, what: str, kv_strides=None, max_regs: int = 255):
     """Compile the kernel of `program` for sm_90a (no GPU) -> the compiled kernel, after checking its cubin:
     an ELF, at most max_regs registers, no stack frame, and (where nvdisasm exists) no local-memory

@@ -690,27 +690,24 @@ def test_stages_on_gpu_match_reference_with_a_second_row_group_per_warp(batch, n
     run_gpu_stages(_wide_batch_case(batch, seed=batch + 100), num_sms=num_sms)
 
 
-# Drawn shapes past SPLIT_BATCH (batch 9-64, KV lengths of any parity, 1-4 splits, Llama and Qwen3 axes), on all
-# SMs or on 2-3 (tiles of more than 128 rows: each warp's second row group, several LM head chunks).
+# Drawn shapes past SPLIT_BATCH (batch 9-64, KV lengths of any parity, 1-4 splits, Llama and Qwen3 axes) on the
+# H200's 132 SMs. (On 2-3 SMs, where tiles outgrow 128 rows, some of these shapes are refused: every instruction of
+# the step lands in two or three queues, and the queue in shared memory leaves the ring under MIN_SLOTS; the
+# parametrized cases above cover the second row group there.)
 GPU_BATCH_CASES = stage_cases(max_hidden=2048, max_intermediate=4096, max_heads=32, min_batch=SPLIT_BATCH + 1,
                               max_batch=64, max_blocks=8, max_vocab=4096, max_splits=4)
-WIDE_SMS = st.sampled_from((2, 3, 132))
 
 
 def test_drawn_shapes_past_split_batch_are_ones_the_kernel_takes():
     """Every shape the drawn GPU stage test past SPLIT_BATCH can draw builds a program and a kernel (shared
     memory, ring depth, slot geometry) on the CPU, so its GPU examples test the kernel, not its refusals."""
-    from megakernel.instructions.record import serialize
-    from megakernel.kernel.interpreter import DecodeKernel
-    from megakernel.schedule import assign
+    from megakernel.kernel.compile import device_code
 
     @settings(max_examples=40, deadline=None)
-    @given(case=GPU_BATCH_CASES, num_sms=WIDE_SMS)
-    def check(case, num_sms):
-        layout = _layout(case, num_sms)
-        program = build_program(layout)
-        table, _ = serialize(assign(program, "balanced"))
-        dk = DecodeKernel(layout, program.lm_tiles, program.num_counters, table.shape[1])
+    @given(case=GPU_BATCH_CASES)
+    def check(case):
+        layout = _layout(case, 132)
+        dk = device_code(layout, build_program(layout))
         assert dk.wide and dk.wide_groups in (1, 2), case.describe()
 
     check()
@@ -719,9 +716,9 @@ def test_drawn_shapes_past_split_batch_are_ones_the_kernel_takes():
 @pytest.mark.gpu
 @pytest.mark.hopper
 @settings(max_examples=GPU_EXAMPLES)
-@given(case=GPU_BATCH_CASES, num_sms=WIDE_SMS)
-def test_stages_on_gpu_match_reference_past_split_batch_on_drawn_shapes(case, num_sms):
-    run_gpu_stages(case, num_sms=num_sms)
+@given(case=GPU_BATCH_CASES)
+def test_stages_on_gpu_match_reference_past_split_batch_on_drawn_shapes(case):
+    run_gpu_stages(case)
 
 
 # At the batches compiled with it (attention.STREAM_UNROLL), splits of more cached tokens than consumer warps take

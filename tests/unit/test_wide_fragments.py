@@ -10,12 +10,12 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from megakernel.instructions.layout import StepLayout, default_kv_splits, fragment_pack
-from megakernel.instructions.record import serialize
+from megakernel.kernel.compile import device_code
 from megakernel.kernel.interpreter import SMEM_LIMIT, DecodeKernel
 from megakernel.kernel.stream import (M_TILE, MIN_SLOTS, m_tiles, slot_geometry, wide_x_lane_word, wide_x_word,
                                       x_col_bytes)
 from megakernel.model.presets import get_preset
-from megakernel.schedule import assign, build_program
+from megakernel.schedule import build_program
 
 
 def mma_16816(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -104,6 +104,14 @@ def test_wide_geometry_stages_bf16_m_tiles():
     assert slot_geometry(512, 64).x_whole and slot_geometry(2048, 16).x_whole
 
 
+def _h200_kernel(name: str, batch: int) -> DecodeKernel:
+    """The device code of a preset at a batch on the H200's 132 SMs (a 4,096-token cache), built on the CPU."""
+    config = get_preset(name)
+    layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, 132, 4096),
+                        block_size=16, max_blocks_per_seq=16, num_sms=132)
+    return device_code(layout, build_program(layout))
+
+
 @pytest.mark.parametrize("name,batch", [("llama-3.2-1b", 9), ("llama-3.2-1b", 64), ("qwen3-0.6b", 41),
                                         ("qwen3-0.6b", 64), ("llama-3.1-8b", 64), ("llama-2-7b", 33),
                                         ("tiny-llama", 17)])
@@ -111,12 +119,7 @@ def test_real_shapes_stage_inside_their_buffer_and_keep_a_ring(name, batch):
     """Past SPLIT_BATCH, on the real widths (and their K ranges where a stage splits): the kernel's staged-input
     buffer holds every word any window of any matrix stages (wide_x_word over all sequences and the window's
     columns), and the shared memory left keeps at least MIN_SLOTS ring slots."""
-    config = get_preset(name)
-    layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, 132, 4096),
-                        block_size=16, max_blocks_per_seq=16, num_sms=132)
-    program = build_program(layout)
-    table, _ = serialize(assign(program, "balanced"))
-    dk = DecodeKernel(layout, program.lm_tiles, program.num_counters, table.shape[1])
+    dk = _h200_kernel(name, batch)
     n_mt = m_tiles(batch)
     for k, g in dk.plan.by_k.items():
         # the highest words: the window's last k-step, the sequences of the last m-tile
@@ -134,12 +137,7 @@ def test_row_groups_per_warp_follow_the_batch_and_the_tiles(name, batch, groups)
     33-64 only where a layer stage's tiles have more than 128 rows per SM (llama-3.1-8b's GATE_UP, llama-2-7b's DOWN;
     llama-3.2-1b's largest have 125): the kernel's slot geometry, which the producer and the consumers both walk,
     has that chunk at every width."""
-    config = get_preset(name)
-    layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, 132, 4096),
-                        block_size=16, max_blocks_per_seq=16, num_sms=132)
-    program = build_program(layout)
-    table, _ = serialize(assign(program, "balanced"))
-    dk = DecodeKernel(layout, program.lm_tiles, program.num_counters, table.shape[1])
+    dk = _h200_kernel(name, batch)
     assert dk.wide_groups == groups, f"{name} batch {batch}: {dk.wide_groups} row groups per warp"
     assert {g.chunk_rows for g in dk.plan.by_k.values()} == {128 * groups}, f"{name} batch {batch}"
     # the MMA loop's B registers: half as many blocks at once where a warp holds 64 accumulators
