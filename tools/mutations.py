@@ -240,13 +240,12 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
        Mutation("wide_gate_up_stored_without_rows.kernel",
                 "past batch 8, a consumer warp that owns no rows of a small GATE_UP tile still stores its (zero) "
                 "outputs, over the next tiles' outputs",
-                (Patch(K_WIDE, "if nr > 0:\n                                st_f32x2(ob + Int64(r0 // 2",
-                       "if True:\n                                st_f32x2(ob + Int64(r0 // 2"),),
+                (Patch(K_WIDE, "if b < B and nr > 0:", "if b < B:"),),
                 (GPU_WIDE_STAGES_PROBE,), kernel=True),
        Mutation("wide_second_group_reads_the_first.kernel",
-                "past batch 8, a consumer warp multiplies its first row group's slot into the accumulators of its "
-                "second row group too, so rows past the chunk's first 128 get another group's sums",
-                (Patch(K_WIDE, "if g0 == g_own + j * GS:", "if g0 == g_own:"),),
+                "past batch 8, a warpgroup multiplies the set of its second row groups into the accumulators of its "
+                "first, so rows past the chunk's first 128 get nothing and the first 128 another set's sums",
+                (Patch(K_WIDE, "if S // 2 == j:", "if j == 0:"),),
                 (GPU_WIDE_STAGES_PROBE,), kernel=True),
        # the weight ring (megakernel/kernel/stream.py): device-only, no VM twin
        Mutation("ring_phase_flipped.kernel",

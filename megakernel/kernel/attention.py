@@ -232,7 +232,7 @@ class AttentionStage:
         self.consumer_sync()
 
         lo, hi = self.split_bounds(pos, split, num_splits)
-        if cutlass.const_expr((self.B, self.D) in STREAM_UNROLL):
+        if cutlass.const_expr(self.stream_unroll() > 0):
             if hi - lo > self.warps:
                 # ---- phase B, more tokens than warps (a long context): several tokens per warp at a time
                 cp_async_wait_all()           # (attn_preload's copies: this pass reads the cache itself)
@@ -350,6 +350,13 @@ class AttentionStage:
                 m[g] = m_new
         self.store_softmax_state(warp, lane, m, lsum, o, E, lane * E, True, s)
 
+    def stream_unroll(self) -> int:
+        """Tokens per lane group per iteration of the streamed pass (0: not compiled): STREAM_UNROLL up to
+        SPLIT_BATCH; past it one (8 consumer warps of 168 registers)."""
+        if self.wide:
+            return 1
+        return STREAM_UNROLL.get((self.B, self.D), 0)
+
     @cute.jit
     def attend_streamed(self, warp: Int32, lane: Int32, b: Int32, kvh: Int32, lo: Int32, hi: Int32,
                         last: cutlass.Boolean, k_base: Int64, v_base: Int64, p, s):
@@ -361,7 +368,7 @@ class AttentionStage:
         (m, l, o), merged across the warp's groups by shuffles at the end; the new token (the last split) is lane
         group 0 of warp 0's. The warp's (m, l, o) into s.m, s.l, s.o."""
         s_kv = s.kv
-        D, G, W, NE, UT = self.D, self.G, self.warps, STREAM_ELEMS, STREAM_UNROLL[self.B, self.D]
+        D, G, W, NE, UT = self.D, self.G, self.warps, STREAM_ELEMS, self.stream_unroll()
         NW = NE // 2                 # packed bf16 words of a lane's share of a token's k (and of its v)
         LPT = D // NE                # lanes per token
         TPW = 32 // LPT              # tokens per warp-wide load

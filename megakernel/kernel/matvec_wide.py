@@ -4,14 +4,17 @@ At batch 1-8 (megakernel.kernel.matvec) each slot part goes to the warp that own
 partial sum per (row, slab, part, sequence) in shared memory; with 64 sequences those partials would leave chunks
 of a few rows, each staging the input again. Here (docs/batch_path.md):
   - a chunk is G x WIDE_WARPS row groups of ITEM_ROWS rows (G = stream.wide_groups: 1 or 2), and consumer warp w
-    owns row groups w, w + WIDE_WARPS, ... of every chunk: it multiplies those row groups' slots of every slab into
-    float32 accumulators in its registers (m16n8k16 MMAs: the batch is M, in m-tiles of 16 sequences, its input
-    staged as bf16 A fragments, one 16-byte load per lane and k-step (stream.wide_x_word); each 8-row block of the
-    weights is N, the fragment-packed slot giving a lane its B registers of two k-steps in one 16-byte load;
-    tools/activation_precision.py has what bf16 inputs cost in accuracy), so a chunk's input is staged once;
-  - every consumer warp waits for every slot and arrives on its empty barrier (initialised to WIDE_WARPS), so each
+    owns row groups w, w + WIDE_WARPS, ... of every chunk; the two consumer warpgroups (warps 0-3, 4-7) multiply
+    sets of four consecutive row groups (set S: warpgroup S % 2, owned group S // 2) by wgmma m64nNk16: the 64
+    weight rows are M, each warp's A registers loaded from its own row group's fragment-packed slot (the layout
+    the batch 1-8 consumers read), every sequence's input is B (N = the batch padded to m-tiles of 16), staged
+    once per chunk as bf16 core matrices (stream.wide_x_byte) that the wgmma reads through a descriptor, and the
+    float32 accumulators stay in the warps' registers across the tile's slabs (tools/activation_precision.py has
+    what bf16 inputs cost in accuracy);
+  - every consumer warp waits for every slot in order; the other warpgroup's warps arrive on a slot's empty
+    barrier (initialised to WIDE_WARPS) at once, the set's own warps once their A registers are loaded, so each
     use of a ring slot is complete before any warp waits for the next one (the parity of an mbarrier wait is
-    exact), whichever warp reads it;
+    exact);
   - at the chunk's end each warp runs the epilogue of its own rows from its registers: the stage's store, or,
     for a tile of a K range of a stage split over K (split_k.py), the float32 partial into part_<stage>, with
     the range's sum of squares of the input for the stages with a norm (part_ssq);
@@ -31,34 +34,30 @@ from ..instructions.layout import ROW_GROUP
 from ..instructions.matvec_stages import weight_rows
 from ..instructions.opcodes import Opcode
 from ..instructions.split_k import k_splits
-from .matvec import LOAD_KP, silu
-from .ptx import (globaltimer_lo, ld_f32, load_shared_raw, mbarrier_arrive, mma_bf16_16816, rsqrt, st_f32, st_f32x2,
-                  st_i32, warp_max_index)
+from cutlass.cute.nvgpu import warpgroup
+
+from .matvec import silu
+from .ptx import (globaltimer_lo, ld_f32, load_shared_raw, mbarrier_arrive, rsqrt, st_f32, st_i32, warp_max_index,
+                  wgmma_bf16_rs, wgmma_desc)
 from .stream import (ITEM_ROWS, M_TILE, SLAB_COLS, SLOT_BYTES, TR_CONSUMED, TR_LANDED_FIRST, TR_LANDED_LAST, TR_STAGED,
-                     WIDE_WARPS, m_tiles, wide_x_lane_word)
+                     WGMMA_LBO, WGMMA_SBO, WIDE_WARPS, m_tiles, wide_ks_bytes)
 
 OP_QKV, OP_O_PROJ, OP_GATE_UP = int(Opcode.QKV), int(Opcode.O_PROJ), int(Opcode.GATE_UP)
 OP_DOWN, OP_LM_HEAD = int(Opcode.DOWN), int(Opcode.LM_HEAD)
+WG_KP = 2          # 32-column blocks (two k-steps each) whose A registers a warp loads per wgmma group; the next
+                   # group's loads go out while the previous group's wgmmas run (two register buffers)
 
 
 class WideMatvec:
     """Consumer-side matvec past SPLIT_BATCH and MV_REDUCE (a mixin of the interpreter)."""
 
-    def chains(self) -> int:
-        """Independent accumulator chains per (8-row block, m-tile): even and odd 32-column blocks where there is
-        one m-tile, so an item is not two chains of dependent MMAs."""
-        return 2 if m_tiles(self.B) == 1 else 1
+    def wgmma_n(self) -> int:
+        """The wgmma's N: the batch padded to whole m-tiles of M_TILE sequences."""
+        return m_tiles(self.B) * M_TILE
 
     def group_accumulators(self) -> int:
-        """float32 accumulators a lane holds for one owned row group: a C fragment (4) per chain, 8-row block and
-        m-tile (wide_item's acc layout)."""
-        return self.chains() * 2 * m_tiles(self.B) * 4
-
-    def wide_load_kp(self) -> int:
-        """32-column blocks whose B registers (8 words per lane) a warp loads at once: LOAD_KP, or 2 where a warp's
-        accumulators take 64 registers (two row groups of 4 m-tiles), so that the MMA loop and the epilogue fit
-        the registers without spills."""
-        return 2 if self.wide_groups * self.group_accumulators() > 32 else LOAD_KP
+        """float32 accumulators a lane holds for one owned row group: its share of the m64nNk16 D (N / 2)."""
+        return self.wgmma_n() // 2
 
     @cute.jit
     def matvec_wide(self, tidx: Int32, warp: Int32, lane: Int32, op: Int32, layer: Int32, a0: Int32, a1: Int32,
@@ -92,6 +91,7 @@ class WideMatvec:
         if is_lm:
             self.reset_tile_maximum(tidx, s)
         x_base = s.x_addr
+        wg = warp // 4                    # the consumer warpgroup
         g_own = warp * ITEM_ROWS          # the first row group this warp owns in every chunk (then every
         GS = WIDE_WARPS * ITEM_ROWS       # GS rows further: G in all)
         for c0 in range(0, a1, chunk):
@@ -132,12 +132,29 @@ class WideMatvec:
                                 st_i32(rec + TR_LANDED_FIRST * 4, globaltimer_lo())
                             if c0 + rows >= a1 and sl == n_slab - 1 and g0 + ITEM_ROWS >= rows:
                                 st_i32(rec + TR_LANDED_LAST * 4, globaltimer_lo())
-                    for j in cutlass.range_constexpr(G):
-                        if g0 == g_own + j * GS:
-                            self.wide_item(lane, slab, width, ring + slot * SLOT_BYTES, x_base, col0, acc, j * NA)
+                    rg = g0 // ITEM_ROWS
+                    S = rg // 4                   # the set of row groups 4 S .. 4 S + 3
                     cute.arch.sync_warp()
-                    if lane == 0:
-                        mbarrier_arrive(empty + mb)       # every consumer warp passes every slot
+                    if S % 2 != wg:
+                        if lane == 0:
+                            mbarrier_arrive(empty + mb)   # not this warpgroup's: passed at once
+                    elif rg % 4 == 3 or g0 + ITEM_ROWS >= rows:
+                        # the set's last slot has landed: the warpgroup multiplies the set, each warp its own row
+                        # group's slot (a warp past the chunk's rows: the set's first slot's weights, times zero)
+                        first = k_slot - rg % 4
+                        i = warp % 4
+                        own = i <= rg % 4
+                        a_slot = first
+                        if own:
+                            a_slot = first + i
+                        a_addr = ring + (a_slot % self.ring_slots) * SLOT_BYTES
+                        for j in cutlass.range_constexpr(G):
+                            if S // 2 == j:
+                                self.wgmma_set(lane, own, slab, width, a_addr, x_base, col0, acc, j * NA)
+                        cute.arch.sync_warp()
+                        if lane == 0:
+                            for m in range(rg % 4 + 1):
+                                mbarrier_arrive(empty + ((first + m) % self.ring_slots) * 8)
                     k_slot = k_slot + 1
             if not whole and c0 == 0 and has_norm:
                 self.norm_statistic(tidx, layer, op, kpart, split, k_row, p, s)
@@ -154,49 +171,51 @@ class WideMatvec:
         return k_slot
 
     @cute.jit
-    def wide_item(self, lane: Int32, slab: Int32, width: Int32, slot_addr: Int32, x_base: Int32, col0: Int32,
-                  acc: cute.Tensor, a_base: int):
-        """A slot's row group (16 rows: two 8-row blocks, the second absent from a slot of 8 rows) times every
-        sequence's staged input, added to acc: acc[a_base + ((ch * 2 + blk) * NM + mt) * 4 + i] is the C fragment i
-        of chain ch, block blk, m-tile mt (sequences mt * 16 + lane // 4 and + 8, rows blk * 8 + 2 (lane % 4) and the
-        next).
-        The slot holds per 8-row block (slab * 16 bytes apart) 512-byte blocks of 32 columns in which lane l's 16
-        bytes are its B registers (row l // 4) of the block's two k-steps; the staged input's k-steps from col0 (a
-        multiple of 128 columns, so its k-step count is a multiple of 8 and wide_x_lane_word's lane permutation is
-        that of the slab's own k-step) hold the A registers (stream.wide_x_lane_word)."""
-        NM, CH = m_tiles(self.B), self.chains()
-        KP = self.wide_load_kp()
+    def wgmma_set(self, lane: Int32, own: Boolean, slab: Int32, width: Int32, slot_addr: Int32, x_base: Int32,
+                  col0: Int32, acc: cute.Tensor, a_base: int):
+        """The warpgroup's set of four row groups (64 rows: M) of one slab times every sequence's staged input
+        (N), added to acc[a_base ..] (wgmma_bf16_rs's layout: rows lane // 4 and + 8 of the warp's row group,
+        sequences 8 i + 2 (lane % 4) and + 1). The warp's A registers come from its slot (zero where `own` is
+        false): per 8-row block (slab * 16 bytes apart) 512-byte blocks of 32 columns in which lane l's 16 bytes
+        are row l // 4's columns 2t, 2t + 1, 2t + 8, 2t + 9 of the block's two k-steps, which is the A fragment
+        of its rows (a0, a2 from the first block, a1, a3 from the second); B is the staged input's k-step blocks
+        from col0 (stream.wide_x_byte). Groups of WG_KP blocks: the loads of one while the other's wgmmas run;
+        every wgmma is complete when this returns (the window may then be restaged)."""
+        N = self.wgmma_n()
+        KSB = wide_ks_bytes(self.B)
         kp_w = width // 32
-        IKP = SLAB_COLS // 32
         top = slot_addr + lane * 16
         bottom = top + slab * 16                        # the second 8-row block
-        xa = x_base + (col0 // 16) * NM * 512          # the slab's first k-step of the staged input
-        for hf in cutlass.range_constexpr(IKP // KP):
-            # the B registers of KP blocks, loaded whatever the slot holds: blocks past the slab's width are
-            # not multiplied, and an absent second 8-row block only gives the C columns of rows the tile does not
-            # have, which the epilogue does not store (the loads stay inside the slot: 2 x 16 blocks of 512 bytes)
-            w = cute.make_rmem_tensor((KP * 8,), Int32)
-            for uu in cutlass.range_constexpr(KP):
-                u = hf * KP + uu
+        xk = x_base + (col0 // 16) * KSB                # the slab's first k-step of the staged input
+        bufs = [cute.make_rmem_tensor((WG_KP * 8,), Int32) for _ in range(2)]
+        for hf in cutlass.range_constexpr(SLAB_COLS // 32 // WG_KP):
+            # the A registers of WG_KP blocks, loaded whatever the slot holds: blocks past the slab's width are
+            # not multiplied, and an absent second 8-row block only gives rows the tile does not have, which the
+            # epilogue does not store (the loads stay inside the slot: 2 x 16 blocks of 512 bytes)
+            w = bufs[hf % 2]
+            for uu in cutlass.range_constexpr(WG_KP):
+                u = hf * WG_KP + uu
                 v = load_shared_raw(top + u * 512)
                 for e in cutlass.range_constexpr(4):
                     w[uu * 8 + e] = v[e]
                 v = load_shared_raw(bottom + u * 512)
                 for e in cutlass.range_constexpr(4):
                     w[uu * 8 + 4 + e] = v[e]
-            for uu in cutlass.range_constexpr(KP):
-                u = hf * KP + uu
+            if not own:
+                for e in cutlass.range_constexpr(WG_KP * 8):
+                    w[e] = Int32(0)
+            warpgroup.fence()
+            for uu in cutlass.range_constexpr(WG_KP):
+                u = hf * WG_KP + uu
                 if u < kp_w:
                     for kb in cutlass.range_constexpr(2):
-                        for mt in cutlass.range_constexpr(NM):
-                            a0, a1, a2, a3 = load_shared_raw(xa + wide_x_lane_word(2 * u + kb, mt, lane, NM) * 4)
-                            for blk in cutlass.range_constexpr(2):
-                                q = uu * 8 + blk * 4 + kb * 2
-                                c = a_base + (((u % CH) * 2 + blk) * NM + mt) * 4
-                                d = mma_bf16_16816(a0, a1, a2, a3, w[q], w[q + 1],
-                                                   acc[c], acc[c + 1], acc[c + 2], acc[c + 3])
-                                for i in cutlass.range_constexpr(4):
-                                    acc[c + i] = d[i]
+                        q = uu * 8 + kb * 2
+                        wgmma_bf16_rs(N, acc, a_base, w[q], w[q + 4], w[q + 1], w[q + 5],
+                                      wgmma_desc(xk + (2 * u + kb) * KSB, WGMMA_LBO, WGMMA_SBO))
+            warpgroup.commit_group()
+            if cutlass.const_expr(hf >= 1):
+                warpgroup.wait_group(1)               # the other buffer's wgmmas are done: it may be reloaded
+        warpgroup.wait_group(0)
 
     @cute.jit
     def norm_statistic(self, tidx: Int32, layer: Int32, op: Int32, kpart: Int32, split: Boolean, k_row: Int32, p, s):
@@ -231,38 +250,32 @@ class WideMatvec:
                       out_w: Int32, res_addr: Int64, acc: cute.Tensor, p, s):
         """The warp's rows of chunk c0 from its accumulators: owned group j (acc[j * NA ...]) is rows c0 + warp *
         ITEM_ROWS + j * WIDE_WARPS * ITEM_ROWS and the next ITEM_ROWS of the tile, of which nr0 - j * WIDE_WARPS *
-        ITEM_ROWS exist (<= 0: none; a multiple of 8); lane (g, t) holds sequences mt * 16 + g and + 8, rows
-        blk * 8 + 2t and the next (wide_item). A K range's partial into part_<stage>, else the stage's store (the
+        ITEM_ROWS exist (<= 0: none; a multiple of 8); lane (g, t) holds rows g and g + 8 of the group for
+        sequences 8 i + 2t and + 1 (wgmma_set). A K range's partial into part_<stage>, else the stage's store (the
         RMS scale, the residual, SiLU(gate) * up: a row group's gate rows are its first 8, its up rows the next 8,
-        so a lane holds both of its two outputs); the LM head also its (max, lowest index) per sequence over both
+        so a lane holds both of its outputs); the LM head also its (max, lowest index) per sequence over both
         groups into s.wv / s.wi slot warp * B + b."""
         s_rstd, s_wi, s_wv = s.rstd, s.wi, s.wv
         B, H = self.B, self.H
-        NM, CH, G, NA = m_tiles(B), self.chains(), self.wide_groups, self.group_accumulators()
+        G, NA = self.wide_groups, self.group_accumulators()
         GS = WIDE_WARPS * ITEM_ROWS
         g = lane // 4
         t = lane - g * 4
         is_gate_up = op == OP_GATE_UP
         is_lm = op == OP_LM_HEAD
         part_addr, part_rows, part_e = self.part_buffer(op, p)
-        for mt in cutlass.range_constexpr(NM):
-            for hf in cutlass.range_constexpr(2):
-                b = mt * M_TILE + hf * 8 + g
+        for ci in cutlass.range_constexpr(self.wgmma_n() // 8):
+            for e in cutlass.range_constexpr(2):
+                b = ci * 8 + 2 * t + e
                 bv = Float32(-math.inf)
                 bi = Int32(0x7FFFFFFF)
                 for j in cutlass.range_constexpr(G):
                     r0 = c0 + warp * ITEM_ROWS + j * GS
                     nr = nr0 - j * GS
-                    if nr > ITEM_ROWS:
-                        nr = ITEM_ROWS
-                    y = cute.make_rmem_tensor((4,), Float32)      # [block][row 2t, 2t + 1]
-                    for blk in cutlass.range_constexpr(2):
-                        for e in cutlass.range_constexpr(2):
-                            y[blk * 2 + e] = acc[j * NA + (blk * NM + mt) * 4 + hf * 2 + e]
-                            for ch in cutlass.range_constexpr(1, CH):
-                                y[blk * 2 + e] = (y[blk * 2 + e]
-                                                  + acc[j * NA + ((ch * 2 + blk) * NM + mt) * 4 + hf * 2 + e])
-                    if b < B:
+                    y = cute.make_rmem_tensor((2,), Float32)      # rows r0 + g, r0 + g + 8
+                    y[0] = acc[j * NA + ci * 4 + e]
+                    y[1] = acc[j * NA + ci * 4 + 2 + e]
+                    if b < B and nr > 0:
                         scale = Float32(1.0)
                         if has_norm:
                             scale = s_rstd[b]
@@ -270,37 +283,28 @@ class WideMatvec:
                         if split:
                             for blk in cutlass.range_constexpr(2):
                                 if blk * 8 < nr:
-                                    st_f32x2(part_addr + (((Int64(layer) * part_e + Int64(kpart)) * B + Int64(b))
-                                                          * part_rows + Int64(a0 + r0 + blk * 8 + 2 * t)) * 4,
-                                             y[blk * 2], y[blk * 2 + 1])
+                                    st_f32(part_addr + (((Int64(layer) * part_e + Int64(kpart)) * B + Int64(b))
+                                                        * part_rows + Int64(a0 + r0 + blk * 8 + g)) * 4, y[blk])
                         elif is_gate_up:
-                            if nr > 0:
-                                st_f32x2(ob + Int64(r0 // 2 + 2 * t) * 4, silu(y[0] * scale) * (y[2] * scale),
-                                         silu(y[1] * scale) * (y[3] * scale))
+                            st_f32(ob + Int64(r0 // 2 + g) * 4, silu(y[0] * scale) * (y[1] * scale))
                         else:
                             for blk in cutlass.range_constexpr(2):
-                                r = r0 + blk * 8 + 2 * t
+                                r = r0 + blk * 8 + g
                                 if blk * 8 < nr:
-                                    v0 = y[blk * 2] * scale
-                                    v1 = y[blk * 2 + 1] * scale
+                                    v = y[blk] * scale
                                     if has_res:
-                                        rb = res_addr + (Int64(b) * Int64(H) + Int64(r)) * 4
-                                        v0 = v0 + ld_f32(rb)
-                                        v1 = v1 + ld_f32(rb + 4)
-                                    st_f32x2(ob + Int64(r) * 4, v0, v1)
+                                        v = v + ld_f32(res_addr + (Int64(b) * Int64(H) + Int64(r)) * 4)
+                                    st_f32(ob + Int64(r) * 4, v)
                                     if is_lm:
-                                        # (groups in row order and a strict comparison: the lowest row among
-                                        # equal maxima)
-                                        if v0 > bv:
-                                            bv = v0
+                                        # (rows in increasing order and a strict comparison: the lowest row
+                                        # among equal maxima)
+                                        if v > bv:
+                                            bv = v
                                             bi = a0 + r
-                                        if v1 > bv:
-                                            bv = v1
-                                            bi = a0 + r + 1
                 if is_lm:
-                    # (every lane: the shuffles need the whole warp) the lowest row among equal maxima
-                    bv, bi = warp_max_index(bv, bi, (2, 1))
-                    if t == 0 and b < B:
+                    # (every lane: the shuffles need the whole warp) over the lanes of the same sequences
+                    bv, bi = warp_max_index(bv, bi, (16, 8, 4))
+                    if g == 0 and b < B:
                         s_wv[warp * B + b] = bv
                         s_wi[warp * B + b] = bi
 
@@ -323,50 +327,82 @@ class WideMatvec:
     def mv_reduce(self, tidx: Int32, layer: Int32, a0: Int32, a1: Int32, op: Int32, E: Int32, p, s):
         """MV_REDUCE: rows a0 .. a0 + a1 of split stage `op`, its E ranges' partials added in range order, times
         the RMS scale from the ranges' sums of squares (QKV, GATE_UP), then the stage's epilogue; one thread per
-        output, consecutive threads on consecutive rows of a sequence."""
+        output, consecutive threads on consecutive rows of a sequence. Every load of a round first (up to EM
+        ranges, the most any stage here splits into, for U outputs a thread), then the sums in range order: one
+        memory round trip a round, where a load per range and output took one each (the same bits: the same
+        additions in the same order)."""
         s_rstd = s.rstd
         B, H = self.B, self.H
+        EM = max(k_splits(self.layout, Opcode(code)) for code in self.split_widths)
+        U = max(1, 16 // EM)
         l64 = Int64(layer)
         part_addr, part_rows, _ = self.part_buffer(op, p)
         has_norm = op == OP_QKV or op == OP_GATE_UP
+        is_gate_up = op == OP_GATE_UP
         if has_norm:
             if tidx < B:
+                v = cute.make_rmem_tensor((EM,), Float32)
+                for e in cutlass.range_constexpr(EM):
+                    v[e] = Float32(0.0)
+                    if e < E:
+                        v[e] = ld_f32(self.ssq_addr(p, layer, op, Int32(e), tidx))
                 tot = Float32(0.0)
-                for e in range(E):
-                    tot = tot + ld_f32(self.ssq_addr(p, layer, op, e, tidx))
+                for e in cutlass.range_constexpr(EM):
+                    if e < E:
+                        tot = tot + v[e]
                 s_rstd[tidx] = rsqrt(tot / Float32(self.H) + Float32(self.eps))
             self.consumer_sync()
         n_out = a1
-        if op == OP_GATE_UP:
+        if is_gate_up:
             n_out = a1 // 2
-        for i in range(tidx, n_out * B, self.cthreads):
-            b = i // n_out
-            j = i - b * n_out
-            scale = Float32(1.0)
-            if has_norm:
-                scale = s_rstd[b]
-            base = (l64 * E * B + Int64(b)) * part_rows       # range 0 of sequence b; range e is e * B rows on
-            step = Int64(B) * part_rows
-            if op == OP_GATE_UP:
-                pr = j // ROW_GROUP
-                gr = a0 + pr * (2 * ROW_GROUP) + (j - pr * ROW_GROUP)
-                g = Float32(0.0)
-                up = Float32(0.0)
-                for e in range(E):
-                    g = g + ld_f32(part_addr + (base + Int64(e) * step + Int64(gr)) * 4)
-                    up = up + ld_f32(part_addr + (base + Int64(e) * step + Int64(gr + ROW_GROUP)) * 4)
-                st_f32(p.act + ((l64 * B + Int64(b)) * self.F + Int64(a0 // 2 + j)) * 4, silu(g * scale) * (up * scale))
-            else:
-                r = a0 + j
-                y = Float32(0.0)
-                for e in range(E):
-                    y = y + ld_f32(part_addr + (base + Int64(e) * step + Int64(r)) * 4)
-                y = y * scale
-                if op == OP_QKV:
-                    st_f32(p.qkv + ((l64 * B + Int64(b)) * self.QKV + Int64(r)) * 4, y)
-                if op == OP_O_PROJ:
-                    row = (l64 * B + Int64(b)) * H + Int64(r)
-                    st_f32(p.h + row * 4, ld_f32(p.x + row * 4) + y)
-                if op == OP_DOWN:
-                    row = (l64 * B + Int64(b)) * H + Int64(r)
-                    st_f32(p.x + (row + Int64(B * H)) * 4, ld_f32(p.h + row * 4) + y)
+        n = n_out * B
+        step = Int64(B) * part_rows                       # range e of a row is e * B rows of part further on
+        for i0 in range(tidx, n, self.cthreads * U):
+            gv = cute.make_rmem_tensor((U * EM,), Float32)   # the partials (GATE_UP: of the gate row)
+            uv = cute.make_rmem_tensor((U * EM,), Float32)   # GATE_UP: of the up row
+            for u in cutlass.range_constexpr(U):
+                for e in cutlass.range_constexpr(EM):
+                    gv[u * EM + e] = Float32(0.0)
+                    uv[u * EM + e] = Float32(0.0)
+                i = i0 + u * self.cthreads
+                if i < n:
+                    b = i // n_out
+                    j = i - b * n_out
+                    pr = j // ROW_GROUP
+                    row = a0 + j
+                    if is_gate_up:
+                        row = a0 + pr * (2 * ROW_GROUP) + (j - pr * ROW_GROUP)
+                    at = part_addr + ((l64 * E * B + Int64(b)) * part_rows + Int64(row)) * 4
+                    for e in cutlass.range_constexpr(EM):
+                        if e < E:
+                            gv[u * EM + e] = ld_f32(at + Int64(e) * step * 4)
+                            if is_gate_up:
+                                uv[u * EM + e] = ld_f32(at + (Int64(e) * step + ROW_GROUP) * 4)
+            for u in cutlass.range_constexpr(U):
+                i = i0 + u * self.cthreads
+                if i < n:
+                    b = i // n_out
+                    j = i - b * n_out
+                    scale = Float32(1.0)
+                    if has_norm:
+                        scale = s_rstd[b]
+                    y = Float32(0.0)
+                    up = Float32(0.0)
+                    for e in cutlass.range_constexpr(EM):
+                        if e < E:
+                            y = y + gv[u * EM + e]
+                            up = up + uv[u * EM + e]
+                    if is_gate_up:
+                        st_f32(p.act + ((l64 * B + Int64(b)) * self.F + Int64(a0 // 2 + j)) * 4,
+                               silu(y * scale) * (up * scale))
+                    else:
+                        r = a0 + j
+                        y = y * scale
+                        if op == OP_QKV:
+                            st_f32(p.qkv + ((l64 * B + Int64(b)) * self.QKV + Int64(r)) * 4, y)
+                        if op == OP_O_PROJ:
+                            hrow = (l64 * B + Int64(b)) * H + Int64(r)
+                            st_f32(p.h + hrow * 4, ld_f32(p.x + hrow * 4) + y)
+                        if op == OP_DOWN:
+                            hrow = (l64 * B + Int64(b)) * H + Int64(r)
+                            st_f32(p.x + (hrow + Int64(B * H)) * 4, ld_f32(p.h + hrow * 4) + y)

@@ -1,12 +1,15 @@
 """Small device helpers over raw global and shared addresses, written as inline PTX where CuTe DSL has
-no wrapper: activation and embedding loads, bulk copies and mbarriers, the m16n8k16 MMA on registers
-loaded in the packed weight order and the bf16 hi/lo split, the bf16 unpack, and the counter
-primitives of the step's dependency protocol."""
+no wrapper: activation and embedding loads, bulk copies and mbarriers, the m16n8k16 MMA and the wgmma on
+registers loaded in the packed weight order (with the wgmma's shared-memory descriptor), the bf16 hi/lo split,
+the bf16 unpack, and the counter primitives of the step's dependency protocol."""
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, as_numeric, dsl_user_op
 
 
 @cute.jit
@@ -48,6 +51,56 @@ def mma_bf16_16816(a0: Int32, a1: Int32, a2: Int32, a3: Int32, b0: Int32, b1: In
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
         "{{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};",
         write_only_types=[Float32] * 4, read_only_args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3])
+
+
+def wgmma_desc(addr: Int32, lbo: int, sbo: int) -> Int64:
+    """The shared-memory matrix descriptor of a wgmma operand without swizzle (layout type 0) at 16-byte aligned
+    `addr`: the start address, the byte offset between core matrices along K (`lbo`) and along M or N (`sbo`),
+    each in 16-byte units."""
+    return Int64((addr >> 4) & 0x3FFF) | Int64((((lbo >> 4) & 0x3FFF) << 16) | (((sbo >> 4) & 0x3FFF) << 32))
+
+
+@dsl_user_op
+def _wgmma_bf16_rs(n: int, d: list, a: list, b_desc: Int64, *, loc=None, ip=None) -> list:
+    """wgmma m64nNk16 with bf16 A in registers and B through a descriptor, on float32 accumulators d (n / 2 of
+    them) tied to its outputs: the accumulators stay in their registers while the wgmma runs (llvm inline asm,
+    as nvvm's inline_ptx does not tie read-write operands to results)."""
+    nd = n // 2
+    regs = ", ".join(f"${i}" for i in range(nd))
+    ins = [as_numeric(x).ir_value(loc=loc, ip=ip) for x in d]
+    ins += [as_numeric(x).ir_value(loc=loc, ip=ip) for x in a]
+    ins += [as_numeric(b_desc).ir_value(loc=loc, ip=ip), as_numeric(Int32(1)).ir_value(loc=loc, ip=ip)]
+    ra, rd, rs = 2 * nd, 2 * nd + 4, 2 * nd + 5
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * nd), ins,
+        "{\n.reg .pred p;\n" + f"setp.ne.b32 p, ${rs}, 0;\n"
+        f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{regs}}}, "
+        f"{{${ra}, ${ra + 1}, ${ra + 2}, ${ra + 3}}}, ${rd}, p, 1, 1, 0;\n}}",
+        ",".join(["=f"] * nd + [str(i) for i in range(nd)] + ["r"] * 4 + ["l", "r"]),
+        has_side_effects=True, loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(nd)]
+
+
+@cute.jit
+def wgmma_bf16_rs(n: int, acc: cute.Tensor, base: int, a0: Int32, a1: Int32, a2: Int32, a3: Int32, b_desc: Int64):
+    """One warpgroup-wide wgmma m64nNk16 (N = `n`), acc[base .. base + n / 2] += A B: bf16 A (64 x 16, each warp's
+    16 rows as the four packed-pair registers of an m16n8k16 A fragment, the order fragment_pack lays weights
+    out), bf16 B (16 x N) from shared memory through `b_desc` (K-major), float32 accumulators in the layout of
+    n / 8 m16n8 C fragments (rows lane // 4 and + 8 of the warp's 16, columns 8 i + 2 (lane % 4) and + 1).
+    Asynchronous: the warpgroup fences before (cute.nvgpu.warpgroup.fence), commits after and waits before it
+    reads acc or changes the A registers or B. Written as PTX because A comes straight from 16-byte
+    shared-memory loads in that order, not from CuTe fragments."""
+    c = []
+    for i in cutlass.range_constexpr(n // 2):
+        c.append(acc[base + i])
+    d = _wgmma_bf16_rs(n, c, [a0, a1, a2, a3], b_desc)
+    for i in cutlass.range_constexpr(n // 2):
+        acc[base + i] = d[i]
+
+
+@cute.jit
+def st_shared_b32x2(addr: Int32, v0: Int32, v1: Int32):
+    cute.arch.inline_ptx("st.shared.v2.b32 [{$r0}], {{$r1}, {$r2}};", read_only_args=[addr, v0, v1])
 
 
 @cute.jit

@@ -3,7 +3,7 @@ columns) at once, before the weight slots are multiplied by it (megakernel.kerne
   - the input row x (times the norm weight, with sum(x^2) for the RMSNorm of the stages that have one), layer 0's
     embedding row where QKV stages it, or O_PROJ's merge of the attention splits;
   - up to SPLIT_BATCH as float32 split into bf16 hi + lo pairs, in the B-register order of the narrow consumers
-    (store_staged_quad); past it as bf16 A fragments of m-tiles of 16 sequences (stream.wide_x_word);
+    (store_staged_quad); past it as bf16 in the core matrices of the wgmma B operand (stream.wide_x_byte);
   - every load of a round first, so a round is one memory round trip; past X_LOADS sequences the rounds go over
     (group of sequences, quad) pairs, so every thread has loads in flight whatever the window's width.
 """
@@ -16,8 +16,8 @@ from cutlass import Boolean, Float32, Int32, Int64
 
 from .attention import LOG2E
 from .ptx import (ex2, ld_f32, ld_i32, load_f32x4, load_nc_b32x2, load_weights_bf16x4, pack_bf16x2, split_bf16x2,
-                  st_shared_b32, unpack_bf16x2, warp_sum)
-from .stream import m_tiles, wide_x_word
+                  st_shared_b32, st_shared_b32x2, unpack_bf16x2, warp_sum)
+from .stream import wide_x_byte
 
 X_LOADS = 8                # input quads (of all sequences) each thread loads per round when staging, at most
 MERGE_PAIRS = 16           # O_PROJ's merge: (sequence, split) pairs whose lse and partial quad load in one round
@@ -70,12 +70,10 @@ class InputStaging:
     @cute.jit
     def store_x_quad(self, s, b: Int32, c: Int32, stride: Int32, y: cute.Tensor):
         """Sequence b's input columns c .. c + 3 (float32 y; c a multiple of 4, counted from the staged window's
-        first): up to SPLIT_BATCH split into bf16 hi + lo at row stride `stride` (store_staged_quad), past it two
-        bf16 pairs where matvec_wide's A-operand loads read them (stream.wide_x_word)."""
+        first): up to SPLIT_BATCH split into bf16 hi + lo at row stride `stride` (store_staged_quad), past it as 8
+        bytes of bf16 in the row of its wgmma B core matrix (stream.wide_x_byte: a quad never crosses a row)."""
         if cutlass.const_expr(self.wide):
-            n_mt = m_tiles(self.B)
-            st_shared_b32(s.x_addr + wide_x_word(b, c, n_mt) * 4, pack_bf16x2(y[0], y[1]))
-            st_shared_b32(s.x_addr + wide_x_word(b, c + 2, n_mt) * 4, pack_bf16x2(y[2], y[3]))
+            st_shared_b32x2(s.x_addr + wide_x_byte(b, c, self.B), pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3]))
         else:
             self.store_staged_quad(s, b * stride + c, y)
 

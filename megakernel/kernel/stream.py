@@ -111,27 +111,34 @@ def m_tiles(batch: int) -> int:
 
 def x_col_bytes(batch: int) -> int:
     """Shared-memory bytes of one staged input column, all sequences: float32 (as bf16 hi and lo) per sequence up
-    to SPLIT_BATCH; past it bf16 per sequence of the padded m-tiles (wide_x_word)."""
+    to SPLIT_BATCH; past it bf16 per sequence of the padded m-tiles (wide_x_byte; each 16-column k-step's block is
+    WIDE_KS_PAD bytes more, which only the buffer's size counts)."""
     return m_tiles(batch) * M_TILE * 2 if wide(batch) else batch * 4
 
 
-def wide_x_lane_word(ks, mt, lane, n_mt):
-    """Past SPLIT_BATCH, the staged input is the MMA's A operand: per 16-column k-step ks and m-tile mt of 16
-    sequences, a 512-byte block in which each lane finds its four A registers as one 16-byte load. The word of
-    lane `lane`'s registers in block (ks, mt): blocks k-step-major, lanes permuted by ks % 8 within a block, so
-    the staging stores of consecutive k-steps fall in different banks (the loads of one block are a permutation
-    of its 16-byte words: conflict-free either way). Plain arithmetic, for device code and host tests alike."""
-    return ((ks * n_mt + mt) * 32 + (lane ^ (ks % 8))) * 4
+WIDE_KS_PAD = 16            # bytes after each k-step's block of the staged input past SPLIT_BATCH: a warp's staging
+                            # stores (32 consecutive quads of one sequence, 8 k-steps) then fall in 16 different
+                            # 8-byte bank pairs, two stores each (two wavefronts, the fewest for 256 bytes)
 
 
-def wide_x_word(b, c, n_mt):
-    """The word of sequence b's input columns c, c + 1 (c even; a bf16 pair, c in the low half) in the staged input
-    past SPLIT_BATCH: lane (b % 8) * 4 + t of block (c // 16, b // 16) holds the m16n8k16 A registers a0 = (row
-    b % 8, columns 2t, 2t + 1), a1 = (row b % 8 + 8, the same columns), a2 and a3 = the same rows at columns 2t + 8,
-    2t + 9, where t = (c % 16) // 2 % 4."""
-    j = (c % 16) // 2                   # the column pair within the k-step
-    r = b % M_TILE
-    return wide_x_lane_word(c // 16, b // M_TILE, (r % 8) * 4 + j % 4, n_mt) + r // 8 + 2 * (j // 4)
+def wide_ks_bytes(batch: int) -> int:
+    """Bytes from one 16-column k-step's block of the staged input past SPLIT_BATCH to the next: the wgmma B
+    operand of every sequence (the m-tiles padded to M_TILE) plus WIDE_KS_PAD."""
+    return m_tiles(batch) * M_TILE * 32 + WIDE_KS_PAD
+
+
+WGMMA_LBO = 128             # bytes between the two core matrices of a k-step along K (columns 0-7, 8-15)
+WGMMA_SBO = 256             # bytes between core matrices along N (sequences 0-7, 8-15, ...)
+
+
+def wide_x_byte(b, c, batch):
+    """Past SPLIT_BATCH the staged input is the wgmma B operand (K x N, K-major, no swizzle; N the sequences of the
+    padded m-tiles): k-step ks = c // 16 is a block at ks * wide_ks_bytes, in it core matrix (sequences 8j .. 8j + 7,
+    columns 8h .. 8h + 7 of the k-step) at j * WGMMA_SBO + h * WGMMA_LBO: 8 rows of 16 bytes, sequence b % 8's 8
+    columns in row b % 8. The byte of sequence b's column c (bf16). Plain arithmetic, for device code and host
+    tests alike."""
+    return ((c // 16) * wide_ks_bytes(batch) + (b // 8) * WGMMA_SBO + ((c % 16) // 8) * WGMMA_LBO + (b % 8) * 16
+            + (c % 8) * 2)
 
 
 @dataclass(frozen=True)
@@ -245,9 +252,9 @@ class StreamPlan:
     @property
     def x_floats(self) -> int:
         """32-bit words of the staged-input buffer: the widest staged row, all sequences (past SPLIT_BATCH in
-        bf16, the m-tiles padded to M_TILE sequences: wide_x_word)."""
+        bf16, the m-tiles padded to M_TILE sequences, a block per k-step: wide_x_byte)."""
         if wide(self.batch):
-            return max(g.x_cols for g in self.by_k.values()) * x_col_bytes(self.batch) // 4
+            return max(g.x_cols for g in self.by_k.values()) // 16 * wide_ks_bytes(self.batch) // 4
         return self.batch * max(g.x_stride for g in self.by_k.values())
 
     @staticmethod

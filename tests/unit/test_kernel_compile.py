@@ -120,7 +120,7 @@ def test_the_no_stage_diagnostic_stages_no_input_and_still_multiplies():
     what = _what("llama-3.2-1b", 16, art)
     packs = [len(re.findall(r"\bF2FP\.BF16\.F32\.PACK_AB\b", a["sass"])) for a in (plain, art)]
     assert packs[1] * 4 < packs[0], f"{what}: {packs[1]} bf16 conversions left of {packs[0]}"
-    assert re.findall(r"\bHMMA\.16816\.F32\.BF16\b", art["sass"]), f"{what}: no MMA in the no-stage build"
+    assert re.findall(r"\bHGMMA\.64x16x16\.F32\.BF16\b", art["sass"]), f"{what}: no wgmma in the no-stage build"
 
 
 @pytest.mark.parametrize("name,batch", CASES)
@@ -196,21 +196,18 @@ def test_short_cache_layouts_compile_without_spills(name, batch):
 WIDE_CASES = [("llama-3.2-1b", 16), ("tiny-llama", 64), ("llama-3.1-8b", 32), ("qwen3-0.6b", 20)]
 
 
-def mma_loop(sass: str) -> tuple[int, int, int]:
-    """(MMAs, instructions, register-to-register moves) of the SASS's longest run of MMAs (no gap of 30
-    instructions); a constant put in a register (an address offset) is not a move."""
+def wgmma_sets(sass: str) -> list[list[str]]:
+    """The SASS's runs of wgmmas (HGMMA with float32 accumulators; no gap of 60 instructions): a warpgroup's set
+    of row groups over one slab."""
     ins = [line.split("*/", 1)[1].strip() for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]+\*/", line)]
-    at = [i for i, x in enumerate(ins) if "HMMA" in x]
+    at = [i for i, x in enumerate(ins) if re.search(r"\bHGMMA\.\S+\.F32\.BF16\b", x)]
     runs = [[at[0]]]
     for i in at[1:]:
-        if i - runs[-1][-1] < 30:
+        if i - runs[-1][-1] < 60:
             runs[-1].append(i)
         else:
             runs.append([i])
-    run = max(runs, key=len)
-    body = ins[run[0]:run[-1] + 1]
-    move = r"(@\S+\s+)?(MOV\S*\s+R\d+,\s*R\d+|IMAD\.MOV\S*\s+R\d+,\s*RZ,\s*RZ,\s*R\d+)\s*;"
-    return len(run), len(body), sum(1 for x in body if re.match(move, x))
+    return [ins[r[0]:r[-1] + 1] for r in runs]
 
 
 @pytest.mark.parametrize("name,batch", WIDE_CASES)
@@ -220,14 +217,18 @@ def test_wide_batches_stream_and_multiply(name, batch):
     dk = art["device_code"]
     assert dk.wide and dk.warps == 8, what
     assert re.search(r"\bUBLKCP\b", art["sass"]), f"{what}: no UBLKCP in the SASS"
-    assert re.findall(r"\bHMMA\.16816\.F32\.BF16\b", art["sass"]), f"{what}: no MMA"
     assert 4 <= dk.ring_slots and dk.smem_bytes() <= 227 * 1024, what
     if name != "tiny-llama":
         assert dk.split_widths, f"{what}: no stage split over K"
     if (name, batch) == ("llama-3.2-1b", 16):
         assert art["spills"] == 0 and art["usage"].get("frame_bytes", 0) == 0, what
-    # the MMA loop (wide_item): the staged input's 16-byte loads are A fragments and the slot's are B pairs as the
-    # MMA takes them, so no register moves between MMAs and about two instructions per MMA (the loop once had 5.7,
-    # a third of them moves that rebuilt the A registers)
-    mmas, body, moves = mma_loop(art["sass"])
-    assert moves == 0 and body <= 2.25 * mmas, f"{what}: {moves} moves, {body} instructions for {mmas} MMAs"
+    # the MMA loop (wgmma_set): a wgmma m64nNk16 per k-step of a slab for each row group a warp owns (N = the padded
+    # batch), its A registers loaded from the slot and B read from the staged input by the tensor cores; nothing
+    # spilled between them
+    n = dk.wgmma_n()
+    hg = re.findall(r"\bHGMMA\.64x(\d+)x16\.F32\.BF16\b", art["sass"])
+    assert hg and set(hg) == {str(n)}, f"{what}: wgmmas {sorted(set(hg))}, expected N = {n}"
+    assert len(hg) == SLAB_COLS // 16 * dk.wide_groups, f"{what}: {len(hg)} wgmmas"
+    assert not re.search(r"\bHMMA\b", art["sass"]), f"{what}: an mma.sync left in the wide kernel"
+    for body in wgmma_sets(art["sass"]):
+        assert not any(re.search(r"\b(LDL|STL)\b", x) for x in body), f"{what}: a spill among the wgmmas"

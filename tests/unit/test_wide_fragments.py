@@ -1,7 +1,8 @@
 """The operands of the matvec past SPLIT_BATCH (megakernel.kernel.matvec_wide), checked on the CPU against the
-m16n8k16 MMA's fragment definitions of the PTX ISA: the staged input as the A operand (the batch as M, in
-m-tiles of 16 sequences: stream.wide_x_word), the fragment-packed weights as the B operand (8 weight rows as N),
-and the C fragment read back as (sequence, row) the way epilogue_wide stores it."""
+wgmma m64nNk16 definitions of the PTX ISA: the fragment-packed weights as the A operand in registers (each warp's
+16-row group of a slot as an m16n8k16 A fragment: 64 weight rows as M), the staged input as the B operand read
+through the shared-memory descriptor (K-major core matrices without swizzle: stream.wide_x_byte, the batch as N),
+and the accumulators read back as (sequence, row) the way epilogue_wide stores them."""
 
 from __future__ import annotations
 
@@ -12,87 +13,105 @@ from hypothesis import given, settings, strategies as st
 from megakernel.instructions.layout import StepLayout, default_kv_splits, fragment_pack
 from megakernel.kernel.compile import device_code
 from megakernel.kernel.interpreter import SMEM_LIMIT, DecodeKernel
-from megakernel.kernel.stream import (M_TILE, MIN_SLOTS, m_tiles, slot_geometry, wide_x_lane_word, wide_x_word,
-                                      x_col_bytes)
+from megakernel.kernel.stream import (M_TILE, MIN_SLOTS, WGMMA_LBO, WGMMA_SBO, m_tiles, slot_geometry, wide_ks_bytes,
+                                      wide_x_byte, x_col_bytes)
 from megakernel.model.presets import get_preset
 from megakernel.schedule import build_program
 
 
-def mma_16816(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """D = A B + C of one m16n8k16 MMA from per-lane registers as the PTX ISA defines them: a [32, 4, 2] (lane,
-    register, the register's two bf16 halves, low first), b [32, 2, 2], c [32, 4]; lane = 4 g + t."""
-    A = torch.zeros(16, 16, dtype=torch.float64)
-    B = torch.zeros(16, 8, dtype=torch.float64)
-    for lane in range(32):
-        g, t = divmod(lane, 4)
-        for e in range(2):
-            A[g, 2 * t + e], A[g + 8, 2 * t + e] = a[lane, 0, e], a[lane, 1, e]
-            A[g, 2 * t + 8 + e], A[g + 8, 2 * t + 8 + e] = a[lane, 2, e], a[lane, 3, e]
-            B[2 * t + e, g], B[2 * t + 8 + e, g] = b[lane, 0, e], b[lane, 1, e]
-    D = A @ B
-    d = c.clone()
-    for lane in range(32):
-        g, t = divmod(lane, 4)
-        d[lane] += torch.stack([D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]])
-    return d
+def descriptor_read(smem: dict, start: int, n: int) -> torch.Tensor:
+    """B (16 x n) of one wgmma as the PTX ISA defines a K-major operand without swizzle: element (k, j) at start +
+    (k // 8) * LBO + (j // 8) * SBO + (j % 8) * 16 + (k % 8) * 2 (core matrices of 8 rows x 16 bytes); a byte
+    never stored reads as NaN."""
+    b = torch.full((16, n), float("nan"), dtype=torch.float64)
+    for k in range(16):
+        for j in range(n):
+            b[k, j] = smem.get(start + (k // 8) * WGMMA_LBO + (j // 8) * WGMMA_SBO + (j % 8) * 16 + (k % 8) * 2,
+                               float("nan"))
+    return b
 
 
-@settings(max_examples=12, deadline=None)
-@given(batch=st.integers(9, 64), passes=st.integers(1, 3), seed=st.integers(0, 2**31 - 1))
-def test_staged_input_and_packed_weights_are_the_mma_operands(batch, passes, seed):
-    """Stage every sequence's input through wide_x_word, read it back per lane as matvec_wide's loads do
-    (wide_x_lane_word), multiply a 16-row group of fragment-packed weights as the B operand (each lane's 16 bytes
-    of a 32-column block: its B registers of two k-steps), and read the sums back from the C fragments: equal to
-    x @ W^T, for every sequence and row."""
-    gen = torch.Generator().manual_seed(seed)
-    k = passes * 256
-    n_mt = m_tiles(batch)
-    x = torch.randn(batch, k, generator=gen).to(torch.bfloat16).double()
-    w = torch.randn(16, k, generator=gen).to(torch.bfloat16)
-    # staging: one word (a bf16 pair) per (sequence, even column); every word of the buffer written at most once
-    words = k * x_col_bytes(batch) // 4
-    smem = torch.full((words, 2), float("nan"), dtype=torch.float64)
-    seen = set()
-    for b in range(batch):
-        for c in range(0, k, 2):
-            wd = wide_x_word(b, c, n_mt)
-            assert 0 <= wd < words and wd not in seen
-            seen.add(wd)
-            smem[wd] = x[b, c:c + 2]
-    smem[torch.isnan(smem)] = 0.0        # the padded sequences of the last m-tile (read, never stored)
-    packed = fragment_pack(w).double()
-    acc = {(blk, mt): torch.zeros(32, 4, dtype=torch.float64) for blk in range(2) for mt in range(n_mt)}
-    for ks in range(k // 16):
-        cb, kb = divmod(ks, 2)
-        for mt in range(n_mt):
-            a = torch.stack([smem[wide_x_lane_word(ks, mt, lane, n_mt):][:4] for lane in range(32)])
-            for blk in range(2):
-                block = packed[blk * 8:blk * 8 + 8].reshape(-1)[cb * 256:(cb + 1) * 256].reshape(32, 4, 2)
-                acc[blk, mt] = mma_16816(a, block[:, 2 * kb:2 * kb + 2], acc[blk, mt])
-    y = torch.full((n_mt * M_TILE, 16), float("nan"), dtype=torch.float64)
-    for (blk, mt), c in acc.items():
+def wgmma_rs(a: torch.Tensor, b: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """D += A B of one wgmma m64nNk16 from per-lane registers as the PTX ISA defines them: a [4, 32, 4, 2] (warp,
+    lane, register, the register's two bf16 halves, low first: warp w's rows 16 w + g and + 8, columns 2t, 2t + 1
+    and + 8), b [16, N], d [4, 32, N / 2] (warp w, lane: rows 16 w + g and + 8, columns 8 i + 2t and + 1)."""
+    n = b.shape[1]
+    A = torch.zeros(64, 16, dtype=torch.float64)
+    for w in range(4):
         for lane in range(32):
             g, t = divmod(lane, 4)
-            for hf in range(2):
+            for e in range(2):
+                A[16 * w + g, 2 * t + e], A[16 * w + g + 8, 2 * t + e] = a[w, lane, 0, e], a[w, lane, 1, e]
+                A[16 * w + g, 2 * t + 8 + e], A[16 * w + g + 8, 2 * t + 8 + e] = a[w, lane, 2, e], a[w, lane, 3, e]
+    D = A @ b
+    out = d.clone()
+    for w in range(4):
+        for lane in range(32):
+            g, t = divmod(lane, 4)
+            for i in range(n // 8):
+                out[w, lane, 4 * i:4 * i + 4] += torch.stack([D[16 * w + g, 8 * i + 2 * t], D[16 * w + g, 8 * i + 2 * t + 1],
+                                                             D[16 * w + g + 8, 8 * i + 2 * t],
+                                                             D[16 * w + g + 8, 8 * i + 2 * t + 1]])
+    return out
+
+
+@settings(max_examples=8, deadline=None)
+@given(batch=st.integers(9, 64), passes=st.integers(1, 2), seed=st.integers(0, 2**31 - 1))
+def test_staged_input_and_packed_weights_are_the_wgmma_operands(batch, passes, seed):
+    """Stage every sequence's input through wide_x_byte (as store_x_quad does: 8 bytes a quad), read it back as
+    the wgmma's B through the descriptor of each k-step (wgmma_set's start addresses, WGMMA_LBO and WGMMA_SBO), take
+    each of four warps' A registers from its 16-row group of fragment-packed weights as wgmma_set loads them (a
+    lane's 16 bytes of a 32-column block of each 8-row block: a0, a2 from the first, a1, a3 from the second), and
+    read the sums back from the accumulators as epilogue_wide does: equal to x @ W^T for every sequence and row."""
+    gen = torch.Generator().manual_seed(seed)
+    k = passes * 256
+    n = m_tiles(batch) * M_TILE
+    x = torch.randn(batch, k, generator=gen).to(torch.bfloat16).double()
+    w = torch.randn(64, k, generator=gen).to(torch.bfloat16)
+    smem = {}
+    for b in range(batch):
+        for c in range(0, k, 4):
+            at = wide_x_byte(b, c, batch)
+            assert at % 8 == 0 and all(wide_x_byte(b, c + e, batch) == at + 2 * e for e in range(4))
+            for e in range(4):
+                assert at + 2 * e not in smem
+                smem[at + 2 * e] = x[b, c + e].item()
+    packed = fragment_pack(w).double()            # row group i: rows 16 i .. 16 i + 15, a slot of k columns
+    d = torch.zeros(4, 32, n // 2, dtype=torch.float64)
+    for ks in range(k // 16):
+        bmat = descriptor_read(smem, ks * wide_ks_bytes(batch), n)
+        bmat[:, batch:] = 0.0                     # the padded sequences: read, never stored, never stored back
+        assert not torch.isnan(bmat).any()
+        u, kb = divmod(ks, 2)
+        a = torch.zeros(4, 32, 4, 2, dtype=torch.float64)
+        for i in range(4):
+            group = packed[16 * i:16 * i + 16].reshape(2, -1)      # the slot's two 8-row blocks, k * 8 values each
+            for lane in range(32):
+                top = group[0, u * 256 + lane * 8:][:8].reshape(4, 2)
+                bottom = group[1, u * 256 + lane * 8:][:8].reshape(4, 2)
+                a[i, lane] = torch.stack([top[2 * kb], bottom[2 * kb], top[2 * kb + 1], bottom[2 * kb + 1]])
+        d = wgmma_rs(a, bmat, d)
+    y = torch.full((n, 64), float("nan"), dtype=torch.float64)
+    for i in range(4):
+        for lane in range(32):
+            g, t = divmod(lane, 4)
+            for ci in range(n // 8):
                 for e in range(2):
-                    y[mt * M_TILE + hf * 8 + g, blk * 8 + 2 * t + e] = c[lane, hf * 2 + e]
+                    y[ci * 8 + 2 * t + e, 16 * i + g] = d[i, lane, ci * 4 + e]
+                    y[ci * 8 + 2 * t + e, 16 * i + g + 8] = d[i, lane, ci * 4 + 2 + e]
     torch.testing.assert_close(y[:batch], x @ w.double().T, rtol=1e-12, atol=1e-9)
 
 
 @given(batch=st.integers(9, 64))
-def test_staged_input_loads_and_stores_spread_over_the_banks(batch):
-    """The 32 loads of a block are 32 different 16-byte words (conflict-free); a warp's staging stores (32
-    consecutive 4-column quads of one sequence, first word of each) fall in at least 16 banks (at most 2-way)."""
-    n_mt = m_tiles(batch)
-    for ks in range(16):
-        for mt in range(n_mt):
-            starts = {wide_x_lane_word(ks, mt, lane, n_mt) for lane in range(32)}
-            assert len(starts) == 32 and all(s % 4 == 0 for s in starts)
-            assert max(starts) - min(starts) == 31 * 4
+def test_staged_input_stores_spread_over_the_banks(batch):
+    """A warp's staging stores (32 consecutive 4-column quads of one sequence, 8 bytes each) use every 8-byte bank
+    pair of a 128-byte row at most twice: two wavefronts, the fewest for 256 bytes; core matrices start 16-byte
+    aligned (the descriptor's unit)."""
+    assert wide_ks_bytes(batch) % 16 == 0 and WGMMA_LBO % 16 == 0 and WGMMA_SBO % 16 == 0
     for b in range(batch):
         for q0 in range(0, 128, 32):
-            banks = [wide_x_word(b, 4 * q, n_mt) % 32 for q in range(q0, q0 + 32)]
-            assert max(banks.count(bk) for bk in set(banks)) <= 2, (b, q0, banks)
+            pairs = [wide_x_byte(b, 4 * q, batch) % 128 // 8 for q in range(q0, q0 + 32)]
+            assert max(pairs.count(p) for p in set(pairs)) <= 2, (b, q0, pairs)
 
 
 def test_wide_geometry_stages_bf16_m_tiles():
@@ -117,15 +136,14 @@ def _h200_kernel(name: str, batch: int) -> DecodeKernel:
                                         ("tiny-llama", 17)])
 def test_real_shapes_stage_inside_their_buffer_and_keep_a_ring(name, batch):
     """Past SPLIT_BATCH, on the real widths (and their K ranges where a stage splits): the kernel's staged-input
-    buffer holds every word any window of any matrix stages (wide_x_word over all sequences and the window's
+    buffer holds every word any window of any matrix stages (wide_x_byte over all sequences and the window's
     columns), and the shared memory left keeps at least MIN_SLOTS ring slots."""
     dk = _h200_kernel(name, batch)
-    n_mt = m_tiles(batch)
     for k, g in dk.plan.by_k.items():
         # the highest words: the window's last k-step, the sequences of the last m-tile
-        last = max(wide_x_word(b, c, n_mt) for b in range(max(0, batch - M_TILE), batch)
-                   for c in range(g.x_cols - 16, g.x_cols, 2))
-        assert last < dk.plan.x_floats, f"{name} batch {batch} K={k}: word {last} of {dk.plan.x_floats}"
+        last = max(wide_x_byte(b, c, batch) + 8 for b in range(max(0, batch - M_TILE), batch)
+                   for c in range(g.x_cols - 16, g.x_cols, 4)) // 4
+        assert last <= dk.plan.x_floats, f"{name} batch {batch} K={k}: word {last} of {dk.plan.x_floats}"
     assert MIN_SLOTS <= dk.ring_slots and dk.smem_bytes() <= SMEM_LIMIT, f"{name} batch {batch}: {dk.ring_slots} slots"
 
 
@@ -140,5 +158,3 @@ def test_row_groups_per_warp_follow_the_batch_and_the_tiles(name, batch, groups)
     dk = _h200_kernel(name, batch)
     assert dk.wide_groups == groups, f"{name} batch {batch}: {dk.wide_groups} row groups per warp"
     assert {g.chunk_rows for g in dk.plan.by_k.values()} == {128 * groups}, f"{name} batch {batch}"
-    # the MMA loop's B registers: half as many blocks at once where a warp holds 64 accumulators
-    assert dk.wide_load_kp() == (2 if groups == 2 and m_tiles(batch) > 2 else 4), f"{name} batch {batch}"
