@@ -82,6 +82,7 @@ class WideMatvec:
         if whole:
             self.stage(tidx, layer, k_row, merge, from_embed, has_norm, in_addr, norm_addr, p, s, ss, k0, K,
                        Int32(0))
+            cute.arch.fence_view_async_shared()   # the staging's stores, before the wgmmas read them (async proxy)
             if has_norm:
                 self.norm_statistic(tidx, layer, op, kpart, split, k_row, p, s)
             self.consumer_sync()
@@ -118,6 +119,7 @@ class WideMatvec:
                         self.consumer_sync()      # the previous window is read: this one may overwrite it
                         self.stage(tidx, layer, k_row, merge, from_embed, has_norm and c0 == 0, in_addr, norm_addr,
                                    p, s, ss, k0 + w0 * slab, ww, Int32(0))
+                        cute.arch.fence_view_async_shared()
                         self.consumer_sync()
                         if cutlass.const_expr(self.options.trace):
                             if tidx == 0 and c0 == 0 and sl == 0:

@@ -230,5 +230,8 @@ def test_wide_batches_stream_and_multiply(name, batch):
     assert hg and set(hg) == {str(n)}, f"{what}: wgmmas {sorted(set(hg))}, expected N = {n}"
     assert len(hg) == SLAB_COLS // 16 * dk.wide_groups, f"{what}: {len(hg)} wgmmas"
     assert not re.search(r"\bHMMA\b", art["sass"]), f"{what}: an mma.sync left in the wide kernel"
+    # the staging writes the wgmma's B operand with ordinary stores (the generic proxy): a proxy fence before the
+    # barrier that lets the wgmmas (the async proxy) read it
+    assert re.search(r"\bFENCE\.VIEW\.ASYNC\.S\b", art["sass"]), f"{what}: no proxy fence after the staging"
     for body in wgmma_sets(art["sass"]):
         assert not any(re.search(r"\b(LDL|STL)\b", x) for x in body), f"{what}: a spill among the wgmmas"
