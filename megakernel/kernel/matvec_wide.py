@@ -29,13 +29,12 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64
+from cutlass.cute.nvgpu import warpgroup
 
 from ..instructions.layout import ROW_GROUP
 from ..instructions.matvec_stages import weight_rows
 from ..instructions.opcodes import Opcode
 from ..instructions.split_k import k_splits
-from cutlass.cute.nvgpu import warpgroup
-
 from .matvec import silu
 from .ptx import (globaltimer_lo, ld_f32, load_shared_raw, mbarrier_arrive, rsqrt, st_f32, st_i32, warp_max_index,
                   wgmma_bf16_rs, wgmma_desc)

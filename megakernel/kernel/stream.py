@@ -78,10 +78,10 @@ def slot_parts(batch: int) -> int:
 def wide_groups(batch: int, widest_tile: int) -> int:
     """Row groups each consumer warp owns per chunk past SPLIT_BATCH. A tile whose input is staged in windows
     stages it once per chunk, so two groups (chunks of 256 rows) halve that staging for twice the accumulators:
-    always up to batch 32 (32 registers a warp); at 33-64 (64 registers, where matvec_wide loads half as many B
-    registers at once to fit them) only where a layer's tiles (widest_tile rows per SM) outgrow a chunk of one
-    group per warp (llama-3.1-8b, 435-row tiles, at 64: 10.81 ms per step against 13.15; llama-3.2-1b, 125-row
-    tiles: 2.81 against 2.66; profiles/RESULTS.md, 2026-12-03, sixth session)."""
+    always up to batch 32 (32 registers a warp); at 33-64 (64 registers) only where a layer's tiles (widest_tile
+    rows per SM) outgrow a chunk of one group per warp (on the mma.sync loop: llama-3.1-8b, 435-row tiles, at 64:
+    10.81 ms per step against 13.15; llama-3.2-1b, 125-row tiles: 2.81 against 2.66; on wgmma, llama-3.2-1b at 64:
+    2.48 against 2.26; profiles/RESULTS.md, 2026-12-03, sixth and seventh sessions)."""
     return 2 if m_tiles(batch) <= 2 or widest_tile > WIDE_WARPS * ITEM_ROWS else 1
 
 
@@ -101,7 +101,7 @@ MAX_IN_FLIGHT = 3
 
 X_PAD = 16                  # words between the staged input rows of two sequences: rows start on a 16-word k-step
                             # and two sequences' 64-byte k-steps fall in different banks (conflict-free B loads)
-M_TILE = 16                 # sequences of one MMA m-tile past SPLIT_BATCH (the batch is the MMA's M there)
+M_TILE = 16                 # sequences of one m-tile past SPLIT_BATCH: the wgmma's N is the batch padded to m-tiles
 
 
 def m_tiles(batch: int) -> int:
