@@ -661,7 +661,7 @@ def test_stages_on_gpu_match_reference_with_slab_staging(case):
     run_gpu_stages(case, slab_staging=True, expect_slabs=True)
 
 
-# Past SPLIT_BATCH: the wide consumers (row-group owners, the batch as the MMA's M), every stage of one tile against
+# Past SPLIT_BATCH: the wide consumers (row-group owners, wgmma with the batch as N), every stage of one tile against
 # float64 at the bf16 tolerance, and nothing written outside the tile (a warp that owns no rows of a small tile
 # writes nothing). Widths of 256 columns, so no stage splits over K (the picked tile is the stage's whole tile);
 # one m-tile, three with a partial last one and a partial last staging group, four.
