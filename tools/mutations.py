@@ -240,7 +240,13 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
        Mutation("wide_gate_up_stored_without_rows.kernel",
                 "past batch 8, a consumer warp that owns no rows of a small GATE_UP tile still stores its (zero) "
                 "outputs, over the next tiles' outputs",
-                (Patch(K_WIDE, "if b < B and nr > 0:", "if b < B:"),),
+                (Patch(K_WIDE, "if b < B and nr0 - j * GS > 0:", "if b < B:"),),
+                (GPU_WIDE_STAGES_PROBE,), kernel=True),
+       Mutation("wide_prestaged_copy_without_norm.kernel",
+                "past batch 8, O_PROJ's and DOWN's epilogue writes the next stage's pre-staged input without that "
+                "stage's norm weight, so GATE_UP and QKV multiply an unnormalised input",
+                (Patch(K_WIDE, "st_bf16(wout + Int64(wide_x_byte(b, a0 + r, B)), v * gv[2 * j + blk])",
+                       "st_bf16(wout + Int64(wide_x_byte(b, a0 + r, B)), v)"),),
                 (GPU_WIDE_STAGES_PROBE,), kernel=True),
        Mutation("wide_second_group_reads_the_first.kernel",
                 "past batch 8, a warpgroup multiplies the set of its second row groups into the accumulators of its "

@@ -40,6 +40,40 @@ SLAB_STAGE_BYTES = 128 * 1024
 SMEM_LIMIT = 227 * 1024
 SMEM_RESERVE = 24 * 1024
 
+# Past SPLIT_BATCH a matvec stage's input is the wgmma's B operand: bf16 in 8 x 8 core matrices, in shared memory
+# (megakernel.kernel.matvec_wide) and in the pre-staged copies the producing stages write (StepBuffers.x_wide ..).
+M_TILE = 16                 # sequences of one m-tile past SPLIT_BATCH: the wgmma's N is the batch padded to m-tiles
+
+
+def m_tiles(batch: int) -> int:
+    """MMA m-tiles of M_TILE sequences past SPLIT_BATCH."""
+    return -(-batch // M_TILE)
+
+
+WIDE_KS_PAD = 16            # bytes after each k-step's block of the staged input past SPLIT_BATCH: a warp's staging
+                            # stores (32 consecutive quads of one sequence, 8 k-steps) then fall in 16 different
+                            # 8-byte bank pairs, two stores each (two wavefronts, the fewest for 256 bytes)
+
+
+def wide_ks_bytes(batch: int) -> int:
+    """Bytes from one 16-column k-step's block of the staged input past SPLIT_BATCH to the next: the wgmma B
+    operand of every sequence (the m-tiles padded to M_TILE) plus WIDE_KS_PAD."""
+    return m_tiles(batch) * M_TILE * 32 + WIDE_KS_PAD
+
+
+WGMMA_LBO = 128             # bytes between the two core matrices of a k-step along K (columns 0-7, 8-15)
+WGMMA_SBO = 256             # bytes between core matrices along N (sequences 0-7, 8-15, ...)
+
+
+def wide_x_byte(b, c, batch):
+    """Past SPLIT_BATCH the staged input is the wgmma B operand (K x N, K-major, no swizzle; N the sequences of the
+    padded m-tiles): k-step ks = c // 16 is a block at ks * wide_ks_bytes, in it core matrix (sequences 8j .. 8j + 7,
+    columns 8h .. 8h + 7 of the k-step) at j * WGMMA_SBO + h * WGMMA_LBO: 8 rows of 16 bytes, sequence b % 8's 8
+    columns in row b % 8. The byte of sequence b's column c (bf16). Plain arithmetic, for device code and host
+    tests alike."""
+    return ((c // 16) * wide_ks_bytes(batch) + (b // 8) * WGMMA_SBO + ((c % 16) // 8) * WGMMA_LBO + (b % 8) * 16
+            + (c % 8) * 2)
+
 
 @dataclass(frozen=True)
 class StepLayout:
@@ -87,8 +121,10 @@ class StepLayout:
         and wait on nothing; EMBED still writes x[0] (layer 0's residual) and signals the QKV stage's
         counter, which ATTN_PARTIAL of layer 0 then waits on for one more. One dependency hop and the
         EMBED instruction leave the step's critical path. Where fold_embed and the whole input is staged
-        at once (not in slabs)."""
-        return bool(self.fold_embed) and self.stages_input and self.input_bytes <= X_STAGE_BYTES
+        at once (not in slabs), up to SPLIT_BATCH (past it every matvec input but O_PROJ's is pre-staged by
+        the stage that produces it, EMBED for x[0])."""
+        return (bool(self.fold_embed) and self.stages_input and self.input_bytes <= X_STAGE_BYTES
+                and self.batch <= SPLIT_BATCH)
 
     @property
     def fused_reduce(self) -> bool:
@@ -390,8 +426,16 @@ class StepBuffers:
     part_o: torch.Tensor       # f32 [L, E, B, H]
     part_gate_up: torch.Tensor  # f32 [L, E, B, 2F]
     part_down: torch.Tensor    # f32 [L, E, B, H]
-    # the device's K-range sums of squares of QKV's and GATE_UP's inputs (split_k.py): [L, 2, E, B], the larger E
-    part_ssq: torch.Tensor
+    # Past SPLIT_BATCH (empty up to it): the matvec inputs as the stages that produce them write them a second
+    # time, for the consumers to bring in with bulk copies (docs/batch_path.md): bf16 in the wgmma B layout
+    # (wide_input), times the norm weight of the stage that reads them (x[l]: attn_norm[l], x[L]: final_norm,
+    # h[l]: mlp_norm[l], act: none), and the sums of squares of x and h per 8 rows (input_ssq), from which the
+    # consumers take the RMS scale
+    x_wide: torch.Tensor       # bf16 [L+1, H/16, wide_ks_bytes/2]
+    h_wide: torch.Tensor       # bf16 [L, H/16, wide_ks_bytes/2]
+    act_wide: torch.Tensor     # bf16 [L, F/16, wide_ks_bytes/2]
+    x_ssq: torch.Tensor        # f32 [L+1, B, H/8]
+    h_ssq: torch.Tensor        # f32 [L, B, H/8]
     logits: torch.Tensor       # f32 [B, V] ([B, 0] without the LM head)
     lm_max: torch.Tensor       # f32 [B, T]
     lm_idx: torch.Tensor       # int32 [B, T]
@@ -413,7 +457,7 @@ class StepBuffers:
 def part_buffers(layout: StepLayout, device="cpu") -> dict[str, torch.Tensor]:
     """The K-range partial buffers of StepBuffers, sized by split_k.k_splits (E ranges; 0 where not split)."""
     from .matvec_stages import PART_BUFFERS, weight_rows
-    from .split_k import k_splits, ssq_ranges
+    from .split_k import k_splits
 
     out = {}
     for op, name in PART_BUFFERS.items():
@@ -421,10 +465,62 @@ def part_buffers(layout: StepLayout, device="cpu") -> dict[str, torch.Tensor]:
         rows, _ = weight_rows(op, layout)
         out[name] = torch.empty(layout.config.num_layers, e if e > 1 else 0, layout.batch, rows,
                                 dtype=torch.float32, device=device)
-    e = ssq_ranges(layout)
-    out["part_ssq"] = torch.empty(layout.config.num_layers, 2, e if e > 1 else 0, layout.batch,
-                                  dtype=torch.float32, device=device)
     return out
+
+
+def wide_buffers(layout: StepLayout, device="cpu") -> dict[str, torch.Tensor]:
+    """The pre-staged inputs of StepBuffers (x_wide .. h_ssq): sized past SPLIT_BATCH, empty up to it."""
+    c, B = layout.config, layout.batch
+    L, H, F = c.num_layers, c.hidden_size, c.intermediate_size
+    on = B > SPLIT_BATCH
+    ks = wide_ks_bytes(B) // 2 if on else 0
+    bf16 = dict(dtype=torch.bfloat16, device=device)
+    f32 = dict(dtype=torch.float32, device=device)
+    return {"x_wide": torch.empty(L + 1, H // 16 if on else 0, ks, **bf16),
+            "h_wide": torch.empty(L, H // 16 if on else 0, ks, **bf16),
+            "act_wide": torch.empty(L, F // 16 if on else 0, ks, **bf16),
+            "x_ssq": torch.empty(L + 1, B if on else 0, H // 8, **f32),
+            "h_ssq": torch.empty(L, B if on else 0, H // 8, **f32)}
+
+
+def wide_input_index(batch: int, k: int) -> torch.Tensor:
+    """int64 [batch, k]: the bf16 element (wide_x_byte / 2) of sequence b's column c in a pre-staged input."""
+    b = torch.arange(batch)[:, None]
+    c = torch.arange(k)[None, :]
+    return wide_x_byte(b, c, batch) // 2
+
+
+def wide_input(values: torch.Tensor, gamma: torch.Tensor | None, batch: int) -> torch.Tensor:
+    """A pre-staged input as its producing stage writes it: bf16 [K/16, wide_ks_bytes/2] holding round(values[b, c]
+    x gamma[c]) (float32 product, rounded once) at wide_input_index; zero in the padded sequences and padding."""
+    k = values.shape[-1]
+    y = values.float() * (gamma.float() if gamma is not None else 1.0)
+    out = torch.zeros(k // 16 * (wide_ks_bytes(batch) // 2), dtype=torch.bfloat16, device=values.device)
+    out[wide_input_index(batch, k).to(values.device).flatten()] = y.to(torch.bfloat16).flatten()
+    return out.view(k // 16, wide_ks_bytes(batch) // 2)
+
+
+def input_ssq(values: torch.Tensor) -> torch.Tensor:
+    """Sums of squares of [B, K] values per 8 consecutive columns (a core matrix row): f32 [B, K/8], summed in
+    float64."""
+    b, k = values.shape
+    return values.double().square().view(b, k // 8, 8).sum(-1).float()
+
+
+def fill_wide_inputs(bufs: StepBuffers, weights: "PackedWeights", layout: StepLayout) -> None:
+    """The pre-staged inputs (x_wide .. h_ssq) derived from x, h and act as the producing stages write them (for
+    stage tests, which fill x, h and act at random); nothing up to SPLIT_BATCH."""
+    if layout.batch <= SPLIT_BATCH:
+        return
+    L, B = layout.config.num_layers, layout.batch
+    for l in range(L + 1):
+        gamma = weights.attn_norm[l] if l < L else weights.final_norm
+        bufs.x_wide[l].copy_(wide_input(bufs.x[l], gamma, B))
+        bufs.x_ssq[l].copy_(input_ssq(bufs.x[l]))
+    for l in range(L):
+        bufs.h_wide[l].copy_(wide_input(bufs.h[l], weights.mlp_norm[l], B))
+        bufs.h_ssq[l].copy_(input_ssq(bufs.h[l]))
+        bufs.act_wide[l].copy_(wide_input(bufs.act[l], None, B))
 
 
 def allocate_buffers(layout: StepLayout, lm_tiles: int, num_counters: int, device="cpu") -> StepBuffers:
@@ -447,6 +543,7 @@ def allocate_buffers(layout: StepLayout, lm_tiles: int, num_counters: int, devic
         attn_out=torch.empty(L, b, c.q_size, **f32),
         act=torch.empty(L, b, c.intermediate_size, **f32),
         **part_buffers(layout, device),
+        **wide_buffers(layout, device),
         logits=torch.empty(b, c.vocab_size if lm_tiles else 0, **f32),
         lm_max=torch.empty(b, lm_tiles, **f32),
         lm_idx=torch.zeros(b, lm_tiles, **i32),

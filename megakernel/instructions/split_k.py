@@ -10,9 +10,9 @@ float32 partial (matvec_stages: part_<stage>[l, e]). The E ranges' tiles of a la
     y = (partial[0] + partial[1] + ... + partial[E - 1]) * rms_scale      (in range order, whatever order the
                                                                         tiles ran in; the scale: QKV, GATE_UP)
 
-so the result is the same bits every run. (The RMS scale of a row needs all of its K; the device's K-range tiles
-each store their range's sum of squares beside their partials, which MV_REDUCE adds in range order.) Operands: a0 = first row, a1 = row count, a2 = the split stage's opcode,
-a3 = E. LM_HEAD is never split (its (max, argmax) per tile needs whole logits), and batches up to SPLIT_BATCH
+so the result is the same bits every run. (The RMS scale of a row needs all of its K; on the device MV_REDUCE
+takes it from the sums of squares per 8 columns that the input's producing stage wrote beside it, StepBuffers.x_ssq
+and h_ssq, added in column order.) Operands: a0 = first row, a1 = row count, a2 = the split stage's opcode, a3 = E. LM_HEAD is never split (its (max, argmax) per tile needs whole logits), and batches up to SPLIT_BATCH
 are not either.
 """
 
@@ -71,12 +71,6 @@ def k_splits(layout, op: Opcode) -> int:
         if best_cost is None or cost < best_cost:
             best, best_cost = e, cost
     return best
-
-
-def ssq_ranges(layout) -> int:
-    """E of the device's part_ssq buffer (the K ranges' sums of squares of QKV's and GATE_UP's inputs): the larger
-    of the two stages' splits."""
-    return max(k_splits(layout, Opcode.QKV), k_splits(layout, Opcode.GATE_UP))
 
 
 def _stage(ins: Instruction) -> Opcode:

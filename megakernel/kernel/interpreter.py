@@ -45,7 +45,7 @@ from ..instructions.matvec_stages import weight_rows
 from ..instructions.opcodes import Opcode
 from ..instructions.record import (W_A0, W_A1, W_A2, W_A3, W_INDEX, W_K_PART, W_K_PARTS, W_LAYER, W_OPCODE,
                                    W_SIGNAL_ID, W_WAIT_COUNT, W_WAIT_ID, WORDS)
-from ..instructions.split_k import SPLIT_STAGES, k_splits, ssq_ranges
+from ..instructions.split_k import SPLIT_STAGES, k_splits
 from .attention import ERR_ALIAS, ERR_POSITION, LOG2E, AttentionStage  # noqa: F401  (error codes re-exported)
 from .matvec import MatvecStage
 from .matvec_wide import WideMatvec
@@ -72,7 +72,7 @@ ARG_NAMES = (
     "tokens", "positions", "block_table",
     "x", "h", "qkv", "attn_part_o", "attn_part_lse", "attn_out", "act",
     "logits", "lm_max", "lm_idx", "out_tokens",
-    "part_qkv", "part_o", "part_gate_up", "part_down", "part_ssq",
+    "part_qkv", "part_o", "part_gate_up", "part_down", "x_wide", "h_wide", "act_wide", "x_ssq", "h_ssq",
     "counters", "sync", "error", "kv_table", "trace", "host_error",
 )
 
@@ -87,8 +87,9 @@ class KernelOptions:
     # the weight stream (tools/gpu_sweep.py 'nocopy:diag_no_copy=1'; profiles/RESULTS.md, 2026-12-03)
     diag_no_copy: bool = False
     # a diagnostic (wrong results, for timing only): no matvec stage stages its input (each staging zeroes the
-    # window instead), so a step takes what it takes without the consumers' input staging
-    # (tools/gpu_sweep.py 'nostage:diag_no_stage=1'; docs/batch_path.md)
+    # window instead), so a step takes what it takes without the consumers' input staging (past SPLIT_BATCH only
+    # O_PROJ's: the others are pre-staged by their producers) (tools/gpu_sweep.py 'nostage:diag_no_stage=1';
+    # docs/batch_path.md)
     diag_no_stage: bool = False
     # row groups each consumer warp owns per chunk past SPLIT_BATCH (0: stream.wide_groups(batch)): for an A/B
     # sweep
@@ -159,7 +160,6 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
             e = k_splits(layout, op)
             if e > 1:
                 self.split_widths[int(op)] = weight_rows(op, layout)[1] // e
-        self.E_ssq = ssq_ranges(layout)
         widest = max(-(-weight_rows(op, layout)[0] * k_splits(layout, op) // self.num_sms) for op in SPLIT_STAGES)
         self.wide_groups = self.options.wide_groups or wide_groups(self.B, widest)
         self.plan = StreamPlan.for_config(c, self.B, tuple(self.split_widths.values()), self.wide_groups)
@@ -173,7 +173,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
         (no instruction uses both, and a barrier ends every instruction), so the ring gets what either leaves."""
         W, G, D, B = self.warps, self.G, self.D, self.B
         NB = max(8, B)
-        return {"common": {"ctrl": 4, "alias": 4 * NB, "red": NB, "ired": NB, "wv": W * NB, "wi": W * NB,
+        return {"common": {"ctrl": 8, "xbar": 2, "alias": 4 * NB, "red": NB, "ired": NB, "wv": W * NB, "wi": W * NB,
                            "rstd": NB, "queue": self.max_queue_len * WORDS},
                 "matvec": {"part": self.plan.part_floats, "x": self.plan.x_floats},
                 "attention": {"q": G * D, "kv": 2 * D, "m": W * G, "l": W * G, "o": W * G * D, "pre": W * D}}
@@ -202,13 +202,14 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                  rope_sin: Int64, tokens: Int64, positions: Int64, block_table: Int64, x: Int64, h: Int64,
                  qkv: Int64, attn_part_o: Int64, attn_part_lse: Int64, attn_out: Int64, act: Int64,
                  logits: Int64, lm_max: Int64, lm_idx: Int64, out_tokens: Int64, part_qkv: Int64,
-                 part_o: Int64, part_gate_up: Int64, part_down: Int64, part_ssq: Int64, counters: Int64,
+                 part_o: Int64, part_gate_up: Int64, part_down: Int64, x_wide: Int64, h_wide: Int64,
+                 act_wide: Int64, x_ssq: Int64, h_ssq: Int64, counters: Int64,
                  sync: Int64, error: Int64, kv_table: Int64, trace: Int64, host_error: Int64,
                  stream):
         self.kernel(queue, lengths, w_embed, w_qkv, w_o, w_gate_up, w_down, w_lm_head, attn_norm, mlp_norm,
                     final_norm, ones, q_norm, k_norm, rope_cos, rope_sin, tokens, positions, block_table,
                     x, h, qkv, attn_part_o, attn_part_lse, attn_out, act, logits, lm_max, lm_idx, out_tokens,
-                    part_qkv, part_o, part_gate_up, part_down, part_ssq,
+                    part_qkv, part_o, part_gate_up, part_down, x_wide, h_wide, act_wide, x_ssq, h_ssq,
                     counters, sync, error, kv_table, trace, host_error).launch(
             grid=[self.num_sms, 1, 1], block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1,
             # every CTA resident at once, or the launch is refused: the CTAs spin on each other's counters
@@ -253,7 +254,8 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                rope_sin: Int64, tokens: Int64, positions: Int64, block_table: Int64, x: Int64, h: Int64,
                qkv: Int64, attn_part_o: Int64, attn_part_lse: Int64, attn_out: Int64, act: Int64,
                logits: Int64, lm_max: Int64, lm_idx: Int64, out_tokens: Int64, part_qkv: Int64,
-               part_o: Int64, part_gate_up: Int64, part_down: Int64, part_ssq: Int64, counters: Int64,
+               part_o: Int64, part_gate_up: Int64, part_down: Int64, x_wide: Int64, h_wide: Int64,
+                 act_wide: Int64, x_ssq: Int64, h_ssq: Int64, counters: Int64,
                sync: Int64, error: Int64, kv_table: Int64, trace: Int64, host_error: Int64):
         tidx, _, _ = cute.arch.thread_idx()
         sm, _, _ = cute.arch.block_idx()
@@ -265,11 +267,12 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                    positions=positions, block_table=block_table, x=x, h=h, qkv=qkv, attn_part_o=attn_part_o,
                    attn_part_lse=attn_part_lse, attn_out=attn_out, act=act, logits=logits, lm_max=lm_max,
                    lm_idx=lm_idx, out_tokens=out_tokens, part_qkv=part_qkv, part_o=part_o,
-                   part_gate_up=part_gate_up, part_down=part_down, part_ssq=part_ssq, error=error,
+                   part_gate_up=part_gate_up, part_down=part_down, x_wide=x_wide, h_wide=h_wide,
+                   act_wide=act_wide, x_ssq=x_ssq, h_ssq=h_ssq, error=error,
                    kv_table=kv_table)
 
         smem = cutlass.utils.SmemAllocator()
-        types = {"wi": Int32, "ired": Int32, "ctrl": Int32, "alias": Int32, "queue": Int32}
+        types = {"wi": Int32, "ired": Int32, "ctrl": Int32, "xbar": Int32, "alias": Int32, "queue": Int32}
         groups = self.scratch_words()
         bufs = {name: smem.allocate_tensor(types.get(name, cutlass.Float32), cute.make_layout((words,)),
                                            byte_alignment=16)
@@ -285,8 +288,9 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
         s_ring = smem.allocate_tensor(Int32, cute.make_layout((self.ring_slots * SLOT_BYTES // 4,)),
                                       byte_alignment=128)
         s_bar = smem.allocate_tensor(Int64, cute.make_layout((2 * self.ring_slots,)), byte_alignment=8)
-        s = Fields(x_addr=Int32(bufs["x"].iterator.toint()), pre_addr=Int32(bufs["pre"].iterator.toint()), **bufs)
-        s_ctrl, s_queue = bufs["ctrl"], bufs["queue"]        # epoch, abort, queue length, stop
+        s = Fields(x_addr=Int32(bufs["x"].iterator.toint()), pre_addr=Int32(bufs["pre"].iterator.toint()),
+                   xbar_addr=Int32(bufs["xbar"].iterator.toint()), **bufs)
+        s_ctrl, s_queue = bufs["ctrl"], bufs["queue"]        # epoch, abort, queue length, stop, input copies
         ring = Int32(s_ring.iterator.toint())
         full = Int32(s_bar.iterator.toint())                 # ring_slots full barriers, then the empty ones
         empty = full + self.ring_slots * 8
@@ -297,10 +301,13 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                 mbarrier_init(full + j * 8, Int32(1))                # the producer's arrive + the copy bytes
                 # one arrival per part's reader warp; past SPLIT_BATCH every consumer warp passes every slot
                 mbarrier_init(empty + j * 8, Int32(self.warps if self.wide else self.plan.parts))
+            # past SPLIT_BATCH: the bulk copies of the pre-staged inputs (matvec_wide.load_input), s_ctrl[4] of them
+            mbarrier_init(s.xbar_addr, Int32(1))
             mbarrier_init_fence()
             s_ctrl[0] = ld_i32(sync)
             s_ctrl[1] = Int32(0)
             s_ctrl[3] = Int32(0)
+            s_ctrl[4] = Int32(0)
         s_alias = bufs["alias"]          # per sequence: 1 where its new KV slot aliases (scan_aliasing)
         for b in range(tidx, self.B, self.threads):
             s_alias[b] = Int32(0)

@@ -15,11 +15,15 @@ of a few rows, each staging the input again. Here (docs/batch_path.md):
     barrier (initialised to WIDE_WARPS) at once, the set's own warps once their A registers are loaded, so each
     use of a ring slot is complete before any warp waits for the next one (the parity of an mbarrier wait is
     exact);
-  - at the chunk's end each warp runs the epilogue of its own rows from its registers: the stage's store, or,
-    for a tile of a K range of a stage split over K (split_k.py), the float32 partial into part_<stage>, with
-    the range's sum of squares of the input for the stages with a norm (part_ssq);
-  - MV_REDUCE adds a row range's partials in range order, times the RMS scale from the ranges' sums of squares
-    (added in range order too: the same bits every run), and runs the stage's epilogue.
+  - the input is not staged by the consumers (but O_PROJ's): the stage that produced it wrote it a second time,
+    already in the B operand's layout and times this stage's norm weight (StepBuffers.x_wide, h_wide, act_wide,
+    from the wide epilogue, MV_REDUCE and EMBED), with the sums of squares of every 8 of its columns (x_ssq,
+    h_ssq); a window of it is one bulk copy, and the RMS scale per sequence, taken from those sums while the copy
+    runs, goes to the epilogue (the norm is linear in it);
+  - at the chunk's end each warp runs the epilogue of its own rows from its registers: the stage's store and its
+    pre-staged copy for the next stage, or, for a tile of a K range of a stage split over K (split_k.py), the
+    float32 partial into part_<stage>;
+  - MV_REDUCE adds a row range's partials in range order, times the RMS scale, and runs the stage's epilogue.
 """
 
 from __future__ import annotations
@@ -31,12 +35,13 @@ import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64
 from cutlass.cute.nvgpu import warpgroup
 
-from ..instructions.layout import ROW_GROUP
+from ..instructions.layout import ROW_GROUP, wide_x_byte
 from ..instructions.matvec_stages import weight_rows
 from ..instructions.opcodes import Opcode
 from ..instructions.split_k import k_splits
 from .matvec import silu
-from .ptx import (globaltimer_lo, ld_f32, load_shared_raw, mbarrier_arrive, rsqrt, st_f32, st_i32, warp_max_index,
+from .ptx import (bulk_copy_g2s, globaltimer_lo, ld_bf16, ld_f32, load_f32x4, load_shared_raw, mbarrier_arrive,
+                  mbarrier_arrive_expect_tx, policy_evict_last, rsqrt, st_bf16, st_f32, st_i32, warp_max_index,
                   wgmma_bf16_rs, wgmma_desc)
 from .stream import (ITEM_ROWS, M_TILE, SLAB_COLS, SLOT_BYTES, TR_CONSUMED, TR_LANDED_FIRST, TR_LANDED_LAST, TR_STAGED,
                      WGMMA_LBO, WGMMA_SBO, WIDE_WARPS, m_tiles, wide_ks_bytes)
@@ -67,27 +72,16 @@ class WideMatvec:
                     rec: Int64) -> Int32:
         """One tile past SPLIT_BATCH (matvec's arguments, resolved): columns k0 .. k0 + K of rows a0 .. a0 + a1
         (k_row columns per weight row and input row)."""
-        B = self.B
         G = self.wide_groups
         NA = self.group_accumulators()
         is_lm = op == OP_LM_HEAD
         whole = xsl >= n_slab
-        ss = cute.make_rmem_tensor((1,), Float32)      # (stage adds the sums of squares into s.wv instead)
-        ss[0] = Float32(0.0)
-        s_wv = s.wv
-        if lane == 0:
-            for b in range(B):
-                s_wv[warp * B + b] = Float32(0.0)
-        if whole:
-            self.stage(tidx, layer, k_row, merge, from_embed, has_norm, in_addr, norm_addr, p, s, ss, k0, K,
-                       Int32(0))
-            cute.arch.fence_view_async_shared()   # the staging's stores, before the wgmmas read them (async proxy)
-            if has_norm:
-                self.norm_statistic(tidx, layer, op, kpart, split, k_row, p, s)
-            self.consumer_sync()
-            if cutlass.const_expr(self.options.trace):
-                if tidx == 0:
-                    st_i32(rec + TR_STAGED * 4, globaltimer_lo())
+        # every input but O_PROJ's was pre-staged by the stage that produced it (past SPLIT_BATCH the embedding is
+        # never folded into QKV: StepLayout.embed_folded), times this stage's norm weight; O_PROJ stages its own
+        # (the attention output, or the merge of its splits), which has no norm
+        prestaged = op != OP_O_PROJ
+        src, ssq = self.wide_source(op, layer, p)
+        rstd = has_norm and not split     # (a K range's partials are scaled by MV_REDUCE)
         if is_lm:
             self.reset_tile_maximum(tidx, s)
         x_base = s.x_addr
@@ -104,25 +98,24 @@ class WideMatvec:
             for i in cutlass.range_constexpr(G * NA):
                 acc[i] = Float32(0.0)
             for sl in range(n_slab):
-                col0 = sl * slab
                 width = K - sl * slab
                 if width > slab:
                     width = slab
-                if not whole:
-                    w0 = sl - sl % xsl
-                    col0 = (sl - w0) * slab
-                    if sl == w0:
-                        ww = K - w0 * slab
-                        if ww > xsl * slab:
-                            ww = xsl * slab
+                # the input window of xsl slabs holding slab sl (the whole input where it fits: window 0, staged
+                # once per instruction; else once per chunk)
+                w0 = sl - sl % xsl
+                col0 = (sl - w0) * slab
+                if sl == w0 and (c0 == 0 or not whole):
+                    ww = K - w0 * slab
+                    if ww > xsl * slab:
+                        ww = xsl * slab
+                    if c0 > 0 or sl > 0:
                         self.consumer_sync()      # the previous window is read: this one may overwrite it
-                        self.stage(tidx, layer, k_row, merge, from_embed, has_norm and c0 == 0, in_addr, norm_addr,
-                                   p, s, ss, k0 + w0 * slab, ww, Int32(0))
-                        cute.arch.fence_view_async_shared()
-                        self.consumer_sync()
-                        if cutlass.const_expr(self.options.trace):
-                            if tidx == 0 and c0 == 0 and sl == 0:
-                                st_i32(rec + TR_STAGED * 4, globaltimer_lo())
+                    self.input_window(tidx, layer, k_row, merge, from_embed, prestaged, in_addr, norm_addr, src, ssq,
+                                      rstd and c0 == 0 and sl == 0, k0 + w0 * slab, ww, p, s)
+                    if cutlass.const_expr(self.options.trace):
+                        if tidx == 0 and c0 == 0 and sl == 0:
+                            st_i32(rec + TR_STAGED * 4, globaltimer_lo())
                 for g0 in range(0, rows, ITEM_ROWS):
                     slot = k_slot % self.ring_slots
                     mb = slot * 8
@@ -157,8 +150,6 @@ class WideMatvec:
                             for m in range(rg % 4 + 1):
                                 mbarrier_arrive(empty + ((first + m) % self.ring_slots) * 8)
                     k_slot = k_slot + 1
-            if not whole and c0 == 0 and has_norm:
-                self.norm_statistic(tidx, layer, op, kpart, split, k_row, p, s)
             self.consumer_sync()
             if cutlass.const_expr(self.options.trace):
                 if tidx == 0:
@@ -218,32 +209,132 @@ class WideMatvec:
                 warpgroup.wait_group(1)               # the other buffer's wgmmas are done: it may be reloaded
         warpgroup.wait_group(0)
 
-    @cute.jit
-    def norm_statistic(self, tidx: Int32, layer: Int32, op: Int32, kpart: Int32, split: Boolean, k_row: Int32, p, s):
-        """Every sequence's sum of squares over the staged columns (each warp's share in s.wv): for a K range's
-        tile, stored into part_ssq (MV_REDUCE scales), s.rstd = 1; else s.rstd = rsqrt(mean + eps). A barrier is
-        needed before s.rstd is read."""
-        s_rstd, s_wv = s.rstd, s.wv
-        B = self.B
-        self.consumer_sync()          # every warp's sums (stage: s.wv slot warp * B + b) are in
-        if tidx < B:
-            tot = Float32(0.0)
-            for w in range(self.warps):
-                tot = tot + s_wv[w * B + tidx]
-            if split:
-                st_f32(self.ssq_addr(p, layer, op, kpart, tidx), tot)
-                s_rstd[tidx] = Float32(1.0)
-            else:
-                s_rstd[tidx] = rsqrt(tot / Float32(k_row) + Float32(self.eps))
+    def wide_bytes(self, k: int) -> int:
+        """Bytes of one layer's pre-staged input of width k (StepBuffers.x_wide ..): a block per k-step."""
+        return k // 16 * wide_ks_bytes(self.B)
+
+    def ssq_bytes(self) -> int:
+        """Bytes of one layer's sums of squares of x or h (StepBuffers.x_ssq, h_ssq: f32 [B, H / 8])."""
+        return self.B * (self.H // 8) * 4
 
     @cute.jit
-    def ssq_addr(self, p, layer: Int32, op: Int32, e: Int32, b: Int32) -> Int64:
-        """Address of K range e's sum of squares of sequence b's input to QKV or GATE_UP (part_ssq, f32
-        [L, 2, E, B])."""
-        st = Int32(0)
+    def wide_source(self, op: Int32, layer: Int32, p):
+        """(pre-staged input, its sums of squares) of a matvec stage past SPLIT_BATCH: QKV x_wide[l] and x_ssq[l],
+        GATE_UP h_wide[l] and h_ssq[l], DOWN act_wide[l] (no norm), the LM head x_wide[L] and x_ssq[L]; (0, 0) for
+        O_PROJ, which stages its input itself."""
+        l64 = Int64(layer)
+        src = Int64(0)
+        ssq = Int64(0)
+        if op == OP_QKV:
+            src = p.x_wide + l64 * self.wide_bytes(self.H)
+            ssq = p.x_ssq + l64 * self.ssq_bytes()
         if op == OP_GATE_UP:
-            st = Int32(1)
-        return p.part_ssq + (((Int64(layer) * 2 + Int64(st)) * self.E_ssq + Int64(e)) * self.B + Int64(b)) * 4
+            src = p.h_wide + l64 * self.wide_bytes(self.H)
+            ssq = p.h_ssq + l64 * self.ssq_bytes()
+        if op == OP_DOWN:
+            src = p.act_wide + l64 * self.wide_bytes(self.F)
+        if op == OP_LM_HEAD:
+            src = p.x_wide + Int64(self.L) * self.wide_bytes(self.H)
+            ssq = p.x_ssq + Int64(self.L) * self.ssq_bytes()
+        return src, ssq
+
+    @cute.jit
+    def wide_output(self, op: Int32, layer: Int32, p):
+        """(pre-staged copy, norm weight of its reader, sums of squares) that a stage past SPLIT_BATCH writes beside
+        its output: O_PROJ h_wide[l] (mlp_norm[l]) and h_ssq[l], GATE_UP act_wide[l] (no norm: ones, no sums),
+        DOWN x_wide[l + 1] (attn_norm[l + 1], final_norm after the last layer) and x_ssq[l + 1]; (0, ones, 0) for
+        the others."""
+        l64 = Int64(layer)
+        out = Int64(0)
+        gamma = p.ones
+        ssq = Int64(0)
+        if op == OP_O_PROJ:
+            out = p.h_wide + l64 * self.wide_bytes(self.H)
+            gamma = p.mlp_norm + l64 * (self.H * 2)
+            ssq = p.h_ssq + l64 * self.ssq_bytes()
+        if op == OP_GATE_UP:
+            out = p.act_wide + l64 * self.wide_bytes(self.F)
+        if op == OP_DOWN:
+            out = p.x_wide + (l64 + 1) * self.wide_bytes(self.H)
+            gamma = p.final_norm
+            if layer + 1 < self.L:
+                gamma = p.attn_norm + (l64 + 1) * (self.H * 2)
+            ssq = p.x_ssq + (l64 + 1) * self.ssq_bytes()
+        return out, gamma, ssq
+
+    @cute.jit
+    def input_window(self, tidx: Int32, layer: Int32, k_row: Int32, merge: Boolean, from_embed: Boolean,
+                     prestaged: Boolean, in_addr: Int64, norm_addr: Int64, src: Int64, ssq: Int64, rstd: Boolean,
+                     col: Int32, ncols: Int32, p, s):
+        """Columns col .. col + ncols of every sequence's input into s.x as the wgmma's B operand, ready when this
+        returns (it ends with a consumer barrier). A pre-staged input: one bulk copy of its k-step blocks (thread 0
+        arms the mbarrier s.xbar_addr; the copy of number s_ctrl[4] completes its phase of that parity), and where
+        `rstd` the RMS scales from its sums of squares while the copy runs. Else (O_PROJ) the consumers stage it."""
+        s_ctrl = s.ctrl
+        if prestaged:
+            if tidx == 0:
+                # the producing stages stored it through the generic proxy (this thread acquired their counter),
+                # and the consumers' last accesses to s.x (before the barrier that precedes this) were generic too;
+                # the copy engine reads and writes through the async proxy
+                cute.arch.fence_proxy("async")
+                nbytes = ncols // 16 * wide_ks_bytes(self.B)
+                mbarrier_arrive_expect_tx(s.xbar_addr, nbytes)
+                bulk_copy_g2s(s.x_addr, src + Int64(col // 16) * wide_ks_bytes(self.B), nbytes, s.xbar_addr,
+                              policy_evict_last())
+            if rstd:
+                self.rstd_from_ssq(tidx, ssq, s)
+            self.wait_full(s.xbar_addr, s_ctrl[4] % 2, p.error)
+        else:
+            ss = cute.make_rmem_tensor((1,), Float32)
+            ss[0] = Float32(0.0)
+            self.stage(tidx, layer, k_row, merge, from_embed, Boolean(False), in_addr, norm_addr, p, s, ss, col,
+                       ncols, Int32(0))
+            cute.arch.fence_view_async_shared()   # the staging's stores, before the wgmmas read them (async proxy)
+        self.consumer_sync()
+        if prestaged:
+            if tidx == 0:
+                s_ctrl[4] = s_ctrl[4] + 1        # (read again only after another consumer barrier)
+
+    def ssq_threads(self) -> int:
+        """Threads per sequence that add its sums of squares (rstd_from_ssq): a power of two, at most 32, with
+        every sequence's share a whole number of 4-float loads."""
+        n = 1
+        while n < 32 and 2 * n * self.B <= self.cthreads and (self.H // 8) % (8 * n) == 0:
+            n *= 2
+        return n
+
+    def ssq_offsets(self) -> tuple:
+        """The butterfly's lane offsets over ssq_threads() lanes: P / 2, ..., 1."""
+        P = self.ssq_threads()
+        return tuple(P >> (i + 1) for i in range(P.bit_length() - 1))
+
+    @cute.jit
+    def rstd_from_ssq(self, tidx: Int32, ssq: Int64, s):
+        """s.rstd[b] = rsqrt(sequence b's sum of squares / H + eps) from the H / 8 sums per 8 columns its
+        producers wrote (f32 [B, H / 8] at ssq): P threads per sequence each add a consecutive share in column
+        order, 16 loads of 4 floats a round, then the P shares go together pairwise (a butterfly: the same bits on
+        every lane and in every run). Read after a consumer barrier."""
+        s_rstd = s.rstd
+        NG = self.H // 8
+        P = self.ssq_threads()
+        per = NG // P
+        b = tidx // P
+        tot = Float32(0.0)
+        if b < self.B:
+            base = ssq + (Int64(b) * NG + Int64(tidx - b * P) * per) * 4
+            for r0 in cutlass.range_constexpr(0, per // 4, 16):
+                n4 = min(16, per // 4 - r0)
+                v = cute.make_rmem_tensor((4 * n4,), Float32)
+                for i in cutlass.range_constexpr(n4):
+                    q = load_f32x4(base + (r0 + i) * 16)
+                    for e in cutlass.range_constexpr(4):
+                        v[4 * i + e] = q[e]
+                for i in cutlass.range_constexpr(4 * n4):
+                    tot = tot + v[i]
+        for off in self.ssq_offsets():
+            tot = tot + cute.arch.shuffle_sync_bfly(tot, offset=off)
+        if b < self.B and tidx == b * P:
+            s_rstd[b] = rsqrt(tot / Float32(self.H) + Float32(self.eps))
 
     @cute.jit
     def epilogue_wide(self, warp: Int32, lane: Int32, op: Int32, layer: Int32, a0: Int32, c0: Int32, nr0: Int32,
@@ -252,19 +343,86 @@ class WideMatvec:
         """The warp's rows of chunk c0 from its accumulators: owned group j (acc[j * NA ...]) is rows c0 + warp *
         ITEM_ROWS + j * WIDE_WARPS * ITEM_ROWS and the next ITEM_ROWS of the tile, of which nr0 - j * WIDE_WARPS *
         ITEM_ROWS exist (<= 0: none; a multiple of 8); lane (g, t) holds rows g and g + 8 of the group for
-        sequences 8 i + 2t and + 1 (wgmma_set). A K range's partial into part_<stage>, else the stage's store (the
-        RMS scale, the residual, SiLU(gate) * up: a row group's gate rows are its first 8, its up rows the next 8,
-        so a lane holds both of its outputs); the LM head also its (max, lowest index) per sequence over both
-        groups into s.wv / s.wi slot warp * B + b."""
+        sequences 8 i + 2t and + 1 (wgmma_set). One unrolled body per kind, so a tile runs through its own code
+        only: a K range's partials (epilogue_partials), GATE_UP's SiLU(gate) * up (epilogue_gate_up), the other
+        stages' rows (epilogue_rows)."""
+        if split:
+            self.epilogue_partials(warp, lane, op, layer, a0, c0, nr0, kpart, acc, p)
+        elif op == OP_GATE_UP:
+            self.epilogue_gate_up(warp, lane, layer, a0, c0, nr0, out_addr, acc, p, s)
+        else:
+            self.epilogue_rows(warp, lane, op, layer, a0, c0, nr0, has_norm, has_res, out_addr, out_w, res_addr,
+                               acc, p, s)
+
+    @cute.jit
+    def epilogue_partials(self, warp: Int32, lane: Int32, op: Int32, layer: Int32, a0: Int32, c0: Int32, nr0: Int32,
+                          kpart: Int32, acc: cute.Tensor, p):
+        """A K range's tile: its float32 partials into part_<stage>[l, kpart] (MV_REDUCE scales and closes them)."""
+        B, G, NA = self.B, self.wide_groups, self.group_accumulators()
+        GS = WIDE_WARPS * ITEM_ROWS
+        g = lane // 4
+        t = lane - g * 4
+        part_addr, part_rows, part_e = self.part_buffer(op, p)
+        for ci in cutlass.range_constexpr(self.wgmma_n() // 8):
+            for e in cutlass.range_constexpr(2):
+                b = ci * 8 + 2 * t + e
+                for j in cutlass.range_constexpr(G):
+                    r0 = c0 + warp * ITEM_ROWS + j * GS
+                    nr = nr0 - j * GS
+                    if b < B and nr > 0:
+                        for blk in cutlass.range_constexpr(2):
+                            if blk * 8 < nr:
+                                st_f32(part_addr + (((Int64(layer) * part_e + Int64(kpart)) * B + Int64(b)) * part_rows
+                                                    + Int64(a0 + r0 + blk * 8 + g)) * 4,
+                                       acc[j * NA + ci * 4 + 2 * blk + e])
+
+    @cute.jit
+    def epilogue_gate_up(self, warp: Int32, lane: Int32, layer: Int32, a0: Int32, c0: Int32, nr0: Int32,
+                         out_addr: Int64, acc: cute.Tensor, p, s):
+        """GATE_UP: act = SiLU(gate * rstd) * (up * rstd) (a row group's gate rows are its first 8, its up rows the
+        next 8, so a lane holds both of its outputs), and its pre-staged copy for DOWN (no norm: bf16 as is)."""
+        s_rstd = s.rstd
+        B, G, NA = self.B, self.wide_groups, self.group_accumulators()
+        GS = WIDE_WARPS * ITEM_ROWS
+        g = lane // 4
+        t = lane - g * 4
+        wout, _, _ = self.wide_output(Int32(OP_GATE_UP), layer, p)
+        for ci in cutlass.range_constexpr(self.wgmma_n() // 8):
+            for e in cutlass.range_constexpr(2):
+                b = ci * 8 + 2 * t + e
+                for j in cutlass.range_constexpr(G):
+                    r0 = c0 + warp * ITEM_ROWS + j * GS
+                    if b < B and nr0 - j * GS > 0:
+                        scale = s_rstd[b]
+                        v = silu(acc[j * NA + ci * 4 + e] * scale) * (acc[j * NA + ci * 4 + 2 + e] * scale)
+                        st_f32(out_addr + (Int64(b) * self.F + Int64(r0 // 2 + g)) * 4, v)
+                        st_bf16(wout + Int64(wide_x_byte(b, a0 // 2 + r0 // 2 + g, B)), v)
+
+    @cute.jit
+    def epilogue_rows(self, warp: Int32, lane: Int32, op: Int32, layer: Int32, a0: Int32, c0: Int32, nr0: Int32,
+                      has_norm: Boolean, has_res: Boolean, out_addr: Int64, out_w: Int32, res_addr: Int64,
+                      acc: cute.Tensor, p, s):
+        """QKV, O_PROJ, DOWN and the LM head over the whole K: each row times the RMS scale (QKV, LM head), plus the
+        residual (O_PROJ, DOWN), stored; for O_PROJ and DOWN also the pre-staged copy for the next stage
+        (wide_output: times its norm weight, bf16 at wide_x_byte) and the sums of squares of every 8 rows (a
+        shuffle sum over the lanes g); the LM head also its (max, lowest index) per sequence over both groups into
+        s.wv / s.wi slot warp * B + b."""
         s_rstd, s_wi, s_wv = s.rstd, s.wi, s.wv
         B, H = self.B, self.H
         G, NA = self.wide_groups, self.group_accumulators()
         GS = WIDE_WARPS * ITEM_ROWS
         g = lane // 4
         t = lane - g * 4
-        is_gate_up = op == OP_GATE_UP
         is_lm = op == OP_LM_HEAD
-        part_addr, part_rows, part_e = self.part_buffer(op, p)
+        wout, gamma, ssq_out = self.wide_output(op, layer, p)
+        pre = has_res                     # O_PROJ, DOWN
+        # the norm weights of the lane's rows in the next stage, loaded once for every sequence
+        gv = cute.make_rmem_tensor((2 * G,), Float32)
+        for j in cutlass.range_constexpr(G):
+            for blk in cutlass.range_constexpr(2):
+                gv[2 * j + blk] = Float32(1.0)
+                if pre and blk * 8 < nr0 - j * GS:
+                    gv[2 * j + blk] = ld_bf16(gamma + Int64(a0 + c0 + warp * ITEM_ROWS + j * GS + blk * 8 + g) * 2)
         for ci in cutlass.range_constexpr(self.wgmma_n() // 8):
             for e in cutlass.range_constexpr(2):
                 b = ci * 8 + 2 * t + e
@@ -273,35 +431,38 @@ class WideMatvec:
                 for j in cutlass.range_constexpr(G):
                     r0 = c0 + warp * ITEM_ROWS + j * GS
                     nr = nr0 - j * GS
-                    y = cute.make_rmem_tensor((2,), Float32)      # rows r0 + g, r0 + g + 8
-                    y[0] = acc[j * NA + ci * 4 + e]
-                    y[1] = acc[j * NA + ci * 4 + 2 + e]
+                    sq = cute.make_rmem_tensor((2,), Float32)     # the rows' squares, for the sums per 8 rows
+                    sq[0] = Float32(0.0)
+                    sq[1] = Float32(0.0)
                     if b < B and nr > 0:
                         scale = Float32(1.0)
                         if has_norm:
                             scale = s_rstd[b]
                         ob = out_addr + Int64(b) * Int64(out_w) * 4
-                        if split:
-                            for blk in cutlass.range_constexpr(2):
-                                if blk * 8 < nr:
-                                    st_f32(part_addr + (((Int64(layer) * part_e + Int64(kpart)) * B + Int64(b))
-                                                        * part_rows + Int64(a0 + r0 + blk * 8 + g)) * 4, y[blk])
-                        elif is_gate_up:
-                            st_f32(ob + Int64(r0 // 2 + g) * 4, silu(y[0] * scale) * (y[1] * scale))
-                        else:
-                            for blk in cutlass.range_constexpr(2):
-                                r = r0 + blk * 8 + g
-                                if blk * 8 < nr:
-                                    v = y[blk] * scale
-                                    if has_res:
-                                        v = v + ld_f32(res_addr + (Int64(b) * Int64(H) + Int64(r)) * 4)
-                                    st_f32(ob + Int64(r) * 4, v)
-                                    if is_lm:
-                                        # (rows in increasing order and a strict comparison: the lowest row
-                                        # among equal maxima)
-                                        if v > bv:
-                                            bv = v
-                                            bi = a0 + r
+                        for blk in cutlass.range_constexpr(2):
+                            r = r0 + blk * 8 + g
+                            if blk * 8 < nr:
+                                v = acc[j * NA + ci * 4 + 2 * blk + e] * scale
+                                if has_res:
+                                    v = v + ld_f32(res_addr + (Int64(b) * Int64(H) + Int64(r)) * 4)
+                                st_f32(ob + Int64(r) * 4, v)
+                                if pre:
+                                    st_bf16(wout + Int64(wide_x_byte(b, a0 + r, B)), v * gv[2 * j + blk])
+                                    sq[blk] = v * v
+                                if is_lm:
+                                    # (rows in increasing order and a strict comparison: the lowest row among
+                                    # equal maxima)
+                                    if v > bv:
+                                        bv = v
+                                        bi = a0 + r
+                    if pre:
+                        # (every lane: the shuffles need the whole warp) the 8 rows of each block, lanes g
+                        for blk in cutlass.range_constexpr(2):
+                            tot = sq[blk]
+                            for off in (4, 8, 16):
+                                tot = tot + cute.arch.shuffle_sync_bfly(tot, offset=off)
+                            if g == 0 and b < B and blk * 8 < nr:
+                                st_f32(ssq_out + (Int64(b) * (H // 8) + Int64((a0 + r0) // 8 + blk)) * 4, tot)
                 if is_lm:
                     # (every lane: the shuffles need the whole warp) over the lanes of the same sequences
                     bv, bi = warp_max_index(bv, bi, (16, 8, 4))
@@ -327,12 +488,13 @@ class WideMatvec:
     @cute.jit
     def mv_reduce(self, tidx: Int32, layer: Int32, a0: Int32, a1: Int32, op: Int32, E: Int32, p, s):
         """MV_REDUCE: rows a0 .. a0 + a1 of split stage `op`, its E ranges' partials added in range order, times
-        the RMS scale from the ranges' sums of squares (QKV, GATE_UP), then the stage's epilogue; one thread per
-        output, consecutive threads on consecutive rows of a sequence. Every load of a round first (up to EM
-        ranges, the most any stage here splits into, for U outputs a thread), then the sums in range order: one
-        memory round trip a round, where a load per range and output took one each (the same bits: the same
-        additions in the same order)."""
-        s_rstd = s.rstd
+        the RMS scale (QKV, GATE_UP: from the sums of squares of the input, rstd_from_ssq), then the stage's
+        epilogue with the pre-staged copy of its output (wide_output) and, for O_PROJ and DOWN, the sums of squares
+        of every 8 rows (a shuffle sum over 8 lanes); one thread per output, consecutive threads on consecutive
+        rows of a sequence. Every load of a round first (up to EM ranges, the most any stage here splits into,
+        for U outputs a thread), then the sums in range order: one memory round trip a round, where a load per
+        range and output took one each (the same bits: the same additions in the same order). A warp's lanes
+        take every round together (the shuffles need the whole warp)."""
         B, H = self.B, self.H
         EM = max(k_splits(self.layout, Opcode(code)) for code in self.split_widths)
         U = max(1, 16 // EM)
@@ -341,27 +503,24 @@ class WideMatvec:
         has_norm = op == OP_QKV or op == OP_GATE_UP
         is_gate_up = op == OP_GATE_UP
         if has_norm:
-            if tidx < B:
-                v = cute.make_rmem_tensor((EM,), Float32)
-                for e in cutlass.range_constexpr(EM):
-                    v[e] = Float32(0.0)
-                    if e < E:
-                        v[e] = ld_f32(self.ssq_addr(p, layer, op, Int32(e), tidx))
-                tot = Float32(0.0)
-                for e in cutlass.range_constexpr(EM):
-                    if e < E:
-                        tot = tot + v[e]
-                s_rstd[tidx] = rsqrt(tot / Float32(self.H) + Float32(self.eps))
+            src, ssq = self.wide_source(op, layer, p)
+            self.rstd_from_ssq(tidx, ssq, s)
             self.consumer_sync()
+        s_rstd = s.rstd
+        wout, gamma, ssq_out = self.wide_output(op, layer, p)
+        pre = wout != Int64(0)
+        has_ssq = ssq_out != Int64(0)
         n_out = a1
         if is_gate_up:
             n_out = a1 // 2
-        n = n_out * B
+        n = n_out * B                                     # a multiple of 8: n_out is
         step = Int64(B) * part_rows                       # range e of a row is e * B rows of part further on
-        for i0 in range(tidx, n, self.cthreads * U):
+        for i0 in range(tidx, (n + 31) // 32 * 32, self.cthreads * U):
             gv = cute.make_rmem_tensor((U * EM,), Float32)   # the partials (GATE_UP: of the gate row)
             uv = cute.make_rmem_tensor((U * EM,), Float32)   # GATE_UP: of the up row
+            nw = cute.make_rmem_tensor((U,), Float32)        # O_PROJ, DOWN: the next stage's norm weight
             for u in cutlass.range_constexpr(U):
+                nw[u] = Float32(1.0)
                 for e in cutlass.range_constexpr(EM):
                     gv[u * EM + e] = Float32(0.0)
                     uv[u * EM + e] = Float32(0.0)
@@ -373,13 +532,17 @@ class WideMatvec:
                     row = a0 + j
                     if is_gate_up:
                         row = a0 + pr * (2 * ROW_GROUP) + (j - pr * ROW_GROUP)
+                    elif pre:
+                        nw[u] = ld_bf16(gamma + Int64(a0 + j) * 2)
                     at = part_addr + ((l64 * E * B + Int64(b)) * part_rows + Int64(row)) * 4
                     for e in cutlass.range_constexpr(EM):
                         if e < E:
                             gv[u * EM + e] = ld_f32(at + Int64(e) * step * 4)
                             if is_gate_up:
                                 uv[u * EM + e] = ld_f32(at + (Int64(e) * step + ROW_GROUP) * 4)
+            sq = cute.make_rmem_tensor((U,), Float32)        # O_PROJ, DOWN: the outputs' squares
             for u in cutlass.range_constexpr(U):
+                sq[u] = Float32(0.0)
                 i = i0 + u * self.cthreads
                 if i < n:
                     b = i // n_out
@@ -394,8 +557,9 @@ class WideMatvec:
                             y = y + gv[u * EM + e]
                             up = up + uv[u * EM + e]
                     if is_gate_up:
-                        st_f32(p.act + ((l64 * B + Int64(b)) * self.F + Int64(a0 // 2 + j)) * 4,
-                               silu(y * scale) * (up * scale))
+                        v = silu(y * scale) * (up * scale)
+                        st_f32(p.act + ((l64 * B + Int64(b)) * self.F + Int64(a0 // 2 + j)) * 4, v)
+                        st_bf16(wout + Int64(wide_x_byte(b, a0 // 2 + j, B)), v)
                     else:
                         r = a0 + j
                         y = y * scale
@@ -403,7 +567,23 @@ class WideMatvec:
                             st_f32(p.qkv + ((l64 * B + Int64(b)) * self.QKV + Int64(r)) * 4, y)
                         if op == OP_O_PROJ:
                             hrow = (l64 * B + Int64(b)) * H + Int64(r)
-                            st_f32(p.h + hrow * 4, ld_f32(p.x + hrow * 4) + y)
+                            v = ld_f32(p.x + hrow * 4) + y
+                            st_f32(p.h + hrow * 4, v)
+                            st_bf16(wout + Int64(wide_x_byte(b, r, B)), v * nw[u])
+                            sq[u] = v * v
                         if op == OP_DOWN:
                             hrow = (l64 * B + Int64(b)) * H + Int64(r)
-                            st_f32(p.x + (hrow + Int64(B * H)) * 4, ld_f32(p.h + hrow * 4) + y)
+                            v = ld_f32(p.h + hrow * 4) + y
+                            st_f32(p.x + (hrow + Int64(B * H)) * 4, v)
+                            st_bf16(wout + Int64(wide_x_byte(b, r, B)), v * nw[u])
+                            sq[u] = v * v
+            if has_ssq:
+                # the sums of squares of every 8 rows: 8 consecutive lanes (n_out and a0 are multiples of 8)
+                for u in cutlass.range_constexpr(U):
+                    tot = sq[u]
+                    for off in (1, 2, 4):
+                        tot = tot + cute.arch.shuffle_sync_bfly(tot, offset=off)
+                    i = i0 + u * self.cthreads
+                    if i < n and i % 8 == 0:
+                        b = i // n_out
+                        st_f32(ssq_out + (Int64(b) * (H // 8) + Int64((a0 + i - b * n_out) // 8)) * 4, tot)

@@ -167,6 +167,13 @@ def policy_evict_first() -> Int64:
 
 
 @cute.jit
+def policy_evict_last() -> Int64:
+    """An L2 cache policy under which the lines read are the last evicted (data many SMs read: the pre-staged
+    matvec inputs)."""
+    return cute.arch.inline_ptx("createpolicy.fractional.L2::evict_last.b64 {$w0}, 1.0;", write_only_types=[Int64])
+
+
+@cute.jit
 def mbarrier_arrive_expect_tx(mbar: Int32, nbytes: Int32):
     """Arrive on the mbarrier and expect `nbytes` of transactions before its phase completes."""
     cute.arch.inline_ptx("mbarrier.arrive.expect_tx.shared::cta.b64 _, [{$r0}], {$r1};", read_only_args=[mbar, nbytes])
@@ -316,6 +323,13 @@ def st_f32x2(addr: Int64, v0: Float32, v1: Float32):
 def st_f32x4(addr: Int64, v0: Float32, v1: Float32, v2: Float32, v3: Float32):
     """Four float32 to consecutive words (16-byte aligned)."""
     cute.arch.inline_ptx("st.global.v4.f32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+                         read_only_args=[addr, v0, v1, v2, v3])
+
+
+@cute.jit
+def st_b32x4(addr: Int64, v0: Int32, v1: Int32, v2: Int32, v3: Int32):
+    """Four raw 32-bit words to global memory (16-byte aligned), e.g. 8 packed bf16."""
+    cute.arch.inline_ptx("st.global.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
                          read_only_args=[addr, v0, v1, v2, v3])
 
 

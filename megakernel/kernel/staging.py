@@ -3,7 +3,8 @@ columns) at once, before the weight slots are multiplied by it (megakernel.kerne
   - the input row x (times the norm weight, with sum(x^2) for the RMSNorm of the stages that have one), layer 0's
     embedding row where QKV stages it, or O_PROJ's merge of the attention splits;
   - up to SPLIT_BATCH as float32 split into bf16 hi + lo pairs, in the B-register order of the narrow consumers
-    (store_staged_quad); past it as bf16 in the core matrices of the wgmma B operand (stream.wide_x_byte);
+    (store_staged_quad); past it as bf16 in the core matrices of the wgmma B operand (layout.wide_x_byte), where
+    only O_PROJ stages its input (the stages that produce the others write them pre-staged: matvec_wide);
   - every load of a round first, so a round is one memory round trip; past X_LOADS sequences the rounds go over
     (group of sequences, quad) pairs, so every thread has loads in flight whatever the window's width.
 """
@@ -16,8 +17,8 @@ from cutlass import Boolean, Float32, Int32, Int64
 
 from .attention import LOG2E
 from .ptx import (ex2, ld_f32, ld_i32, load_f32x4, load_nc_b32x2, load_weights_bf16x4, pack_bf16x2, split_bf16x2,
-                  st_shared_b32, st_shared_b32x2, unpack_bf16x2, warp_sum)
-from .stream import wide_x_byte
+                  st_shared_b32, st_shared_b32x2, unpack_bf16x2)
+from ..instructions.layout import wide_x_byte
 
 X_LOADS = 8                # input quads (of all sequences) each thread loads per round when staging, at most
 MERGE_PAIRS = 16           # O_PROJ's merge: (sequence, split) pairs whose lse and partial quad load in one round
@@ -83,9 +84,8 @@ class InputStaging:
               kw: Int32, stride: Int32):
         """Columns s0 .. s0 + kw of every sequence's matvec input into s.x (store_x_quad; row stride `stride` up to
         SPLIT_BATCH): O_PROJ's merged attention splits where `merge`, layer 0's embedding row where `from_embed`,
-        else the input row; times the norm weight, with sum(x^2) where `gather` (into ss up to X_LOADS
-        sequences, past it into s.wv, slot warp * B + b, which the warp's lane 0 zeroes before the instruction's
-        first staging)."""
+        else the input row; times the norm weight, with sum(x^2) into ss where `gather` (up to SPLIT_BATCH; past it
+        only O_PROJ stages its input, which has no norm)."""
         B = self.B
         if cutlass.const_expr(self.options.diag_no_stage):
             # (KernelOptions.diag_no_stage, for timing only: the window zeroed instead, wrong results but finite)
@@ -104,24 +104,15 @@ class InputStaging:
                     self.stage_round(tidx, q0, 0, B, U, from_embed, gather, K, in_addr, norm_addr, p, s, ss, s0, kw,
                                      stride)
             else:
-                # a larger batch: one (group of X_LOADS sequences, quad) pair per thread per round, all threads busy
-                # whatever the window's width; kw / 4 is a multiple of 64, so a warp's 32 pairs of a round share
-                # a group and its sums of squares are one warp sum per sequence
-                s_wv = s.wv
-                warp = tidx // 32
+                # past SPLIT_BATCH (O_PROJ's input without the merge, which has no norm: the others are
+                # pre-staged, megakernel.kernel.matvec_wide): one (group of X_LOADS sequences, quad) pair per
+                # thread per round, all threads busy whatever the window's width
                 nq = kw // 4
+                sg = cute.make_rmem_tensor((X_LOADS,), Float32)
                 for it in range(tidx, (B + X_LOADS - 1) // X_LOADS * nq, self.cthreads):
                     g0 = it // nq * X_LOADS
-                    sg = cute.make_rmem_tensor((X_LOADS,), Float32)
-                    for bb in cutlass.range_constexpr(X_LOADS):
-                        sg[bb] = Float32(0.0)
-                    self.stage_round(tidx, it - g0 // X_LOADS * nq, g0, X_LOADS, 1, from_embed, gather, K, in_addr,
-                                     norm_addr, p, s, sg, s0, kw, stride)
-                    if gather:
-                        for bb in cutlass.range_constexpr(X_LOADS):
-                            tot = warp_sum(sg[bb])
-                            if tidx % 32 == 0 and g0 + bb < B:
-                                s_wv[warp * B + g0 + bb] = s_wv[warp * B + g0 + bb] + tot
+                    self.stage_round(tidx, it - g0 // X_LOADS * nq, g0, X_LOADS, 1, from_embed, Boolean(False), K,
+                                     in_addr, norm_addr, p, s, sg, s0, kw, stride)
 
     @cute.jit
     def stage_round(self, tidx: Int32, q0: Int32, g0: Int32, nb: int, U: int, from_embed: Boolean, gather: Boolean,

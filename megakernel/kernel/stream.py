@@ -27,7 +27,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Int32, Int64
 
-from ..instructions.layout import COL_PASS, SPLIT_BATCH
+from ..instructions.layout import (COL_PASS, M_TILE, SPLIT_BATCH, WGMMA_LBO, WGMMA_SBO, WIDE_KS_PAD,  # noqa: F401
+                                   m_tiles, wide_ks_bytes, wide_x_byte)
 from ..instructions.opcodes import Opcode
 from ..instructions.record import W_A0, W_A1, W_K_PART, W_K_PARTS, W_LAYER, W_OPCODE, WORDS
 from .ptx import (atomic_cas, bulk_copy_g2s, globaltimer_lo, load_shared_volatile, mbarrier_arrive_expect_tx,
@@ -101,44 +102,11 @@ MAX_IN_FLIGHT = 3
 
 X_PAD = 16                  # words between the staged input rows of two sequences: rows start on a 16-word k-step
                             # and two sequences' 64-byte k-steps fall in different banks (conflict-free B loads)
-M_TILE = 16                 # sequences of one m-tile past SPLIT_BATCH: the wgmma's N is the batch padded to m-tiles
-
-
-def m_tiles(batch: int) -> int:
-    """MMA m-tiles of M_TILE sequences past SPLIT_BATCH."""
-    return -(-batch // M_TILE)
-
-
 def x_col_bytes(batch: int) -> int:
     """Shared-memory bytes of one staged input column, all sequences: float32 (as bf16 hi and lo) per sequence up
     to SPLIT_BATCH; past it bf16 per sequence of the padded m-tiles (wide_x_byte; each 16-column k-step's block is
     WIDE_KS_PAD bytes more, which only the buffer's size counts)."""
     return m_tiles(batch) * M_TILE * 2 if wide(batch) else batch * 4
-
-
-WIDE_KS_PAD = 16            # bytes after each k-step's block of the staged input past SPLIT_BATCH: a warp's staging
-                            # stores (32 consecutive quads of one sequence, 8 k-steps) then fall in 16 different
-                            # 8-byte bank pairs, two stores each (two wavefronts, the fewest for 256 bytes)
-
-
-def wide_ks_bytes(batch: int) -> int:
-    """Bytes from one 16-column k-step's block of the staged input past SPLIT_BATCH to the next: the wgmma B
-    operand of every sequence (the m-tiles padded to M_TILE) plus WIDE_KS_PAD."""
-    return m_tiles(batch) * M_TILE * 32 + WIDE_KS_PAD
-
-
-WGMMA_LBO = 128             # bytes between the two core matrices of a k-step along K (columns 0-7, 8-15)
-WGMMA_SBO = 256             # bytes between core matrices along N (sequences 0-7, 8-15, ...)
-
-
-def wide_x_byte(b, c, batch):
-    """Past SPLIT_BATCH the staged input is the wgmma B operand (K x N, K-major, no swizzle; N the sequences of the
-    padded m-tiles): k-step ks = c // 16 is a block at ks * wide_ks_bytes, in it core matrix (sequences 8j .. 8j + 7,
-    columns 8h .. 8h + 7 of the k-step) at j * WGMMA_SBO + h * WGMMA_LBO: 8 rows of 16 bytes, sequence b % 8's 8
-    columns in row b % 8. The byte of sequence b's column c (bf16). Plain arithmetic, for device code and host
-    tests alike."""
-    return ((c // 16) * wide_ks_bytes(batch) + (b // 8) * WGMMA_SBO + ((c % 16) // 8) * WGMMA_LBO + (b % 8) * 16
-            + (c % 8) * 2)
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from .ptx import (atomic_cas, ld_f32, ld_i32, load_bf16x8, max_index, st_f32x4, st_i32, store_relaxed,
-                  warp_max_index)
+from ..instructions.layout import wide_x_byte
+from .ptx import (atomic_cas, ld_f32, ld_i32, load_bf16x8, max_index, pack_bf16x2, st_b32x4, st_f32, st_f32x4, st_i32,
+                  store_relaxed, warp_max_index)
 
 ERR_TOKEN = 3
 EMBED_UNROLL = 8           # rounds of EMBED's loads in flight per thread
@@ -26,7 +27,9 @@ class TokenStages:
         before any of their stores (a store between two loads would make each round a memory round trip), each
         column octet stored as two 16-byte stores (eight 4-byte stores, one sector per lane each, took 57 us at
         batch 64 on the stage's one SM); a token outside the vocabulary reads row 0 and is reported in the error
-        word."""
+        word. Past SPLIT_BATCH also x[0]'s pre-staged copy for layer 0's QKV (times attn_norm[0], bf16 at
+        wide_x_byte: a thread's 8 columns are one 16-byte row of a core matrix) and their sum of squares
+        (StepBuffers.x_wide, x_ssq: megakernel.kernel.matvec_wide)."""
         n8 = self.H // 8
         for t0 in range(tidx, self.B * n8, self.cthreads * EMBED_UNROLL):
             toks = cute.make_rmem_tensor((EMBED_UNROLL,), Int32)
@@ -36,6 +39,7 @@ class TokenStages:
                 if t < self.B * n8:
                     toks[v] = ld_i32(p.tokens + Int64(t // n8) * 4)
             w = cute.make_rmem_tensor((EMBED_UNROLL * 8,), Float32)
+            gam = cute.make_rmem_tensor((EMBED_UNROLL * 8 if self.wide else 1,), Float32)   # attn_norm[0]
             for v in cutlass.range_constexpr(EMBED_UNROLL):
                 t = t0 + v * self.cthreads
                 for e in cutlass.range_constexpr(8):
@@ -53,6 +57,10 @@ class TokenStages:
                     w8 = load_bf16x8(p.w_embed + (Int64(tok) * self.H + Int64(k)) * 2)
                     for e in cutlass.range_constexpr(8):
                         w[v * 8 + e] = w8[e]
+                    if cutlass.const_expr(self.wide):
+                        g8 = load_bf16x8(p.attn_norm + Int64(k) * 2)
+                        for e in cutlass.range_constexpr(8):
+                            gam[v * 8 + e] = g8[e]
             for v in cutlass.range_constexpr(EMBED_UNROLL):
                 t = t0 + v * self.cthreads
                 if t < self.B * n8:
@@ -61,6 +69,17 @@ class TokenStages:
                     for e in cutlass.range_constexpr(0, 8, 4):
                         st_f32x4(p.x + (Int64(b) * self.H + Int64(k + e)) * 4, w[v * 8 + e], w[v * 8 + e + 1],
                                  w[v * 8 + e + 2], w[v * 8 + e + 3])
+                    if cutlass.const_expr(self.wide):
+                        pk = cute.make_rmem_tensor((4,), Int32)
+                        ss = Float32(0.0)
+                        for e in cutlass.range_constexpr(4):
+                            x0 = w[v * 8 + 2 * e]
+                            x1 = w[v * 8 + 2 * e + 1]
+                            pk[e] = pack_bf16x2(x0 * gam[v * 8 + 2 * e], x1 * gam[v * 8 + 2 * e + 1])
+                            ss = ss + x0 * x0
+                            ss = ss + x1 * x1
+                        st_b32x4(p.x_wide + Int64(wide_x_byte(b, k, self.B)), pk[0], pk[1], pk[2], pk[3])
+                        st_f32(p.x_ssq + (Int64(b) * (self.H // 8) + Int64(k // 8)) * 4, ss)
 
     @cute.jit
     def argmax(self, warp: Int32, lane: Int32, num_tiles: Int32, p):

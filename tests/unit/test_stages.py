@@ -33,7 +33,8 @@ from hypothesis import strategies as st
 
 from megakernel.instructions import STAGE_MODULES
 from megakernel.instructions.context import StageContext
-from megakernel.instructions.layout import SPLIT_BATCH, StepBuffers, StepLayout, allocate_buffers, pack_weights
+from megakernel.instructions.layout import (SPLIT_BATCH, StepBuffers, StepLayout, allocate_buffers, fill_wide_inputs,
+                                           pack_weights, wide_input_index)
 from megakernel.instructions.opcodes import Opcode
 from megakernel.instructions.record import Instruction
 from megakernel.kernel.stream import X_WHOLE_BYTES
@@ -745,6 +746,55 @@ def test_stages_on_gpu_match_reference_with_long_splits(case):
     run_gpu_stages(case)
 
 
+# Past SPLIT_BATCH: the pre-staged copy (and sums of squares per 8 rows) each producing stage writes beside its
+# output, for the next stage's bulk copies (StepBuffers.x_wide ..): buffers, and (output, layer offset of the copy,
+# the reader's norm weight) per opcode
+WIDE_OUTPUTS: dict[Opcode, tuple[str, ...]] = {
+    Opcode.EMBED: ("x_wide", "x_ssq"), Opcode.O_PROJ: ("h_wide", "h_ssq"), Opcode.GATE_UP: ("act_wide",),
+    Opcode.DOWN: ("x_wide", "x_ssq"),
+}
+
+
+def check_wide_outputs(bench: Bench, op: Opcode, instructions, gpu: StageContext, what: str) -> None:
+    """The pre-staged copy a stage wrote past SPLIT_BATCH is its own float32 output times the norm weight of the
+    stage that reads it, rounded to bf16 once, at wide_input_index, at exactly the outputs the stage wrote (the
+    rest of the poisoned buffer, the padded sequences and the padding untouched); the sums of squares (O_PROJ,
+    DOWN, EMBED) those of its outputs, per 8 rows, wherever it wrote all 8."""
+    if bench.layout.batch <= SPLIT_BATCH or op not in WIDE_OUTPUTS:
+        return
+    L, B = bench.config.num_layers, bench.layout.batch
+    w, bufs = gpu.weights, gpu.bufs
+    layer = instructions[-1].layer
+    if op == Opcode.EMBED:
+        out, at, gamma = bufs.x[0], 0, w.attn_norm[0]
+    elif op == Opcode.O_PROJ:
+        out, at, gamma = bufs.h[layer], layer, w.mlp_norm[layer]
+    elif op == Opcode.GATE_UP:
+        out, at, gamma = bufs.act[layer], layer, None
+    else:
+        out, at, gamma = bufs.x[layer + 1], layer + 1, (w.attn_norm[layer + 1] if layer + 1 < L else w.final_norm)
+    names = WIDE_OUTPUTS[op]
+    mine = getattr(bufs, names[0])[at].flatten()
+    written = ~torch.isnan(out)
+    assert written.any(), f"{what}: the stage wrote no output"
+    expected = torch.full_like(mine, NAN)
+    y = (out.float() * (gamma.float() if gamma is not None else 1.0)).to(BF16)
+    idx = wide_input_index(B, out.shape[1])
+    expected[idx[written]] = y[written]
+    assert torch.equal(torch.isnan(mine), torch.isnan(expected)), f"{what}: {names[0]} written at other elements"
+    assert torch.equal(mine[~torch.isnan(mine)], expected[~torch.isnan(expected)]), \
+        f"{what}: {names[0]} is not the output times the norm weight, rounded once"
+    if len(names) > 1:
+        ssq = getattr(bufs, names[1])[at]
+        groups = written.view(B, -1, 8)
+        whole = groups.all(-1)
+        assert torch.equal(whole, groups.any(-1)), f"{what}: outputs written in part of an 8-row group"
+        assert torch.equal(~torch.isnan(ssq), whole), f"{what}: {names[1]} written at other elements"
+        ref = torch.where(written, out, 0.0).double().square().view(B, -1, 8).sum(-1)
+        torch.testing.assert_close(ssq[whole].double(), ref[whole], rtol=1e-5, atol=0,
+                                   msg=lambda m: f"{what}: {names[1]} against float64: {m}")
+
+
 def run_gpu_stages(case: StageCase, expect_slabs: bool = False, **engine_kw) -> None:
     bench, engine = _gpu_bench(case, **engine_kw)
     print(f"[gpu stages] {bench.what()}", flush=True)     # (shown with -s: a fuzz run's progress, example by example)
@@ -757,7 +807,10 @@ def run_gpu_stages(case: StageCase, expect_slabs: bool = False, **engine_kw) -> 
     try:
         for op, instructions in [(op, run) for op in GPU_OPCODES for run in runs_for(bench, op)]:
             fill_inputs(bench, with_cache=op == Opcode.ATTN_PARTIAL)
+            fill_wide_inputs(bench.ctx.bufs, bench.ctx.weights, bench.layout)    # (derived from x, h and act)
             poison_outputs(bench.ctx, op)
+            for name in WIDE_OUTPUTS.get(op, ()):
+                getattr(bench.ctx.bufs, name).fill_(NAN)
             before = clone_ctx(bench.ctx)
             push(before, engine)
             torch.cuda.synchronize()
@@ -769,6 +822,7 @@ def run_gpu_stages(case: StageCase, expect_slabs: bool = False, **engine_kw) -> 
             what = f"kernel (GPU) {bench.what(instructions[-1])}"
             check(bench, op, instructions, before, gpu, "kernel (GPU) vs float64")
             _compare_with_reference(op, instructions, gpu, ref, what, bench.matvec_dtype)
+            check_wide_outputs(bench, op, instructions, gpu, what)
     finally:
         del engine
         torch.cuda.empty_cache()

@@ -1,8 +1,9 @@
 """The operands of the matvec past SPLIT_BATCH (megakernel.kernel.matvec_wide), checked on the CPU against the
 wgmma m64nNk16 definitions of the PTX ISA: the fragment-packed weights as the A operand in registers (each warp's
 16-row group of a slot as an m16n8k16 A fragment: 64 weight rows as M), the staged input as the B operand read
-through the shared-memory descriptor (K-major core matrices without swizzle: stream.wide_x_byte, the batch as N),
-and the accumulators read back as (sequence, row) the way epilogue_wide stores them."""
+through the shared-memory descriptor (K-major core matrices without swizzle: layout.wide_x_byte, the batch as N),
+the pre-staged inputs the producing stages write (layout.wide_input) as what one bulk copy per window lands, and
+the accumulators read back as (sequence, row) the way epilogue_wide stores them."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from megakernel.instructions.layout import StepLayout, default_kv_splits, fragment_pack
+from megakernel.instructions.layout import (StepLayout, default_kv_splits, fragment_pack, input_ssq, wide_input,
+                                           wide_input_index)
 from megakernel.kernel.compile import device_code
 from megakernel.kernel.interpreter import SMEM_LIMIT, DecodeKernel
 from megakernel.kernel.stream import (M_TILE, MIN_SLOTS, WGMMA_LBO, WGMMA_SBO, m_tiles, slot_geometry, wide_ks_bytes,
@@ -102,6 +104,51 @@ def test_staged_input_and_packed_weights_are_the_wgmma_operands(batch, passes, s
     torch.testing.assert_close(y[:batch], x @ w.double().T, rtol=1e-12, atol=1e-9)
 
 
+@settings(max_examples=10, deadline=None)
+@given(batch=st.integers(9, 64), units=st.integers(1, 3), seed=st.integers(0, 2**31 - 1), data=st.data())
+def test_a_pre_staged_window_copied_in_one_piece_is_the_wgmma_operand(batch, units, seed, data):
+    """A producing stage's pre-staged copy (wide_input: what the wide epilogue and MV_REDUCE store element by
+    element at wide_x_byte, EMBED 16 bytes per 8 columns), one window of it copied as one contiguous piece (the
+    consumer's bulk copy: from the window's first k-step block, a whole number of blocks, 16-byte aligned), read
+    through each k-step's descriptor as input_window's wgmmas read it: the input times the norm weight rounded to
+    bf16, for every sequence; the same bytes the consumers' own staging stores at wide_x_byte(b, c - col)."""
+    gen = torch.Generator().manual_seed(seed)
+    k = units * 256
+    n = m_tiles(batch) * M_TILE
+    ksb = wide_ks_bytes(batch)
+    x = torch.randn(batch, k, generator=gen) * 3
+    gamma = torch.randn(k, generator=gen).to(torch.bfloat16)
+    flat = wide_input(x, gamma, batch).flatten()
+    want = (x * gamma.float()).to(torch.bfloat16).double()
+    # the producers' stores: one element at wide_x_byte (the epilogues), 16 contiguous bytes per 8 columns (EMBED)
+    idx = wide_input_index(batch, k)
+    for b in range(batch):
+        for c in range(0, k, 8):
+            at = wide_x_byte(b, c, batch)
+            assert at % 16 == 0 and [wide_x_byte(b, c + e, batch) for e in range(8)] == list(range(at, at + 16, 2))
+    assert torch.equal(flat[idx.flatten()].double(), want.flatten())
+    col = 16 * data.draw(st.integers(0, k // 16 - 1))
+    ncols = 16 * data.draw(st.integers(1, (k - col) // 16))
+    start, nbytes = col // 16 * ksb, ncols // 16 * ksb
+    assert start % 16 == 0 and nbytes % 16 == 0
+    smem = {2 * e - start: flat[e].item() for e in range(start // 2, (start + nbytes) // 2)}
+    for ks in range(ncols // 16):
+        bmat = descriptor_read(smem, ks * ksb, n)
+        assert torch.equal(bmat[:, :batch], want[:, col + 16 * ks:col + 16 * ks + 16].T), (col, ks)
+        assert not bmat[:, batch:].any()          # the padded sequences: zeros
+    for b in range(batch):
+        for c in range(col, col + ncols, 4):
+            assert smem[wide_x_byte(b, c - col, batch)] == want[b, c].item()
+
+
+def test_sums_of_squares_go_per_8_columns():
+    """input_ssq: one sum per core-matrix row (8 columns of one sequence), in float64, rounded once."""
+    x = torch.randn(3, 32, dtype=torch.float32)
+    s = input_ssq(x)
+    assert s.shape == (3, 4)
+    assert torch.equal(s, (x.double() ** 2).reshape(3, 4, 8).sum(-1).float())
+
+
 @given(batch=st.integers(9, 64))
 def test_staged_input_stores_spread_over_the_banks(batch):
     """A warp's staging stores (32 consecutive 4-column quads of one sequence, 8 bytes each) use every 8-byte bank
@@ -158,3 +205,15 @@ def test_row_groups_per_warp_follow_the_batch_and_the_tiles(name, batch, groups)
     dk = _h200_kernel(name, batch)
     assert dk.wide_groups == groups, f"{name} batch {batch}: {dk.wide_groups} row groups per warp"
     assert {g.chunk_rows for g in dk.plan.by_k.values()} == {128 * groups}, f"{name} batch {batch}"
+
+
+@pytest.mark.parametrize("name,batch", [("llama-3.2-1b", 9), ("llama-3.2-1b", 64), ("qwen3-0.6b", 41),
+                                        ("llama-3.1-8b", 64), ("tiny-llama", 17)])
+def test_rms_scale_threads_cover_every_sequence_in_whole_loads(name, batch):
+    """rstd_from_ssq: ssq_threads() threads per sequence (a power of two within a warp, so the butterfly stays
+    among them), all sequences' threads among the consumers, each share of the H / 8 sums a whole number of
+    4-float loads."""
+    dk = _h200_kernel(name, batch)
+    P, NG = dk.ssq_threads(), dk.H // 8
+    assert P & (P - 1) == 0 and P <= 32 and P * batch <= dk.cthreads and NG % (4 * P) == 0
+    assert sorted(dk.ssq_offsets()) == [1 << i for i in range(P.bit_length() - 1)]
