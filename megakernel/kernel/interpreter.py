@@ -301,7 +301,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                 mbarrier_init(full + j * 8, Int32(1))                # the producer's arrive + the copy bytes
                 # one arrival per part's reader warp; past SPLIT_BATCH every consumer warp passes every slot
                 mbarrier_init(empty + j * 8, Int32(self.warps if self.wide else self.plan.parts))
-            # past SPLIT_BATCH: the bulk copies of the pre-staged inputs (matvec_wide.load_input), s_ctrl[4] of them
+            # past SPLIT_BATCH: the bulk copies of the pre-staged inputs (matvec_wide.input_window): s_ctrl[4] waits on it so far
             mbarrier_init(s.xbar_addr, Int32(1))
             mbarrier_init_fence()
             s_ctrl[0] = ld_i32(sync)

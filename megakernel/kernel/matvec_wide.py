@@ -7,10 +7,10 @@ of a few rows, each staging the input again. Here (docs/batch_path.md):
     owns row groups w, w + WIDE_WARPS, ... of every chunk; the two consumer warpgroups (warps 0-3, 4-7) multiply
     sets of four consecutive row groups (set S: warpgroup S % 2, owned group S // 2) by wgmma m64nNk16: the 64
     weight rows are M, each warp's A registers loaded from its own row group's fragment-packed slot (the layout
-    the batch 1-8 consumers read), every sequence's input is B (N = the batch padded to m-tiles of 16), staged
-    once per chunk as bf16 core matrices (stream.wide_x_byte) that the wgmma reads through a descriptor, and the
-    float32 accumulators stay in the warps' registers across the tile's slabs (tools/activation_precision.py has
-    what bf16 inputs cost in accuracy);
+    the batch 1-8 consumers read), every sequence's input is B (N = the batch padded to m-tiles of 16), in
+    shared memory once per chunk as bf16 core matrices (layout.wide_x_byte) that the wgmma reads through a
+    descriptor, and the float32 accumulators stay in the warps' registers across the tile's slabs
+    (tools/activation_precision.py has what bf16 inputs cost in accuracy);
   - every consumer warp waits for every slot in order; the other warpgroup's warps arrive on a slot's empty
     barrier (initialised to WIDE_WARPS) at once, the set's own warps once their A registers are loaded, so each
     use of a ring slot is complete before any warp waits for the next one (the parity of an mbarrier wait is
@@ -171,7 +171,7 @@ class WideMatvec:
         false): per 8-row block (slab * 16 bytes apart) 512-byte blocks of 32 columns in which lane l's 16 bytes
         are row l // 4's columns 2t, 2t + 1, 2t + 8, 2t + 9 of the block's two k-steps, which is the A fragment
         of its rows (a0, a2 from the first block, a1, a3 from the second); B is the staged input's k-step blocks
-        from col0 (stream.wide_x_byte). Groups of WG_KP blocks: the loads of one while the other's wgmmas run;
+        from col0 (layout.wide_x_byte). Groups of WG_KP blocks: the loads of one while the other's wgmmas run;
         every wgmma is complete when this returns (the window may then be restaged)."""
         N = self.wgmma_n()
         KSB = wide_ks_bytes(self.B)

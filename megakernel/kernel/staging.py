@@ -72,7 +72,7 @@ class InputStaging:
     def store_x_quad(self, s, b: Int32, c: Int32, stride: Int32, y: cute.Tensor):
         """Sequence b's input columns c .. c + 3 (float32 y; c a multiple of 4, counted from the staged window's
         first): up to SPLIT_BATCH split into bf16 hi + lo at row stride `stride` (store_staged_quad), past it as 8
-        bytes of bf16 in the row of its wgmma B core matrix (stream.wide_x_byte: a quad never crosses a row)."""
+        bytes of bf16 in the row of its wgmma B core matrix (layout.wide_x_byte: a quad never crosses a row)."""
         if cutlass.const_expr(self.wide):
             st_shared_b32x2(s.x_addr + wide_x_byte(b, c, self.B), pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3]))
         else:
