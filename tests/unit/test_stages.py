@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from megakernel.instructions import STAGE_MODULES
 from megakernel.instructions.context import StageContext
 from megakernel.instructions.layout import (SPLIT_BATCH, StepBuffers, StepLayout, allocate_buffers, fill_wide_inputs,
-                                           pack_weights, wide_input_index)
+                                           pack_weights, wide_input, wide_input_index)
 from megakernel.instructions.opcodes import Opcode
 from megakernel.instructions.record import Instruction
 from megakernel.kernel.stream import X_WHOLE_BYTES
@@ -831,9 +831,8 @@ def check_wide_outputs(bench: Bench, op: Opcode, instructions, gpu: StageContext
     written = ~torch.isnan(out)
     assert written.any(), f"{what}: the stage wrote no output"
     expected = torch.full_like(mine, NAN)
-    y = (out.float() * (gamma.float() if gamma is not None else 1.0)).to(BF16)
-    idx = wide_input_index(B, out.shape[1])
-    expected[idx[written]] = y[written]
+    at_written = wide_input_index(B, out.shape[1])[written]
+    expected[at_written] = wide_input(torch.where(written, out, 0.0), gamma, B).flatten()[at_written]
     assert torch.equal(torch.isnan(mine), torch.isnan(expected)), f"{what}: {names[0]} written at other elements"
     assert torch.equal(mine[~torch.isnan(mine)], expected[~torch.isnan(expected)]), \
         f"{what}: {names[0]} is not the output times the norm weight, rounded once"
