@@ -201,8 +201,7 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
                    "return (torch.exp(lse - lse.amax(-1, keepdim=True))[..., None] * o).sum(dim=-2)"),),
             (stage_probe("test_attn_reduce_stage_with_empty_splits"), stage_probe("test_o_proj_stage"),
              stage_probe("test_attention_partial_and_reduce_stages"), VM_PROBE, E2E_CPU_PROBE),
-            (Patch(K_ATTN, "* self.Q + Int64(head * D + d)) * 4, acc_o / tot)",
-                   "* self.Q + Int64(head * D + d)) * 4, acc_o)"),
+            (Patch(K_ATTN, "            out = acc_o / tot", "            out = acc_o"),
              Patch(K_ATTN, "            out[e] = out[e] / tot", "            out[e] = out[e]")))
     + _pair("argmax_tie_to_highest",
             "ARGMAX breaks a tie between LM-head tiles toward the highest vocabulary index",

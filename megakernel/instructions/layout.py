@@ -121,15 +121,19 @@ class StepLayout:
         and wait on nothing; EMBED still writes x[0] (layer 0's residual) and signals the QKV stage's
         counter, which ATTN_PARTIAL of layer 0 then waits on for one more. One dependency hop and the
         EMBED instruction leave the step's critical path. Where fold_embed and the whole input is staged
-        at once (not in slabs), up to SPLIT_BATCH (past it every matvec input but O_PROJ's is pre-staged by
-        the stage that produces it, EMBED for x[0])."""
+        at once (not in slabs), up to SPLIT_BATCH (past it every matvec input is pre-staged by the stage that
+        produces it, EMBED for x[0])."""
         return (bool(self.fold_embed) and self.stages_input and self.input_bytes <= X_STAGE_BYTES
                 and self.batch <= SPLIT_BATCH)
 
     @property
     def fused_reduce(self) -> bool:
-        """O_PROJ merges the attention splits itself (operand a3 = splits) instead of an ATTN_REDUCE stage."""
-        return self.stages_input if self.fuse_attn_reduce is None else self.fuse_attn_reduce
+        """O_PROJ waits on ATTN_PARTIAL (operand a3 = splits) instead of an ATTN_REDUCE stage: up to SPLIT_BATCH it
+        merges the splits while staging its input; past it (where no consumer stages its input) only with one split,
+        whose ATTN_PARTIAL writes O_PROJ's pre-staged input itself (with more, ATTN_REDUCE merges and writes it)."""
+        if self.fuse_attn_reduce is not None:
+            return self.fuse_attn_reduce
+        return self.kv_splits == 1 if self.batch > SPLIT_BATCH else self.stages_input
 
     def validate(self) -> None:
         """Raise ValueError for a shape the kernel cannot run, before anything is launched."""
@@ -152,7 +156,10 @@ class StepLayout:
             raise ValueError(f"kv_splits={self.kv_splits} must be >= 1")
         if self.num_sms < 1:
             raise ValueError(f"num_sms={self.num_sms} must be >= 1")
-        if self.fuse_attn_reduce and not self.stages_input:
+        if self.fuse_attn_reduce and self.batch > SPLIT_BATCH and self.kv_splits > 1:
+            raise ValueError(f"fuse_attn_reduce past batch {SPLIT_BATCH} needs kv_splits=1 (got {self.kv_splits}): "
+                             f"there O_PROJ reads its input pre-staged, which ATTN_REDUCE writes for several splits")
+        if self.fuse_attn_reduce and self.batch <= SPLIT_BATCH and not self.stages_input:
             raise ValueError(f"fuse_attn_reduce needs the matvec input staged in shared memory: batch "
                              f"{self.batch} x K {max(c.hidden_size, c.q_size, c.intermediate_size)} x 4 bytes "
                              f"does not fit (at most {X_STAGE_BYTES}, with the CTA's other buffers within "
@@ -433,6 +440,8 @@ class StepBuffers:
     # consumers take the RMS scale
     x_wide: torch.Tensor       # bf16 [L+1, H/16, wide_ks_bytes/2]
     h_wide: torch.Tensor       # bf16 [L, H/16, wide_ks_bytes/2]
+    attn_wide: torch.Tensor    # bf16 [L, q_size/16, wide_ks_bytes/2]: the attention output (ATTN_PARTIAL of a
+                               # single split, else ATTN_REDUCE), no norm
     act_wide: torch.Tensor     # bf16 [L, F/16, wide_ks_bytes/2]
     x_ssq: torch.Tensor        # f32 [L+1, B, H/8]
     h_ssq: torch.Tensor        # f32 [L, B, H/8]
@@ -478,6 +487,7 @@ def wide_buffers(layout: StepLayout, device="cpu") -> dict[str, torch.Tensor]:
     f32 = dict(dtype=torch.float32, device=device)
     return {"x_wide": torch.empty(L + 1, H // 16 if on else 0, ks, **bf16),
             "h_wide": torch.empty(L, H // 16 if on else 0, ks, **bf16),
+            "attn_wide": torch.empty(L, c.q_size // 16 if on else 0, ks, **bf16),
             "act_wide": torch.empty(L, F // 16 if on else 0, ks, **bf16),
             "x_ssq": torch.empty(L + 1, B if on else 0, H // 8, **f32),
             "h_ssq": torch.empty(L, B if on else 0, H // 8, **f32)}
@@ -507,9 +517,19 @@ def input_ssq(values: torch.Tensor) -> torch.Tensor:
     return values.double().square().view(b, k // 8, 8).sum(-1).float()
 
 
+def attention_output(bufs: StepBuffers, layout: StepLayout, layer: int) -> torch.Tensor:
+    """f32 [B, q_size]: the attention output of a layer that O_PROJ reads: the merge of the splits' partials where
+    O_PROJ waits on ATTN_PARTIAL (StepLayout.fused_reduce), else ATTN_REDUCE's attn_out."""
+    from .attention import merge_splits
+
+    if layout.fused_reduce:
+        return merge_splits(bufs.attn_part_lse[layer], bufs.attn_part_o[layer]).reshape(layout.batch, -1)
+    return bufs.attn_out[layer]
+
+
 def fill_wide_inputs(bufs: StepBuffers, weights: "PackedWeights", layout: StepLayout) -> None:
-    """The pre-staged inputs (x_wide .. h_ssq) derived from x, h and act as the producing stages write them (for
-    stage tests, which fill x, h and act at random); nothing up to SPLIT_BATCH."""
+    """The pre-staged inputs (x_wide .. h_ssq) derived from x, h, act and the attention's partials or output as
+    the producing stages write them (for stage tests, which fill those at random); nothing up to SPLIT_BATCH."""
     if layout.batch <= SPLIT_BATCH:
         return
     L, B = layout.config.num_layers, layout.batch
@@ -521,6 +541,7 @@ def fill_wide_inputs(bufs: StepBuffers, weights: "PackedWeights", layout: StepLa
         bufs.h_wide[l].copy_(wide_input(bufs.h[l], weights.mlp_norm[l], B))
         bufs.h_ssq[l].copy_(input_ssq(bufs.h[l]))
         bufs.act_wide[l].copy_(wide_input(bufs.act[l], None, B))
+        bufs.attn_wide[l].copy_(wide_input(attention_output(bufs, layout, l), None, B))
 
 
 def allocate_buffers(layout: StepLayout, lm_tiles: int, num_counters: int, device="cpu") -> StepBuffers:

@@ -20,6 +20,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
+from ..instructions.layout import wide_x_byte
 from .ptx import (atomic_cas, cp_async_shared, cp_async_wait_all, ex2, ld_bf16, ld_f32, ld_i32, ld_i64, lg2,
                   ld_shared_f32x4, load_f32x4, load_global_b32x4, load_shared_b32, pack_bf16x2, round_bf16, rsqrt,
                   st_bf16, st_f32, store_relaxed, unpack_bf16x2, warp_sum)
@@ -268,6 +269,9 @@ class AttentionStage:
                 outv = acc_o / tot
                 lse = (mx + lg2(tot)) * Float32(1.0 / LOG2E)
             st_f32(p.attn_part_o + (pidx * D + Int64(d)) * 4, outv)
+            if cutlass.const_expr(self.wide and self.layout.fused_reduce):
+                # (past SPLIT_BATCH, a single split: its output is O_PROJ's input, pre-staged here for its bulk copy)
+                self.store_attention_wide(layer, b, head * D + d, outv, p)
             if d == 0:
                 st_f32(p.attn_part_lse + pidx * 4, lse)
 
@@ -505,7 +509,16 @@ class AttentionStage:
                     f = ex2((lse - mx) * Float32(LOG2E))
                     tot = tot + f
                     acc_o = acc_o + f * ld_f32(p.attn_part_o + ((base + Int64(sp)) * D + Int64(d)) * 4)
-            st_f32(p.attn_out + ((Int64(layer) * self.B + Int64(b)) * self.Q + Int64(head * D + d)) * 4, acc_o / tot)
+            out = acc_o / tot
+            st_f32(p.attn_out + ((Int64(layer) * self.B + Int64(b)) * self.Q + Int64(head * D + d)) * 4, out)
+            if cutlass.const_expr(self.wide):
+                self.store_attention_wide(layer, b, head * D + d, out, p)
+
+    @cute.jit
+    def store_attention_wide(self, layer: Int32, b: Int32, k: Int32, v: Float32, p):
+        """Past SPLIT_BATCH: element k of sequence b's attention output into O_PROJ's pre-staged input
+        (StepBuffers.attn_wide[layer]: bf16 in the wgmma B layout, no norm), for its bulk copy (matvec_wide)."""
+        st_bf16(p.attn_wide + Int64(layer) * self.wide_bytes(self.Q) + Int64(wide_x_byte(b, k, self.B)), v)
 
     @cute.jit
     def merge_quad(self, layer: Int32, b: Int32, k: Int32, attn_part_o: Int64, attn_part_lse: Int64,

@@ -72,7 +72,8 @@ ARG_NAMES = (
     "tokens", "positions", "block_table",
     "x", "h", "qkv", "attn_part_o", "attn_part_lse", "attn_out", "act",
     "logits", "lm_max", "lm_idx", "out_tokens",
-    "part_qkv", "part_o", "part_gate_up", "part_down", "x_wide", "h_wide", "act_wide", "x_ssq", "h_ssq",
+    "part_qkv", "part_o", "part_gate_up", "part_down",
+    "x_wide", "h_wide", "attn_wide", "act_wide", "x_ssq", "h_ssq",
     "counters", "sync", "error", "kv_table", "trace", "host_error",
 )
 
@@ -87,8 +88,8 @@ class KernelOptions:
     # the weight stream (tools/gpu_sweep.py 'nocopy:diag_no_copy=1'; profiles/RESULTS.md, 2026-12-03)
     diag_no_copy: bool = False
     # a diagnostic (wrong results, for timing only): no matvec stage stages its input (each staging zeroes the
-    # window instead), so a step takes what it takes without the consumers' input staging (past SPLIT_BATCH only
-    # O_PROJ's: the others are pre-staged by their producers) (tools/gpu_sweep.py 'nostage:diag_no_stage=1';
+    # window instead), so a step takes what it takes without the consumers' input staging (up to SPLIT_BATCH: past
+    # it every input is pre-staged by its producer) (tools/gpu_sweep.py 'nostage:diag_no_stage=1';
     # docs/batch_path.md)
     diag_no_stage: bool = False
     # row groups each consumer warp owns per chunk past SPLIT_BATCH (0: stream.wide_groups(batch)): for an A/B
@@ -203,13 +204,13 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                  qkv: Int64, attn_part_o: Int64, attn_part_lse: Int64, attn_out: Int64, act: Int64,
                  logits: Int64, lm_max: Int64, lm_idx: Int64, out_tokens: Int64, part_qkv: Int64,
                  part_o: Int64, part_gate_up: Int64, part_down: Int64, x_wide: Int64, h_wide: Int64,
-                 act_wide: Int64, x_ssq: Int64, h_ssq: Int64, counters: Int64,
+                 attn_wide: Int64, act_wide: Int64, x_ssq: Int64, h_ssq: Int64, counters: Int64,
                  sync: Int64, error: Int64, kv_table: Int64, trace: Int64, host_error: Int64,
                  stream):
         self.kernel(queue, lengths, w_embed, w_qkv, w_o, w_gate_up, w_down, w_lm_head, attn_norm, mlp_norm,
                     final_norm, ones, q_norm, k_norm, rope_cos, rope_sin, tokens, positions, block_table,
                     x, h, qkv, attn_part_o, attn_part_lse, attn_out, act, logits, lm_max, lm_idx, out_tokens,
-                    part_qkv, part_o, part_gate_up, part_down, x_wide, h_wide, act_wide, x_ssq, h_ssq,
+                    part_qkv, part_o, part_gate_up, part_down, x_wide, h_wide, attn_wide, act_wide, x_ssq, h_ssq,
                     counters, sync, error, kv_table, trace, host_error).launch(
             grid=[self.num_sms, 1, 1], block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1,
             # every CTA resident at once, or the launch is refused: the CTAs spin on each other's counters
@@ -255,7 +256,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                qkv: Int64, attn_part_o: Int64, attn_part_lse: Int64, attn_out: Int64, act: Int64,
                logits: Int64, lm_max: Int64, lm_idx: Int64, out_tokens: Int64, part_qkv: Int64,
                part_o: Int64, part_gate_up: Int64, part_down: Int64, x_wide: Int64, h_wide: Int64,
-                 act_wide: Int64, x_ssq: Int64, h_ssq: Int64, counters: Int64,
+                 attn_wide: Int64, act_wide: Int64, x_ssq: Int64, h_ssq: Int64, counters: Int64,
                sync: Int64, error: Int64, kv_table: Int64, trace: Int64, host_error: Int64):
         tidx, _, _ = cute.arch.thread_idx()
         sm, _, _ = cute.arch.block_idx()
@@ -268,7 +269,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                    attn_part_lse=attn_part_lse, attn_out=attn_out, act=act, logits=logits, lm_max=lm_max,
                    lm_idx=lm_idx, out_tokens=out_tokens, part_qkv=part_qkv, part_o=part_o,
                    part_gate_up=part_gate_up, part_down=part_down, x_wide=x_wide, h_wide=h_wide,
-                   act_wide=act_wide, x_ssq=x_ssq, h_ssq=h_ssq, error=error,
+                   attn_wide=attn_wide, act_wide=act_wide, x_ssq=x_ssq, h_ssq=h_ssq, error=error,
                    kv_table=kv_table)
 
         smem = cutlass.utils.SmemAllocator()
@@ -414,7 +415,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                                          s_queue[ins + W_K_PARTS], k_slot, ring, full, empty, p, s, rec)
                 else:
                     if op == OP_EMBED:
-                        self.embed(tidx, s_queue[ins + W_INDEX], p)
+                        self.embed(tidx, s_queue[ins + W_INDEX], a0, a1, p)
                     if op == OP_ATTN_PARTIAL:
                         self.attn_partial(tidx, warp, lane, layer, a0, a1, a2, a3, s_queue[ins + W_INDEX], p, s)
                     if op == OP_ATTN_REDUCE:

@@ -101,9 +101,9 @@ class MatvecStage:
         merge = op == OP_O_PROJ and a3 > 0      # O_PROJ's input is the merge of the attention splits
         from_embed = op == OP_QKV and a3 == 1   # layer 0's QKV reads embed[token] (embed_folded layouts)
         if cutlass.const_expr(self.wide):
-            k_slot = self.matvec_wide(tidx, warp, lane, op, layer, a0, a1, tile, kpart, split, k_row, K, k0, slab,
-                                      n_slab, chunk, xsl, merge, from_embed, has_norm, has_res, in_addr, norm_addr,
-                                      out_addr, out_w, res_addr, k_slot, ring, full, empty, p, s, rec)
+            k_slot = self.matvec_wide(tidx, warp, lane, op, layer, a0, a1, tile, kpart, split, K, k0, slab, n_slab,
+                                      chunk, xsl, has_norm, has_res, out_addr, out_w, res_addr, k_slot, ring, full,
+                                      empty, p, s, rec)
         else:
             k_slot = self.matvec_narrow(tidx, warp, lane, op, layer, a0, a1, tile, K, slab, n_slab, rps, chunk, xsl,
                                         merge, from_embed, has_norm, has_res, in_addr, norm_addr, out_addr, out_w,

@@ -15,11 +15,11 @@ of a few rows, each staging the input again. Here (docs/batch_path.md):
     barrier (initialised to WIDE_WARPS) at once, the set's own warps once their A registers are loaded, so each
     use of a ring slot is complete before any warp waits for the next one (the parity of an mbarrier wait is
     exact);
-  - the input is not staged by the consumers (but O_PROJ's): the stage that produced it wrote it a second time,
-    already in the B operand's layout and times this stage's norm weight (StepBuffers.x_wide, h_wide, act_wide,
-    from the wide epilogue, MV_REDUCE and EMBED), with the sums of squares of every 8 of its columns (x_ssq,
-    h_ssq); a window of it is one bulk copy, and the RMS scale per sequence, taken from those sums while the copy
-    runs, goes to the epilogue (the norm is linear in it);
+  - the input is not staged by the consumers: the stage that produced it wrote it a second time, already in the
+    B operand's layout and times this stage's norm weight (StepBuffers.x_wide, h_wide, attn_wide, act_wide, from
+    the wide epilogue, MV_REDUCE, EMBED and the attention: ATTN_PARTIAL of a single split, else ATTN_REDUCE), with
+    the sums of squares of every 8 of its columns (x_ssq, h_ssq); a window of it is one bulk copy, and the RMS
+    scale per sequence, taken from those sums while the copy runs, goes to the epilogue (the norm is linear in it);
   - at the chunk's end each warp runs the epilogue of its own rows from its registers: the stage's store and its
     pre-staged copy for the next stage, or, for a tile of a K range of a stage split over K (split_k.py), the
     float32 partial into part_<stage>;
@@ -65,21 +65,18 @@ class WideMatvec:
 
     @cute.jit
     def matvec_wide(self, tidx: Int32, warp: Int32, lane: Int32, op: Int32, layer: Int32, a0: Int32, a1: Int32,
-                    tile: Int32, kpart: Int32, split: Boolean, k_row: Int32, K: Int32, k0: Int32, slab: Int32,
-                    n_slab: Int32, chunk: Int32, xsl: Int32, merge: Boolean, from_embed: Boolean,
-                    has_norm: Boolean, has_res: Boolean, in_addr: Int64, norm_addr: Int64, out_addr: Int64,
-                    out_w: Int32, res_addr: Int64, k_slot: Int32, ring: Int32, full: Int32, empty: Int32, p, s,
+                    tile: Int32, kpart: Int32, split: Boolean, K: Int32, k0: Int32, slab: Int32, n_slab: Int32,
+                    chunk: Int32, xsl: Int32, has_norm: Boolean, has_res: Boolean, out_addr: Int64, out_w: Int32,
+                    res_addr: Int64, k_slot: Int32, ring: Int32, full: Int32, empty: Int32, p, s,
                     rec: Int64) -> Int32:
         """One tile past SPLIT_BATCH (matvec's arguments, resolved): columns k0 .. k0 + K of rows a0 .. a0 + a1
-        (k_row columns per weight row and input row)."""
+        (the input pre-staged by the stage that produced it: wide_source)."""
         G = self.wide_groups
         NA = self.group_accumulators()
         is_lm = op == OP_LM_HEAD
         whole = xsl >= n_slab
-        # every input but O_PROJ's was pre-staged by the stage that produced it (past SPLIT_BATCH the embedding is
-        # never folded into QKV: StepLayout.embed_folded), times this stage's norm weight; O_PROJ stages its own
-        # (the attention output, or the merge of its splits), which has no norm
-        prestaged = op != OP_O_PROJ
+        # the input was pre-staged by the stage that produced it (past SPLIT_BATCH the embedding is never folded
+        # into QKV: StepLayout.embed_folded), times this stage's norm weight
         src, ssq = self.wide_source(op, layer, p)
         rstd = has_norm and not split     # (a K range's partials are scaled by MV_REDUCE)
         if is_lm:
@@ -111,8 +108,7 @@ class WideMatvec:
                         ww = xsl * slab
                     if c0 > 0 or sl > 0:
                         self.consumer_sync()      # the previous window is read: this one may overwrite it
-                    self.input_window(tidx, layer, k_row, merge, from_embed, prestaged, in_addr, norm_addr, src, ssq,
-                                      rstd and c0 == 0 and sl == 0, k0 + w0 * slab, ww, p, s)
+                    self.input_window(tidx, src, ssq, rstd and c0 == 0 and sl == 0, k0 + w0 * slab, ww, p, s)
                     if cutlass.const_expr(self.options.trace):
                         if tidx == 0 and c0 == 0 and sl == 0:
                             st_i32(rec + TR_STAGED * 4, globaltimer_lo())
@@ -220,14 +216,16 @@ class WideMatvec:
     @cute.jit
     def wide_source(self, op: Int32, layer: Int32, p):
         """(pre-staged input, its sums of squares) of a matvec stage past SPLIT_BATCH: QKV x_wide[l] and x_ssq[l],
-        GATE_UP h_wide[l] and h_ssq[l], DOWN act_wide[l] (no norm), the LM head x_wide[L] and x_ssq[L]; (0, 0) for
-        O_PROJ, which stages its input itself."""
+        O_PROJ attn_wide[l] (no norm), GATE_UP h_wide[l] and h_ssq[l], DOWN act_wide[l] (no norm), the LM head
+        x_wide[L] and x_ssq[L]."""
         l64 = Int64(layer)
         src = Int64(0)
         ssq = Int64(0)
         if op == OP_QKV:
             src = p.x_wide + l64 * self.wide_bytes(self.H)
             ssq = p.x_ssq + l64 * self.ssq_bytes()
+        if op == OP_O_PROJ:
+            src = p.attn_wide + l64 * self.wide_bytes(self.Q)
         if op == OP_GATE_UP:
             src = p.h_wide + l64 * self.wide_bytes(self.H)
             ssq = p.h_ssq + l64 * self.ssq_bytes()
@@ -263,37 +261,27 @@ class WideMatvec:
         return out, gamma, ssq
 
     @cute.jit
-    def input_window(self, tidx: Int32, layer: Int32, k_row: Int32, merge: Boolean, from_embed: Boolean,
-                     prestaged: Boolean, in_addr: Int64, norm_addr: Int64, src: Int64, ssq: Int64, rstd: Boolean,
-                     col: Int32, ncols: Int32, p, s):
-        """Columns col .. col + ncols of every sequence's input into s.x as the wgmma's B operand, ready when this
-        returns (it ends with a consumer barrier). A pre-staged input: one bulk copy of its k-step blocks (thread 0
-        arms the mbarrier s.xbar_addr; the copy of number s_ctrl[4] completes its phase of that parity), and where
-        `rstd` the RMS scales from its sums of squares while the copy runs. Else (O_PROJ) the consumers stage it."""
+    def input_window(self, tidx: Int32, src: Int64, ssq: Int64, rstd: Boolean, col: Int32, ncols: Int32, p, s):
+        """Columns col .. col + ncols of every sequence's pre-staged input (at src) into s.x as the wgmma's B
+        operand, ready when this returns (it ends with a consumer barrier): one bulk copy of its k-step blocks
+        (thread 0 arms the mbarrier s.xbar_addr; the copy of number s_ctrl[4] completes its phase of that parity),
+        and where `rstd` the RMS scales from its sums of squares (at ssq) while the copy runs."""
         s_ctrl = s.ctrl
-        if prestaged:
-            if tidx == 0:
-                # the producing stages stored it through the generic proxy (this thread acquired their counter),
-                # and the consumers' last accesses to s.x (before the barrier that precedes this) were generic too;
-                # the copy engine reads and writes through the async proxy
-                cute.arch.fence_proxy("async")
-                nbytes = ncols // 16 * wide_ks_bytes(self.B)
-                mbarrier_arrive_expect_tx(s.xbar_addr, nbytes)
-                bulk_copy_g2s(s.x_addr, src + Int64(col // 16) * wide_ks_bytes(self.B), nbytes, s.xbar_addr,
-                              policy_evict_last())
-            if rstd:
-                self.rstd_from_ssq(tidx, ssq, s)
-            self.wait_full(s.xbar_addr, s_ctrl[4] % 2, p.error)
-        else:
-            ss = cute.make_rmem_tensor((1,), Float32)
-            ss[0] = Float32(0.0)
-            self.stage(tidx, layer, k_row, merge, from_embed, Boolean(False), in_addr, norm_addr, p, s, ss, col,
-                       ncols, Int32(0))
-            cute.arch.fence_view_async_shared()   # the staging's stores, before the wgmmas read them (async proxy)
+        if tidx == 0:
+            # the producing stages stored it through the generic proxy (this thread acquired their counter), and
+            # the consumers' last accesses to s.x (before the barrier that precedes this) were generic too; the
+            # copy engine reads and writes through the async proxy
+            cute.arch.fence_proxy("async")
+            nbytes = ncols // 16 * wide_ks_bytes(self.B)
+            mbarrier_arrive_expect_tx(s.xbar_addr, nbytes)
+            bulk_copy_g2s(s.x_addr, src + Int64(col // 16) * wide_ks_bytes(self.B), nbytes, s.xbar_addr,
+                          policy_evict_last())
+        if rstd:
+            self.rstd_from_ssq(tidx, ssq, s)
+        self.wait_full(s.xbar_addr, s_ctrl[4] % 2, p.error)
         self.consumer_sync()
-        if prestaged:
-            if tidx == 0:
-                s_ctrl[4] = s_ctrl[4] + 1        # (read again only after another consumer barrier)
+        if tidx == 0:
+            s_ctrl[4] = s_ctrl[4] + 1        # (read again only after another consumer barrier)
 
     def ssq_threads(self) -> int:
         """Threads per sequence that add its sums of squares (rstd_from_ssq): a power of two, at most 32, with
@@ -497,7 +485,7 @@ class WideMatvec:
         take every round together (the shuffles need the whole warp)."""
         B, H = self.B, self.H
         EM = max(k_splits(self.layout, Opcode(code)) for code in self.split_widths)
-        U = max(1, 16 // EM)
+        U = max(1, 32 // EM)
         l64 = Int64(layer)
         part_addr, part_rows, _ = self.part_buffer(op, p)
         has_norm = op == OP_QKV or op == OP_GATE_UP

@@ -1,12 +1,10 @@
-"""Device code that stages a matvec stage's input in shared memory, every sequence's row (or a window of its
-columns) at once, before the weight slots are multiplied by it (megakernel.kernel.matvec, matvec_wide):
+"""Device code that stages a matvec stage's input in shared memory up to SPLIT_BATCH, every sequence's row (or a
+window of its columns) at once, before the weight slots are multiplied by it (megakernel.kernel.matvec; past
+SPLIT_BATCH no consumer stages its input: the stage that produced it wrote it pre-staged, matvec_wide):
   - the input row x (times the norm weight, with sum(x^2) for the RMSNorm of the stages that have one), layer 0's
     embedding row where QKV stages it, or O_PROJ's merge of the attention splits;
-  - up to SPLIT_BATCH as float32 split into bf16 hi + lo pairs, in the B-register order of the narrow consumers
-    (store_staged_quad); past it as bf16 in the core matrices of the wgmma B operand (layout.wide_x_byte), where
-    only O_PROJ stages its input (the stages that produce the others write them pre-staged: matvec_wide);
-  - every load of a round first, so a round is one memory round trip; past X_LOADS sequences the rounds go over
-    (group of sequences, quad) pairs, so every thread has loads in flight whatever the window's width.
+  - as float32 split into bf16 hi + lo pairs, in the B-register order of the consumers (store_staged_quad);
+  - every load of a round first, so a round is one memory round trip.
 """
 
 from __future__ import annotations
@@ -16,13 +14,12 @@ import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64
 
 from .attention import LOG2E
-from .ptx import (ex2, ld_f32, ld_i32, load_f32x4, load_nc_b32x2, load_weights_bf16x4, pack_bf16x2, split_bf16x2,
-                  st_shared_b32, st_shared_b32x2, unpack_bf16x2)
-from ..instructions.layout import wide_x_byte
+from .ptx import (ex2, ld_f32, ld_i32, load_f32x4, load_nc_b32x2, load_weights_bf16x4, split_bf16x2,
+                  st_shared_b32, unpack_bf16x2)
 
 X_LOADS = 8                # input quads (of all sequences) each thread loads per round when staging, at most
 MERGE_PAIRS = 16           # O_PROJ's merge: (sequence, split) pairs whose lse and partial quad load in one round
-                           # (half that with 15 consumer warps, whose 128 registers would spill, and past SPLIT_BATCH)
+                           # (half that with 15 consumer warps, whose 128 registers would spill)
 
 
 class InputStaging:
@@ -33,22 +30,6 @@ class InputStaging:
         X_LOADS loads (quads of every sequence) in flight per thread."""
         widest = max(g.x_cols for g in self.plan.by_k.values())
         return max(1, min(X_LOADS // self.B, -(-widest // (4 * self.cthreads))))
-
-    def partial_group(self, nb: int) -> bool:
-        """Whether the last of the staging rounds' groups of nb sequences holds fewer (past SPLIT_BATCH, where the
-        groups do not follow the batch; rounds then load a valid row for the missing sequences and store nothing
-        for them)."""
-        return self.wide and self.B % nb != 0
-
-    @cute.jit
-    def loaded_sequence(self, b, partial: bool):
-        """The sequence whose row a round loads for sequence b: b, or the batch's last where b is past it (a
-        partial group's missing sequences; their values are not stored)."""
-        sq = b
-        if cutlass.const_expr(partial):
-            if sq >= self.B:
-                sq = Int32(self.B - 1)
-        return sq
 
     @cute.jit
     def store_staged_quad(self, s, w: Int32, y: cute.Tensor):
@@ -71,22 +52,16 @@ class InputStaging:
     @cute.jit
     def store_x_quad(self, s, b: Int32, c: Int32, stride: Int32, y: cute.Tensor):
         """Sequence b's input columns c .. c + 3 (float32 y; c a multiple of 4, counted from the staged window's
-        first): up to SPLIT_BATCH split into bf16 hi + lo at row stride `stride` (store_staged_quad), past it as 8
-        bytes of bf16 in the row of its wgmma B core matrix (layout.wide_x_byte: a quad never crosses a row)."""
-        if cutlass.const_expr(self.wide):
-            st_shared_b32x2(s.x_addr + wide_x_byte(b, c, self.B), pack_bf16x2(y[0], y[1]), pack_bf16x2(y[2], y[3]))
-        else:
-            self.store_staged_quad(s, b * stride + c, y)
+        first) split into bf16 hi + lo at row stride `stride` (store_staged_quad)."""
+        self.store_staged_quad(s, b * stride + c, y)
 
     @cute.jit
     def stage(self, tidx: Int32, layer: Int32, K: Int32, merge: Boolean, from_embed: Boolean, gather: Boolean,
               in_addr: Int64, norm_addr: Int64, p, s, ss: cute.Tensor, s0: Int32,
               kw: Int32, stride: Int32):
-        """Columns s0 .. s0 + kw of every sequence's matvec input into s.x (store_x_quad; row stride `stride` up to
-        SPLIT_BATCH): O_PROJ's merged attention splits where `merge`, layer 0's embedding row where `from_embed`,
-        else the input row; times the norm weight, with sum(x^2) into ss where `gather` (up to SPLIT_BATCH; past it
-        only O_PROJ stages its input, which has no norm)."""
-        B = self.B
+        """Columns s0 .. s0 + kw of every sequence's matvec input into s.x (store_x_quad, row stride `stride`):
+        O_PROJ's merged attention splits where `merge`, layer 0's embedding row where `from_embed`, else the input
+        row; times the norm weight, with sum(x^2) into ss where `gather`."""
         if cutlass.const_expr(self.options.diag_no_stage):
             # (KernelOptions.diag_no_stage, for timing only: the window zeroed instead, wrong results but finite)
             s_x = s.x
@@ -96,31 +71,18 @@ class InputStaging:
         if merge:
             self.stage_merged_attention(tidx, layer, p, s, s0, kw, stride)
         else:
-            # the quads of a column of up to X_LOADS sequences in one round (their loads in flight together), U
-            # columns per thread per round
-            if cutlass.const_expr(B <= X_LOADS):
-                U = self.x_unroll()
-                for q0 in range(tidx, kw // 4, self.cthreads * U):
-                    self.stage_round(tidx, q0, 0, B, U, from_embed, gather, K, in_addr, norm_addr, p, s, ss, s0, kw,
-                                     stride)
-            else:
-                # past SPLIT_BATCH (O_PROJ's input without the merge, which has no norm: the others are
-                # pre-staged, megakernel.kernel.matvec_wide): one (group of X_LOADS sequences, quad) pair per
-                # thread per round, all threads busy whatever the window's width
-                nq = kw // 4
-                sg = cute.make_rmem_tensor((X_LOADS,), Float32)
-                for it in range(tidx, (B + X_LOADS - 1) // X_LOADS * nq, self.cthreads):
-                    g0 = it // nq * X_LOADS
-                    self.stage_round(tidx, it - g0 // X_LOADS * nq, g0, X_LOADS, 1, from_embed, Boolean(False), K,
-                                     in_addr, norm_addr, p, s, sg, s0, kw, stride)
+            # the quads of a column of every sequence in one round (their loads in flight together), U columns per
+            # thread per round
+            U = self.x_unroll()
+            for q0 in range(tidx, kw // 4, self.cthreads * U):
+                self.stage_round(tidx, q0, U, from_embed, gather, K, in_addr, norm_addr, p, s, ss, s0, kw, stride)
 
     @cute.jit
-    def stage_round(self, tidx: Int32, q0: Int32, g0: Int32, nb: int, U: int, from_embed: Boolean, gather: Boolean,
-                    K: Int32, in_addr: Int64, norm_addr: Int64, p, s, ss: cute.Tensor, s0: Int32, kw: Int32,
-                    stride: Int32):
-        """One staging round (`stage`): quads q0, q0 + cthreads, ... (U of them) of sequences g0 .. g0 + nb (those
-        below B), sequence g0 + bb's sum of squares into ss[bb]."""
-        some = self.partial_group(nb)
+    def stage_round(self, tidx: Int32, q0: Int32, U: int, from_embed: Boolean, gather: Boolean, K: Int32,
+                    in_addr: Int64, norm_addr: Int64, p, s, ss: cute.Tensor, s0: Int32, kw: Int32, stride: Int32):
+        """One staging round (`stage`): quads q0, q0 + cthreads, ... (U of them) of every sequence, sequence b's sum
+        of squares into ss[b]."""
+        nb = self.B
         nw = cute.make_rmem_tensor((U * 2,), Int32)           # the norm weights' packed bf16
         for v in cutlass.range_constexpr(U):
             nw[2 * v] = Int32(0)
@@ -130,11 +92,10 @@ class InputStaging:
                 nw[2 * v], nw[2 * v + 1] = load_nc_b32x2(norm_addr + Int64(s0 + q * 4) * 2)
         rows = cute.make_rmem_tensor((nb,), Int64)
         for bb in cutlass.range_constexpr(nb):
-            sq = self.loaded_sequence(g0 + bb, some)
-            rows[bb] = in_addr + Int64(sq) * Int64(K) * 4
+            rows[bb] = in_addr + Int64(bb) * Int64(K) * 4
             if cutlass.const_expr(self.layout.embed_folded):
                 if from_embed:
-                    tok = ld_i32(p.tokens + Int64(sq) * 4)
+                    tok = ld_i32(p.tokens + Int64(bb) * 4)
                     if tok < 0 or tok >= self.V:
                         tok = Int32(0)            # EMBED reports it in the error word
                     rows[bb] = p.w_embed + Int64(tok) * (self.H * 2)
@@ -177,11 +138,7 @@ class InputStaging:
                         if gather:
                             ss[bb] = ss[bb] + x * x
                         y[e] = x * nv[e]
-                    if cutlass.const_expr(some):
-                        if g0 + bb < self.B:
-                            self.store_x_quad(s, g0 + bb, q * 4, stride, y)
-                    else:
-                        self.store_x_quad(s, g0 + bb, q * 4, stride, y)
+                    self.store_x_quad(s, bb, q * 4, stride, y)
 
     @cute.jit
     def stage_merged_attention(self, tidx: Int32, layer: Int32, p, s, s0: Int32,
@@ -192,40 +149,30 @@ class InputStaging:
         a time (merge_quad)."""
         S = self.S
         # sequences per round (0: more splits than a round holds; half the pairs with 15 consumer warps, whose 128
-        # registers would spill, and past SPLIT_BATCH, where every thread has its pairs)
-        GB = (MERGE_PAIRS if self.warps <= 8 and not self.wide else MERGE_PAIRS // 2) // S
+        # registers would spill)
+        GB = (MERGE_PAIRS if self.warps <= 8 else MERGE_PAIRS // 2) // S
         # quads per thread per round: two where one round's loads of both fit the registers (batch 1, at most 4
         # splits: the widest input, 2048 columns, is 512 quads over 480 threads), their loads out together
         UQ = 2 if GB > 0 and self.B * S <= 4 else 1
-        if cutlass.const_expr(self.wide and GB > 0):
-            # past SPLIT_BATCH: one (group of GB sequences, quad) pair per thread per round, all threads busy
-            # whatever the window's width
-            nq = kw // 4
-            for it in range(tidx, (self.B + GB - 1) // GB * nq, self.cthreads):
-                gi = it // nq
-                self.merge_round(layer, p, s, s0, it - gi * nq, gi * GB, GB, 1, kw, stride)
-        else:
-            for q0 in range(tidx, kw // 4, self.cthreads * UQ):
-                if cutlass.const_expr(GB == 0):
-                    q = q0
-                    k = s0 + q * 4
-                    for b in cutlass.range_constexpr(self.B):
-                        xv = cute.make_rmem_tensor((4,), Float32)
-                        self.merge_quad(layer, b, k, p.attn_part_o, p.attn_part_lse, xv)
-                        self.store_x_quad(s, b, q * 4, stride, xv)
-                else:
-                    for b0 in cutlass.range_constexpr(0, self.B, GB):
-                        self.merge_round(layer, p, s, s0, q0, b0, min(GB, self.B - b0), UQ, kw, stride)
+        for q0 in range(tidx, kw // 4, self.cthreads * UQ):
+            if cutlass.const_expr(GB == 0):
+                q = q0
+                k = s0 + q * 4
+                for b in cutlass.range_constexpr(self.B):
+                    xv = cute.make_rmem_tensor((4,), Float32)
+                    self.merge_quad(layer, b, k, p.attn_part_o, p.attn_part_lse, xv)
+                    self.store_x_quad(s, b, q * 4, stride, xv)
+            else:
+                for b0 in cutlass.range_constexpr(0, self.B, GB):
+                    self.merge_round(layer, p, s, s0, q0, b0, min(GB, self.B - b0), UQ, kw, stride)
 
     @cute.jit
     def merge_round(self, layer: Int32, p, s, s0: Int32, q0: Int32, b0: Int32, nb: int, UQ: int, kw: Int32,
                     stride: Int32):
         """One round of stage_merged_attention: quads q0, q0 + cthreads, ... (UQ of them) of sequences b0 .. b0 +
-        nb (those below B; a sequence past the batch loads the last one's, unused), every load first, then the
-        merge without a branch (an empty split's lse is -inf, its weight ex2(-inf) = 0; a sequence has at least
+        nb, every load first, then the merge without a branch (an empty split's lse is -inf, its weight ex2(-inf) = 0; a sequence has at least
         one token, so the maximum is finite)."""
         S, D = self.S, self.D
-        some = self.partial_group(nb)
         n = nb * S                       # (sequence, split) pairs of a quad
         lse = cute.make_rmem_tensor((UQ * n,), Float32)
         ov = cute.make_rmem_tensor((UQ * n * 4,), Float32)
@@ -240,8 +187,7 @@ class InputStaging:
                 head = ku // D
                 d = ku - head * D
                 for bb in cutlass.range_constexpr(nb):
-                    sq = self.loaded_sequence(b0 + bb, some)
-                    base = ((Int64(layer) * self.B + Int64(sq)) * self.Hq + Int64(head)) * S
+                    base = ((Int64(layer) * self.B + Int64(b0 + bb)) * self.Hq + Int64(head)) * S
                     for sp in cutlass.range_constexpr(S):
                         i = u * n + bb * S + sp
                         lse[i] = ld_f32(p.attn_part_lse + (base + sp) * 4)
@@ -267,8 +213,4 @@ class InputStaging:
                             acc[e] = acc[e] + f * ov[(i0 + sp) * 4 + e]
                     for e in cutlass.range_constexpr(4):
                         acc[e] = acc[e] / tot
-                    if cutlass.const_expr(some):
-                        if b0 + bb < self.B:
-                            self.store_x_quad(s, b0 + bb, qu * 4, stride, acc)
-                    else:
-                        self.store_x_quad(s, b0 + bb, qu * 4, stride, acc)
+                    self.store_x_quad(s, b0 + bb, qu * 4, stride, acc)

@@ -10,6 +10,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
+from ..instructions.embed import EMBED_SEQUENCES
 from ..instructions.layout import wide_x_byte
 from .ptx import (atomic_cas, ld_f32, ld_i32, load_bf16x8, max_index, pack_bf16x2, st_b32x4, st_f32, st_f32x4, st_i32,
                   store_relaxed, warp_max_index)
@@ -22,31 +23,36 @@ class TokenStages:
     """EMBED and ARGMAX (a mixin of the interpreter)."""
 
     @cute.jit
-    def embed(self, tidx: Int32, index: Int32, p):
-        """x[0][b] = embed[token b] (float32), 8 columns per thread per round, EMBED_UNROLL rounds' loads issued
-        before any of their stores (a store between two loads would make each round a memory round trip), each
-        column octet stored as two 16-byte stores (eight 4-byte stores, one sector per lane each, took 57 us at
-        batch 64 on the stage's one SM); a token outside the vocabulary reads row 0 and is reported in the error
+    def embed(self, tidx: Int32, index: Int32, b0: Int32, nb: Int32, p):
+        """x[0][b] = embed[token b] (float32) for the sequences b of [b0, b0 + nb), 8 columns per thread per round,
+        EMBED_UNROLL rounds' loads issued before any of their stores (a store between two loads would make each
+        round a memory round trip), each column octet stored as two 16-byte stores (eight 4-byte stores, one
+        sector per lane each, took 57 us at batch 64 on one SM); a token outside the vocabulary reads row 0 and is reported in the error
         word. Past SPLIT_BATCH also x[0]'s pre-staged copy for layer 0's QKV (times attn_norm[0], bf16 at
         wide_x_byte: a thread's 8 columns are one 16-byte row of a core matrix) and their sum of squares
         (StepBuffers.x_wide, x_ssq: megakernel.kernel.matvec_wide)."""
         n8 = self.H // 8
-        for t0 in range(tidx, self.B * n8, self.cthreads * EMBED_UNROLL):
-            toks = cute.make_rmem_tensor((EMBED_UNROLL,), Int32)
-            for v in cutlass.range_constexpr(EMBED_UNROLL):
+        U = EMBED_UNROLL
+        if cutlass.const_expr(self.wide):
+            U = max(1, min(EMBED_UNROLL, -(-EMBED_SEQUENCES * n8 // self.cthreads)))   # (one round a thread)
+        else:
+            b0, nb = 0, self.B            # (up to SPLIT_BATCH one EMBED takes the batch: its bounds compiled in)
+        for t0 in range(tidx, nb * n8, self.cthreads * U):
+            toks = cute.make_rmem_tensor((U,), Int32)
+            for v in cutlass.range_constexpr(U):
                 toks[v] = Int32(0)
                 t = t0 + v * self.cthreads
-                if t < self.B * n8:
-                    toks[v] = ld_i32(p.tokens + Int64(t // n8) * 4)
-            w = cute.make_rmem_tensor((EMBED_UNROLL * 8,), Float32)
-            gam = cute.make_rmem_tensor((EMBED_UNROLL * 8 if self.wide else 1,), Float32)   # attn_norm[0]
-            for v in cutlass.range_constexpr(EMBED_UNROLL):
+                if t < nb * n8:
+                    toks[v] = ld_i32(p.tokens + Int64(b0 + t // n8) * 4)
+            w = cute.make_rmem_tensor((U * 8,), Float32)
+            gam = cute.make_rmem_tensor((U * 8 if self.wide else 1,), Float32)   # attn_norm[0]
+            for v in cutlass.range_constexpr(U):
                 t = t0 + v * self.cthreads
                 for e in cutlass.range_constexpr(8):
                     w[v * 8 + e] = Float32(0.0)
-                if t < self.B * n8:
-                    b = t // n8
-                    k = (t - b * n8) * 8
+                if t < nb * n8:
+                    bt = t // n8
+                    k = (t - bt * n8) * 8
                     tok = toks[v]
                     if tok < 0 or tok >= self.V:
                         if k == 0:
@@ -61,11 +67,12 @@ class TokenStages:
                         g8 = load_bf16x8(p.attn_norm + Int64(k) * 2)
                         for e in cutlass.range_constexpr(8):
                             gam[v * 8 + e] = g8[e]
-            for v in cutlass.range_constexpr(EMBED_UNROLL):
+            for v in cutlass.range_constexpr(U):
                 t = t0 + v * self.cthreads
-                if t < self.B * n8:
-                    b = t // n8
-                    k = (t - b * n8) * 8
+                if t < nb * n8:
+                    bt = t // n8
+                    k = (t - bt * n8) * 8
+                    b = b0 + bt
                     for e in cutlass.range_constexpr(0, 8, 4):
                         st_f32x4(p.x + (Int64(b) * self.H + Int64(k + e)) * 4, w[v * 8 + e], w[v * 8 + e + 1],
                                  w[v * 8 + e + 2], w[v * 8 + e + 3])

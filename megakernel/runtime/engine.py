@@ -256,7 +256,7 @@ class MegakernelEngine:
             "attn_part_lse": b.attn_part_lse, "attn_out": b.attn_out, "act": b.act, "logits": b.logits,
             "lm_max": b.lm_max, "lm_idx": b.lm_idx, "out_tokens": b.out_tokens, "part_qkv": b.part_qkv,
             "part_o": b.part_o, "part_gate_up": b.part_gate_up, "part_down": b.part_down, "x_wide": b.x_wide,
-            "h_wide": b.h_wide, "act_wide": b.act_wide, "x_ssq": b.x_ssq, "h_ssq": b.h_ssq,
+            "h_wide": b.h_wide, "attn_wide": b.attn_wide, "act_wide": b.act_wide, "x_ssq": b.x_ssq, "h_ssq": b.h_ssq,
             "counters": b.counters,
             "sync": b.sync, "error": b.error, "kv_table": self.kv_table, "trace": self.trace_buf,
             "host_error": self.host_error,

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..instructions.attention import split_range  # noqa: F401  (re-exported for schedule users)
+from ..instructions.embed import embed_ranges
 from ..instructions.layout import StepLayout, tile_rows  # noqa: F401  (tile_rows re-exported)
 from ..instructions.matvec_stages import weight_rows
 from ..instructions.opcodes import (Opcode, Stage, argmax_counter, counter_id, embed_counter,
@@ -91,10 +92,13 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
         return len(reduces)
 
     folded = layout.embed_folded
-    # folded: EMBED is one more producer of layer 0's QKV counter (x[0] is layer 0's residual)
-    add(opcode=Opcode.EMBED, signal_id=counter_id(0, Stage.QKV) if folded else embed_counter(L),
-        cost=B * c.hidden_size * elem + FIXED_COST_BYTES)
-    prev = (embed_counter(L), 1)
+    # folded: EMBED is one more producer of layer 0's QKV counter (x[0] is layer 0's residual); the layout folds
+    # only up to SPLIT_BATCH, where one EMBED takes the whole batch
+    embeds = embed_ranges(B)
+    for lo, n in embeds:
+        add(opcode=Opcode.EMBED, a0=lo, a1=n, signal_id=counter_id(0, Stage.QKV) if folded else embed_counter(L),
+            cost=n * c.hidden_size * elem + FIXED_COST_BYTES)
+    prev = (embed_counter(L), len(embeds))
     kv_bytes_per_split = 2 * c.head_dim * elem * max(1, layout.max_seq_len // S)
     for l in range(L):
         if folded and l == 0:

@@ -428,7 +428,7 @@ class ProgramBuilder:
     def embed(self) -> tuple[int, int]:
         """EMBED; -> the (counter, count) the first layer waits for."""
         c_embed = self.counter("embed")
-        self.add(opcode=Opcode.EMBED, signal_id=c_embed,
+        self.add(opcode=Opcode.EMBED, a0=0, a1=self.layout.batch, signal_id=c_embed,
                  cost=self.layout.batch * self.c.hidden_size * self.ELEM + FIXED_COST_BYTES)
         return c_embed, 1
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from megakernel.instructions import STAGE_MODULES
-from megakernel.instructions.layout import MAX_BATCH, ROW_GROUP, StepLayout, default_kv_splits
+from megakernel.instructions.embed import embed_ranges
+from megakernel.instructions.layout import MAX_BATCH, ROW_GROUP, SPLIT_BATCH, StepLayout, default_kv_splits
 from megakernel.instructions.matvec_stages import MATVEC_OPCODES
 from megakernel.instructions.opcodes import Opcode
 from megakernel.instructions.record import NO_COUNTER, WORDS, Instruction, deserialize, serialize
@@ -211,7 +212,9 @@ def check_program(program: StepProgram) -> None:
             assert reduce == Counter((q, h, s) for q in range(b) for h in range(kvh)), \
                 f"{what}: layer {layer} attention reductions do not cover (sequence, kv head) once each"
             assert o_proj_a3 == {0}, f"{what}: layer {layer} O_PROJ a3 {o_proj_a3} without the folded merge"
-    assert stage_size[(Opcode.EMBED, 0)] == 1, what
+    embeds = sorted((i.a0, i.a1) for i in by_stage[(Opcode.EMBED, 0)])
+    assert embeds == embed_ranges(layout.batch), f"{what}: EMBED covers sequences {embeds}"
+    assert sum(n for _, n in embeds) == layout.batch and (len(embeds) == 1 or layout.batch > SPLIT_BATCH), what
     qkv0_a3 = {i.a3 for i in by_stage[(Opcode.QKV, 0)] + by_stage[(Opcode.QKV, 0, "parts")]}
     assert qkv0_a3 == ({1} if folded else {0}), f"{what}: layer 0 QKV a3 {qkv0_a3}"
     assert all(i.a3 == 0 for i in instrs if i.opcode == Opcode.QKV and i.layer > 0), what

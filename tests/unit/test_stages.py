@@ -244,17 +244,19 @@ def checked_instruction(instructions: list[Instruction]) -> Instruction:
 
 def runs_for(bench: Bench, op: Opcode) -> list[list[Instruction]]:
     """The instruction sequences one stage test runs, each on fresh inputs. An O_PROJ that merges the
-    attention splits (a3 = splits) is run in that form and in the attn_out-reading form (a3 = 0); a stage split
-    over K as its range tiles and the MV_REDUCE that closes them (split_group)."""
+    attention splits (a3 = splits) is run in that form and, up to SPLIT_BATCH, in the attn_out-reading form
+    (a3 = 0; past it O_PROJ reads its pre-staged input, whose producer the layout fixes); a stage split over K as
+    its range tiles and the MV_REDUCE that closes them (split_group)."""
     if op == Opcode.ATTN_PARTIAL:
         return [attention_group(bench)]
     ins = pick(bench, op)
+    both = op == Opcode.O_PROJ and ins.a3 > 0 and bench.layout.batch <= SPLIT_BATCH
     if ins.k_parts > 1:
         group = split_group(bench, op)
-        if op == Opcode.O_PROJ and group[0].a3 > 0:
+        if both:
             return [group, [dataclasses.replace(i, a3=0) if i.opcode == op else i for i in group]]
         return [group]
-    if op == Opcode.O_PROJ and ins.a3 > 0:
+    if both:
         return [[ins], [dataclasses.replace(ins, a3=0)]]
     return [[ins]]
 
@@ -275,10 +277,12 @@ def assert_region(actual: torch.Tensor, index, expected: torch.Tensor, dtype: to
 
 
 def check_embed(bench, ins, before, after, what):
-    tokens = before.bufs.tokens.long()
+    rows = slice(ins.a0, ins.a0 + ins.a1)        # the instruction's sequences
+    tokens = before.bufs.tokens.long()[rows]
     expected = f64(bench.weights.embed[tokens.to(bench.weights.embed.device)])
-    assert torch.equal(f64(after.bufs.x[0]), expected), f"{what}: x[0] != embed[tokens {tokens.tolist()}]"
-    assert_region(after.bufs.x, 0, expected, F32, what)
+    assert torch.equal(f64(after.bufs.x[0, rows]), expected), \
+        f"{what}: x[0][{ins.a0}:{ins.a0 + ins.a1}] != embed[tokens {tokens.tolist()}]"
+    assert_region(after.bufs.x, (0, rows), expected, F32, what)
 
 
 def _rows(ins):
@@ -801,10 +805,11 @@ def test_stages_on_gpu_match_reference_with_long_splits(case):
 
 # Past SPLIT_BATCH: the pre-staged copy (and sums of squares per 8 rows) each producing stage writes beside its
 # output, for the next stage's bulk copies (StepBuffers.x_wide ..): buffers, and (output, layer offset of the copy,
-# the reader's norm weight) per opcode
+# the reader's norm weight) per opcode. The attention's: ATTN_PARTIAL's where the layout has no ATTN_REDUCE (a
+# single split), else ATTN_REDUCE's.
 WIDE_OUTPUTS: dict[Opcode, tuple[str, ...]] = {
-    Opcode.EMBED: ("x_wide", "x_ssq"), Opcode.O_PROJ: ("h_wide", "h_ssq"), Opcode.GATE_UP: ("act_wide",),
-    Opcode.DOWN: ("x_wide", "x_ssq"),
+    Opcode.EMBED: ("x_wide", "x_ssq"), Opcode.ATTN_PARTIAL: ("attn_wide",), Opcode.ATTN_REDUCE: ("attn_wide",),
+    Opcode.O_PROJ: ("h_wide", "h_ssq"), Opcode.GATE_UP: ("act_wide",), Opcode.DOWN: ("x_wide", "x_ssq"),
 }
 
 
@@ -812,13 +817,21 @@ def check_wide_outputs(bench: Bench, op: Opcode, instructions, gpu: StageContext
     """The pre-staged copy a stage wrote past SPLIT_BATCH is its own float32 output times the norm weight of the
     stage that reads it, rounded to bf16 once, at wide_input_index, at exactly the outputs the stage wrote (the
     rest of the poisoned buffer, the padded sequences and the padding untouched); the sums of squares (O_PROJ,
-    DOWN, EMBED) those of its outputs, per 8 rows, wherever it wrote all 8."""
+    DOWN, EMBED) those of its outputs, per 8 rows, wherever it wrote all 8. ATTN_PARTIAL (its splits alone): the
+    output of its single split where the layout has no ATTN_REDUCE, else nothing."""
     if bench.layout.batch <= SPLIT_BATCH or op not in WIDE_OUTPUTS:
         return
     L, B = bench.config.num_layers, bench.layout.batch
     w, bufs = gpu.weights, gpu.bufs
     layer = instructions[-1].layer
-    if op == Opcode.EMBED:
+    if op == Opcode.ATTN_PARTIAL:
+        if not bench.layout.fused_reduce:
+            assert torch.isnan(bufs.attn_wide).all(), f"{what}: the splits wrote attn_wide, ATTN_REDUCE's"
+            return
+        out, at, gamma = bufs.attn_part_o[layer].reshape(B, -1), layer, None     # (one split: [B, Hq, 1, D])
+    elif op == Opcode.ATTN_REDUCE:
+        out, at, gamma = bufs.attn_out[layer], layer, None
+    elif op == Opcode.EMBED:
         out, at, gamma = bufs.x[0], 0, w.attn_norm[0]
     elif op == Opcode.O_PROJ:
         out, at, gamma = bufs.h[layer], layer, w.mlp_norm[layer]
@@ -859,22 +872,26 @@ def run_gpu_stages(case: StageCase, expect_slabs: bool = False, **engine_kw) -> 
     try:
         for op, instructions in [(op, run) for op in GPU_OPCODES for run in runs_for(bench, op)]:
             fill_inputs(bench, with_cache=op == Opcode.ATTN_PARTIAL)
-            fill_wide_inputs(bench.ctx.bufs, bench.ctx.weights, bench.layout)    # (derived from x, h and act)
+            fill_wide_inputs(bench.ctx.bufs, bench.ctx.weights, bench.layout)    # (derived from the inputs)
             poison_outputs(bench.ctx, op)
             for name in WIDE_OUTPUTS.get(op, ()):
                 getattr(bench.ctx.bufs, name).fill_(NAN)
             before = clone_ctx(bench.ctx)
             push(before, engine)
             torch.cuda.synchronize()
-            for ins in instructions:
+            what = f"kernel (GPU) {bench.what(instructions[-1])}"
+            for n, ins in enumerate(instructions):
                 engine.run_instructions([ins])
+                if op == Opcode.ATTN_PARTIAL and n == len(instructions) - 2:
+                    # the splits alone, before their ATTN_REDUCE (which writes attn_wide too)
+                    check_wide_outputs(bench, op, instructions[:-1], pull(engine, before), what)
             gpu = pull(engine, before)
             ref = clone_ctx(before)
             run_reference(ref, instructions)
-            what = f"kernel (GPU) {bench.what(instructions[-1])}"
             check(bench, op, instructions, before, gpu, "kernel (GPU) vs float64")
             _compare_with_reference(op, instructions, gpu, ref, what, bench.matvec_dtype)
-            check_wide_outputs(bench, op, instructions, gpu, what)
+            check_wide_outputs(bench, Opcode.ATTN_REDUCE if op == Opcode.ATTN_PARTIAL else op, instructions, gpu,
+                               what)
     finally:
         del engine
         torch.cuda.empty_cache()

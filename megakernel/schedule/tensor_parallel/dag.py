@@ -122,7 +122,7 @@ def build_tp_program(layout: StepLayout, world_size: int) -> TPStepProgram:
         return len(tiles)
 
     folded = shard.embed_folded
-    add(opcode=Opcode.EMBED, signal_id=counter_id(0, Stage.QKV) if folded else embed_counter(L),
+    add(opcode=Opcode.EMBED, a0=0, a1=B, signal_id=counter_id(0, Stage.QKV) if folded else embed_counter(L),
         cost=B * H * ELEM + FIXED_COST_BYTES)
     prev = (embed_counter(L), 1)
     kv_bytes_per_split = 2 * c.head_dim * ELEM * max(1, shard.max_seq_len // S)
