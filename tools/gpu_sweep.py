@@ -13,6 +13,7 @@ spread of its round medians (what a difference between two variants must exceed 
 import collections, os, statistics, sys
 import torch
 from megakernel.instructions.layout import pack_weights
+from megakernel.instructions.opcodes import Opcode
 from megakernel.integrations.floor import floor_ms
 from megakernel.kernel.interpreter import KernelOptions
 from megakernel.model.presets import get_preset
@@ -108,7 +109,12 @@ def trace(eng, start=32):
     recs = eng.trace_records()
     span = max(r["end"] for r in recs) - min(r["begin"] for r in recs)
     by = collections.defaultdict(list)
-    for r in recs: by[r["opcode"]].append(r)
+    for r in recs:
+        # MV_REDUCE by the stage it closes (its a2), each its own line
+        op = r["opcode"]
+        if op == "MV_REDUCE":
+            op += "/" + Opcode(eng.program.instructions[r["index"]].a2).name
+        by[op].append(r)
     print(f"  trace: step span {span/1e3:.1f} us")
     layers = eng.layout.config.num_layers
     for op, rs in by.items():
@@ -131,6 +137,17 @@ def trace(eng, start=32):
             ahead = statistics.mean(r["ready"] - r["stream_end"] for r in st)
             issue = statistics.mean(r["stream_end"] - r["stream_begin"] for r in st)
             stream = f"  issued {ahead/1e3:7.2f} us before ready, issuing took {issue/1e3:6.2f} us"
+        # MV_REDUCE and ATTN_PARTIAL (past batch 8) stamp their phases in the fields of a matvec's staging and last slot
+        ph = [r for r in rs if "staged" in r and "streamed" in r]
+        if ph and not st and (op.startswith("MV_REDUCE") or op == "ATTN_PARTIAL"):
+            a = statistics.mean(r["staged"] - r["ready"] for r in ph)
+            b = statistics.mean(r["streamed"] - r["staged"] for r in ph)
+            c = statistics.mean(r["end"] - r["streamed"] for r in ph)
+            names = (("RMS scale", "loads, sums, stores", "barrier, signal") if op.startswith("MV_REDUCE")
+                     else ("phase A (q, k, v)", "phase B (softmax pass)", "phase C, signal"))
+            print(f"    {op:17s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us{phase}  "
+                  f"({names[0]} {a/1e3:5.2f} us, {names[1]} {b/1e3:5.2f} us, {names[2]} {c/1e3:5.2f} us)")
+            continue
         sg = [r for r in rs if "staged" in r]
         if sg:
             stream += f"  (ready->staged {statistics.mean(r['staged'] - r['ready'] for r in sg)/1e3:5.2f} us)"
@@ -144,7 +161,7 @@ def trace(eng, start=32):
             first = statistics.mean(r["landed_first"] - r["ready"] for r in ld)
             last = statistics.mean(r["landed_last"] - r["ready"] for r in ld)
             stream += f"  (ready->slots landed {first/1e3:5.2f} .. {last/1e3:5.2f} us)"
-        print(f"    {op:13s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us{phase}{stream}")
+        print(f"    {op:17s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us{phase}{stream}")
 
 def main():
     usage = "gpu_sweep.py MODEL BATCH [name:key=val,...] ... [--no-trace] [--trace=NAME,...] [--rounds=N] [--context=N]"

@@ -1,8 +1,9 @@
 """compute-sanitizer over the megakernel: memcheck, racecheck, synccheck and initcheck, each over a few decode steps
-of the tiny presets at batch 1 and 3, and a table of the errors each found in the kernel.
+of the tiny presets at batch 1, 3 and 16 (the last past SPLIT_BATCH: wgmma, the pre-staged inputs' bulk copies and
+their mbarrier), and a table of the errors each found in the kernel.
 
 Usage (GPU host, compute-sanitizer on PATH or in $CUDA_HOME/bin):
-    python3 tools/sanitize.py [--tools=memcheck,racecheck,synccheck,initcheck] [--steps=N]
+    python3 tools/sanitize.py [--tools=memcheck,racecheck,synccheck,initcheck] [--steps=N] [--batches=1,3,16]
 Exit status 1 where any tool reports a kernel error, 2 for bad arguments or no compute-sanitizer.
 
 How kernel errors are told apart from host API errors: compute-sanitizer also reports every CUDA API call that
@@ -28,9 +29,9 @@ from dataclasses import dataclass, field
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 STEPS = 3
 PRESETS = ("tiny-llama", "tiny-qwen3")
-BATCHES = (1, 3)
+BATCHES = (1, 3, 16)
 WAIT_BOUND_NS = 600_000_000_000          # 10 minutes: no wait may end before a slow CTA signals
-USAGE = "sanitize.py [--tools=memcheck,racecheck,synccheck,initcheck] [--steps=N]"
+USAGE = "sanitize.py [--tools=memcheck,racecheck,synccheck,initcheck] [--steps=N] [--batches=1,3,16]"
 
 _RECORD = re.compile(r"^========= (?!COMPUTE-SANITIZER|Target application returned)(?P<text>\S.*)$")
 _API = re.compile(r"Program hit .* on CUDA API call to (?P<call>\w+)")
@@ -84,7 +85,7 @@ def sanitizer_path() -> str | None:
     return None
 
 
-def workload(steps: int) -> None:
+def workload(steps: int, batches: tuple[int, ...]) -> None:
     """A few checked decode steps of each tiny preset at each batch (the engine raises on an error word)."""
     import torch
 
@@ -95,7 +96,7 @@ def workload(steps: int) -> None:
 
     for name in PRESETS:
         weights = random_weights(get_preset(name), seed=5, dtype=torch.bfloat16, device="cuda")
-        for batch in BATCHES:
+        for batch in batches:
             eng = MegakernelEngine(weights, batch, 64, options=KernelOptions(timeout_ns=WAIT_BOUND_NS))
             tokens = torch.arange(batch, dtype=torch.int32, device="cuda") + 1
             for t in range(steps):
@@ -103,11 +104,11 @@ def workload(steps: int) -> None:
             print(f"workload: {name} batch {batch}: {steps} steps, tokens {tokens.tolist()}", flush=True)
 
 
-def run_tool(tool: str, steps: int, sanitizer: str) -> tuple[SanitizerReport, int, str]:
+def run_tool(tool: str, steps: int, batches: tuple[int, ...], sanitizer: str) -> tuple[SanitizerReport, int, str]:
     """One compute-sanitizer tool over the workload: (its report, the exit status, the output)."""
     options = ["--racecheck-report", "hazard"] if tool == "racecheck" else []
     cmd = [sanitizer, "--tool", tool, *options, "--print-limit", "100", sys.executable, os.path.abspath(__file__),
-           "--workload", f"--steps={steps}"]
+           "--workload", f"--steps={steps}", "--batches=" + ",".join(map(str, batches))]
     done = subprocess.run(cmd, capture_output=True, text=True)
     out = done.stdout + done.stderr
     return report_errors(out), done.returncode, out
@@ -129,11 +130,19 @@ def main() -> None:
         if not text.isdigit() or int(text) < 1:
             usage_error(f"--steps takes a positive integer, not {text!r}")
         steps = int(text)
+    batches = BATCHES
+    text = next((a.split("=", 1)[1] for a in args if a.startswith("--batches=")), None)
+    if text is not None:
+        parts = text.split(",")
+        if not all(x.isdigit() and 1 <= int(x) <= 64 for x in parts):
+            usage_error(f"--batches takes batch sizes 1..64 separated by commas, not {text!r}")
+        batches = tuple(int(x) for x in parts)
     if "--workload" in args:
-        workload(steps)
+        workload(steps, batches)
         return
     chosen = next((a.split("=", 1)[1].split(",") for a in args if a.startswith("--tools=")), list(TOOLS))
-    unknown = [t for t in chosen if t not in TOOLS] + [a for a in args if not a.startswith(("--tools=", "--steps="))]
+    unknown = [t for t in chosen if t not in TOOLS] + [a for a in args
+                                                       if not a.startswith(("--tools=", "--steps=", "--batches="))]
     if unknown:
         usage_error(f"unknown {', '.join(unknown)}; the tools are {', '.join(TOOLS)}")
     sanitizer = sanitizer_path()
@@ -144,7 +153,7 @@ def main() -> None:
     failed = False
     print(f"{'tool':10s} {'summary':>8s} {'kernel':>7s}  host API errors (by call)")
     for tool in chosen:
-        rep, rc, out = run_tool(tool, steps, sanitizer)
+        rep, rc, out = run_tool(tool, steps, batches, sanitizer)
         bad = rep.kernel_errors or rep.summary is None or "workload:" not in out
         failed = failed or bool(bad)
         api = ", ".join(f"{k} x{v}" for k, v in sorted(rep.api_errors.items())) or "-"

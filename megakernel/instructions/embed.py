@@ -14,7 +14,7 @@ from .opcodes import Opcode
 from .record import Instruction
 
 OPCODE = Opcode.EMBED
-EMBED_SEQUENCES = 4        # sequences of one EMBED instruction past SPLIT_BATCH
+EMBED_SEQUENCES = 1        # sequences of one EMBED instruction past SPLIT_BATCH
 
 
 def embed_ranges(batch: int) -> list[tuple[int, int]]:

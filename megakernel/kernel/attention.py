@@ -21,9 +21,10 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from ..instructions.layout import wide_x_byte
-from .ptx import (atomic_cas, cp_async_shared, cp_async_wait_all, ex2, ld_bf16, ld_f32, ld_i32, ld_i64, lg2,
-                  ld_shared_f32x4, load_f32x4, load_global_b32x4, load_shared_b32, pack_bf16x2, round_bf16, rsqrt,
-                  st_bf16, st_f32, store_relaxed, unpack_bf16x2, warp_sum)
+from .ptx import (atomic_cas, cp_async_shared, cp_async_wait_all, ex2, globaltimer_lo, ld_bf16, ld_f32, ld_i32, ld_i64,
+                  lg2, ld_shared_f32x4, load_f32x4, load_global_b32x4, load_shared_b32, pack_bf16x2, round_bf16, rsqrt,
+                  st_bf16, st_f32, st_i32, store_relaxed, unpack_bf16x2, warp_sum)
+from .stream import TR_CONSUMED, TR_STAGED
 
 MERGE_GROUP = 4            # attention splits whose partials one merge holds in registers at once
 STREAM_ELEMS = 8           # streamed pass: elements of a token's k (and v) per lane, one 16-byte load each
@@ -151,9 +152,10 @@ class AttentionStage:
 
     @cute.jit
     def attn_partial(self, tidx: Int32, warp: Int32, lane: Int32, layer: Int32, b: Int32, kvh: Int32,
-                     split: Int32, num_splits: Int32, index: Int32, p, s):
+                     split: Int32, num_splits: Int32, index: Int32, p, s, rec: Int64):
         """The instruction's phases A-C (the module docstring); s.alias[b] = 1 (scan_aliasing): the last split
-        writes no K/V and reports ERR_ALIAS."""
+        writes no K/V and reports ERR_ALIAS. With KernelOptions.trace past SPLIT_BATCH, the ends of phases A and B
+        in its trace record (rec: TR_STAGED, TR_CONSUMED; at batch 1-8 the stamps' registers would spill)."""
         s_kv, s_l, s_m, s_o, s_q = s.kv, s.l, s.m, s.o, s.q
         D, E, G, half = self.D, self.E, self.G, self.D // 2
         pos = ld_i32(p.positions + Int64(b) * 4)
@@ -231,6 +233,9 @@ class AttentionStage:
                         # raised, the cache kept)
                         st_bf16(cache + (self.token_offset(blk, kvh, pos) + Int64(lane * E + e)) * 2, rv)
         self.consumer_sync()
+        if cutlass.const_expr(self.options.trace and self.wide):
+            if tidx == 0:
+                st_i32(rec + TR_STAGED * 4, globaltimer_lo())
 
         lo, hi = self.split_bounds(pos, split, num_splits)
         if cutlass.const_expr(self.stream_unroll() > 0):
@@ -246,6 +251,9 @@ class AttentionStage:
 
         # ---- phase C: merge the warps' (m, l, o) and write the split's partial
         self.consumer_sync()
+        if cutlass.const_expr(self.options.trace and self.wide):
+            if tidx == 0:
+                st_i32(rec + TR_CONSUMED * 4, globaltimer_lo())
         for t in range(tidx, G * D, self.cthreads):
             g = t // D
             d = t - g * D

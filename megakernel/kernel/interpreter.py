@@ -407,24 +407,24 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                 t_ready = globaltimer_lo()
 
             if aborted == 0:
+                rec = Int64(0)
+                if cutlass.const_expr(self.options.trace):
+                    rec = self.trace_record(trace, sm, i)
                 if is_matvec(op):
-                    rec = Int64(0)
-                    if cutlass.const_expr(self.options.trace):
-                        rec = self.trace_record(trace, sm, i)
                     k_slot = self.matvec(tidx, warp, lane, op, layer, a0, a1, a2, a3, s_queue[ins + W_K_PART],
                                          s_queue[ins + W_K_PARTS], k_slot, ring, full, empty, p, s, rec)
                 else:
                     if op == OP_EMBED:
                         self.embed(tidx, s_queue[ins + W_INDEX], a0, a1, p)
                     if op == OP_ATTN_PARTIAL:
-                        self.attn_partial(tidx, warp, lane, layer, a0, a1, a2, a3, s_queue[ins + W_INDEX], p, s)
+                        self.attn_partial(tidx, warp, lane, layer, a0, a1, a2, a3, s_queue[ins + W_INDEX], p, s, rec)
                     if op == OP_ATTN_REDUCE:
                         self.attn_reduce(tidx, layer, a0, a1, a3, p)
                     if op == OP_ARGMAX:
                         self.argmax(warp, lane, a0, p)
                     if cutlass.const_expr(len(self.split_widths) > 0):
                         if op == OP_MV_REDUCE:
-                            self.mv_reduce(tidx, layer, a0, a1, a2, a3, p, s)
+                            self.mv_reduce(tidx, layer, a0, a1, a2, a3, p, s, rec)
 
             # ---- signal: every consumer's stores precede the barrier; the release orders them
             self.consumer_sync()
@@ -439,8 +439,12 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                     st_i32(rec + TR_READY * 4, t_ready)
                     st_i32(rec + TR_END * 4, globaltimer_lo())
                     if not is_matvec(op):
-                        # (a matvec stamps these itself)
-                        for w in (TR_STAGED, TR_CONSUMED, TR_LANDED_FIRST, TR_LANDED_LAST):
+                        # (a matvec stamps these itself; MV_REDUCE, and past SPLIT_BATCH ATTN_PARTIAL, their phases
+                        # in TR_STAGED and TR_CONSUMED)
+                        if op != OP_MV_REDUCE and (op != OP_ATTN_PARTIAL or not self.wide):
+                            st_i32(rec + TR_STAGED * 4, Int32(0))
+                            st_i32(rec + TR_CONSUMED * 4, Int32(0))
+                        for w in (TR_LANDED_FIRST, TR_LANDED_LAST):
                             st_i32(rec + w * 4, Int32(0))
             i = i + 1
         # no K/V copy is left in flight when the CTA exits: an instruction that aborted after its copies

@@ -474,26 +474,37 @@ class WideMatvec:
         return addr, rows, ranges
 
     @cute.jit
-    def mv_reduce(self, tidx: Int32, layer: Int32, a0: Int32, a1: Int32, op: Int32, E: Int32, p, s):
+    def mv_reduce(self, tidx: Int32, layer: Int32, a0: Int32, a1: Int32, op: Int32, E: Int32, p, s, rec: Int64):
         """MV_REDUCE: rows a0 .. a0 + a1 of split stage `op`, its E ranges' partials added in range order, times
         the RMS scale (QKV, GATE_UP: from the sums of squares of the input, rstd_from_ssq), then the stage's
         epilogue with the pre-staged copy of its output (wide_output) and, for O_PROJ and DOWN, the sums of squares
         of every 8 rows (a shuffle sum over 8 lanes); one thread per output, consecutive threads on consecutive
         rows of a sequence. Every load of a round first (up to EM ranges, the most any stage here splits into,
-        for U outputs a thread), then the sums in range order: one memory round trip a round, where a load per
-        range and output took one each (the same bits: the same additions in the same order). A warp's lanes
-        take every round together (the shuffles need the whole warp)."""
+        for U outputs a thread, with the residual rows of O_PROJ and DOWN and the next stage's norm weight), then
+        the sums in range order and the stores: one memory round trip a round, where a load per range and output
+        took one each and a residual loaded after the previous output's stores another (the same bits: the same
+        additions in the same order). A warp's lanes take every round together (the shuffles need the whole
+        warp). With KernelOptions.trace: when the RMS scale is ready (TR_STAGED) and the last round's stores are
+        issued (TR_CONSUMED) in its trace record (rec)."""
         B, H = self.B, self.H
         EM = max(k_splits(self.layout, Opcode(code)) for code in self.split_widths)
-        U = max(1, 32 // EM)
+        U = max(1, 16 // EM)
         l64 = Int64(layer)
         part_addr, part_rows, _ = self.part_buffer(op, p)
         has_norm = op == OP_QKV or op == OP_GATE_UP
         is_gate_up = op == OP_GATE_UP
+        res_addr = Int64(0)                               # O_PROJ, DOWN: the residual (x[l], h[l])
+        if op == OP_O_PROJ:
+            res_addr = p.x
+        if op == OP_DOWN:
+            res_addr = p.h
         if has_norm:
             src, ssq = self.wide_source(op, layer, p)
             self.rstd_from_ssq(tidx, ssq, s)
             self.consumer_sync()
+        if cutlass.const_expr(self.options.trace):
+            if tidx == 0:
+                st_i32(rec + TR_STAGED * 4, globaltimer_lo())
         s_rstd = s.rstd
         wout, gamma, ssq_out = self.wide_output(op, layer, p)
         pre = wout != Int64(0)
@@ -507,8 +518,10 @@ class WideMatvec:
             gv = cute.make_rmem_tensor((U * EM,), Float32)   # the partials (GATE_UP: of the gate row)
             uv = cute.make_rmem_tensor((U * EM,), Float32)   # GATE_UP: of the up row
             nw = cute.make_rmem_tensor((U,), Float32)        # O_PROJ, DOWN: the next stage's norm weight
+            rv = cute.make_rmem_tensor((U,), Float32)        # O_PROJ, DOWN: the residual
             for u in cutlass.range_constexpr(U):
                 nw[u] = Float32(1.0)
+                rv[u] = Float32(0.0)
                 for e in cutlass.range_constexpr(EM):
                     gv[u * EM + e] = Float32(0.0)
                     uv[u * EM + e] = Float32(0.0)
@@ -522,6 +535,7 @@ class WideMatvec:
                         row = a0 + pr * (2 * ROW_GROUP) + (j - pr * ROW_GROUP)
                     elif pre:
                         nw[u] = ld_bf16(gamma + Int64(a0 + j) * 2)
+                        rv[u] = ld_f32(res_addr + ((l64 * B + Int64(b)) * H + Int64(a0 + j)) * 4)
                     at = part_addr + ((l64 * E * B + Int64(b)) * part_rows + Int64(row)) * 4
                     for e in cutlass.range_constexpr(EM):
                         if e < E:
@@ -555,13 +569,13 @@ class WideMatvec:
                             st_f32(p.qkv + ((l64 * B + Int64(b)) * self.QKV + Int64(r)) * 4, y)
                         if op == OP_O_PROJ:
                             hrow = (l64 * B + Int64(b)) * H + Int64(r)
-                            v = ld_f32(p.x + hrow * 4) + y
+                            v = rv[u] + y
                             st_f32(p.h + hrow * 4, v)
                             st_bf16(wout + Int64(wide_x_byte(b, r, B)), v * nw[u])
                             sq[u] = v * v
                         if op == OP_DOWN:
                             hrow = (l64 * B + Int64(b)) * H + Int64(r)
-                            v = ld_f32(p.h + hrow * 4) + y
+                            v = rv[u] + y
                             st_f32(p.x + (hrow + Int64(B * H)) * 4, v)
                             st_bf16(wout + Int64(wide_x_byte(b, r, B)), v * nw[u])
                             sq[u] = v * v
@@ -575,3 +589,6 @@ class WideMatvec:
                     if i < n and i % 8 == 0:
                         b = i // n_out
                         st_f32(ssq_out + (Int64(b) * (H // 8) + Int64((a0 + i - b * n_out) // 8)) * 4, tot)
+        if cutlass.const_expr(self.options.trace):
+            if tidx == 0:
+                st_i32(rec + TR_CONSUMED * 4, globaltimer_lo())

@@ -170,8 +170,8 @@ class InputStaging:
     def merge_round(self, layer: Int32, p, s, s0: Int32, q0: Int32, b0: Int32, nb: int, UQ: int, kw: Int32,
                     stride: Int32):
         """One round of stage_merged_attention: quads q0, q0 + cthreads, ... (UQ of them) of sequences b0 .. b0 +
-        nb, every load first, then the merge without a branch (an empty split's lse is -inf, its weight ex2(-inf) = 0; a sequence has at least
-        one token, so the maximum is finite)."""
+        nb, every load first, then the merge without a branch (an empty split's lse is -inf, its weight ex2(-inf) =
+        0; a sequence has at least one token, so the maximum is finite)."""
         S, D = self.S, self.D
         n = nb * S                       # (sequence, split) pairs of a quad
         lse = cute.make_rmem_tensor((UQ * n,), Float32)

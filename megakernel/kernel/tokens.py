@@ -10,7 +10,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from ..instructions.embed import EMBED_SEQUENCES
 from ..instructions.layout import wide_x_byte
 from .ptx import (atomic_cas, ld_f32, ld_i32, load_bf16x8, max_index, pack_bf16x2, st_b32x4, st_f32, st_f32x4, st_i32,
                   store_relaxed, warp_max_index)
@@ -27,14 +26,17 @@ class TokenStages:
         """x[0][b] = embed[token b] (float32) for the sequences b of [b0, b0 + nb), 8 columns per thread per round,
         EMBED_UNROLL rounds' loads issued before any of their stores (a store between two loads would make each
         round a memory round trip), each column octet stored as two 16-byte stores (eight 4-byte stores, one
-        sector per lane each, took 57 us at batch 64 on one SM); a token outside the vocabulary reads row 0 and is reported in the error
-        word. Past SPLIT_BATCH also x[0]'s pre-staged copy for layer 0's QKV (times attn_norm[0], bf16 at
+        sector per lane each, took 57 us at batch 64 on one SM); a token outside the vocabulary reads row 0 and
+        is reported in the error word. Past SPLIT_BATCH also x[0]'s pre-staged copy for layer 0's QKV (times attn_norm[0], bf16 at
         wide_x_byte: a thread's 8 columns are one 16-byte row of a core matrix) and their sum of squares
         (StepBuffers.x_wide, x_ssq: megakernel.kernel.matvec_wide)."""
         n8 = self.H // 8
         U = EMBED_UNROLL
         if cutlass.const_expr(self.wide):
-            U = max(1, min(EMBED_UNROLL, -(-EMBED_SEQUENCES * n8 // self.cthreads)))   # (one round a thread)
+            # one 8-column load a round past SPLIT_BATCH: the pre-staged copy's norm weights double a round's
+            # registers (EMBED_UNROLL rounds spilled ~100 on llama-3.1-8b at batch 64), and an instruction takes one
+            # sequence (instructions.embed.EMBED_SEQUENCES), H / 8 / cthreads rounds
+            U = 1
         else:
             b0, nb = 0, self.B            # (up to SPLIT_BATCH one EMBED takes the batch: its bounds compiled in)
         for t0 in range(tidx, nb * n8, self.cthreads * U):

@@ -46,8 +46,8 @@ CASES = [("llama-3.2-1b", 1, CONTEXT), ("llama-3.2-1b", 4, CONTEXT), ("llama-3.2
          ("llama-3.1-8b", 1, CONTEXT), ("llama-3.1-8b", 4, CONTEXT), ("llama-3.1-8b", 8, CONTEXT),
          ("llama-3.1-8b", 32, CONTEXT), ("llama-3.1-8b", 64, CONTEXT),
          ("llama-2-7b", 1, CONTEXT)]      # an FFN of 11008 = 43 x 256 columns: a prime number of 256-column passes
-# Past batch 8 (16-64; issue "Tensor cores" sets goals at 32 and 64) the cases are reported without thresholds
-# until this suite has measured them (thresholds.toml). The whole suite may not fit one 10-minute device call:
+# Past batch 8 (16-64; issue "Tensor cores" sets goals at 32 and 64) the thresholds are guards from the suite's first
+# run of those cases (thresholds.toml). The whole suite may not fit one 10-minute device call:
 # `bash tools/gpu_run.sh bench -k "not b16 and not b32 and not b64"`, then `-k "b16 or b32 or b64"`.
 # torch.compile takes tens of seconds per shape: its baseline is timed at batch 1 of the two small presets.
 COMPILE_BASELINE = {("llama-3.2-1b", 1), ("qwen3-0.6b", 1)}
