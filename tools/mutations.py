@@ -247,6 +247,12 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
                 (Patch(K_WIDE, "st_bf16(wout + Int64(wide_x_byte(b, a0 + r, B)), v * gv[2 * j + blk])",
                        "st_bf16(wout + Int64(wide_x_byte(b, a0 + r, B)), v)"),),
                 (GPU_WIDE_STAGES_PROBE,), kernel=True),
+       Mutation("attention_copy_of_the_next_head.kernel",
+                "past batch 8, the attention writes O_PROJ's pre-staged input one head further on, so O_PROJ "
+                "multiplies each head's weights by the next head's output (and the last by nothing written)",
+                (Patch(K_ATTN, "self.store_attention_wide(layer, b, head * D + d, outv, p)",
+                       "self.store_attention_wide(layer, b, (head + 1) % self.Hq * D + d, outv, p)"),),
+                (GPU_WIDE_STAGES_PROBE,), kernel=True),
        Mutation("wide_second_group_reads_the_first.kernel",
                 "past batch 8, a warpgroup multiplies the set of its second row groups into the accumulators of its "
                 "first, so rows past the chunk's first 128 get nothing and the first 128 another set's sums",
