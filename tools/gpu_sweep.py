@@ -137,7 +137,7 @@ def trace(eng, start=32):
             ahead = statistics.mean(r["ready"] - r["stream_end"] for r in st)
             issue = statistics.mean(r["stream_end"] - r["stream_begin"] for r in st)
             stream = f"  issued {ahead/1e3:7.2f} us before ready, issuing took {issue/1e3:6.2f} us"
-        # MV_REDUCE and ATTN_PARTIAL (past batch 8) stamp their phases in the fields of a matvec's staging and last slot
+        # MV_REDUCE and ATTN_PARTIAL (past batch 8) stamp their phases in a matvec's staging and last-slot fields
         ph = [r for r in rs if "staged" in r and "streamed" in r]
         if ph and not st and (op.startswith("MV_REDUCE") or op == "ATTN_PARTIAL"):
             a = statistics.mean(r["staged"] - r["ready"] for r in ph)
@@ -145,22 +145,21 @@ def trace(eng, start=32):
             c = statistics.mean(r["end"] - r["streamed"] for r in ph)
             names = (("RMS scale", "loads, sums, stores", "barrier, signal") if op.startswith("MV_REDUCE")
                      else ("phase A (q, k, v)", "phase B (softmax pass)", "phase C, signal"))
-            print(f"    {op:17s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us{phase}  "
-                  f"({names[0]} {a/1e3:5.2f} us, {names[1]} {b/1e3:5.2f} us, {names[2]} {c/1e3:5.2f} us)")
-            continue
-        sg = [r for r in rs if "staged" in r]
-        if sg:
-            stream += f"  (ready->staged {statistics.mean(r['staged'] - r['ready'] for r in sg)/1e3:5.2f} us)"
-        sd = [r for r in rs if "streamed" in r]
-        if sd:
-            slots = statistics.mean(r["streamed"] - r["ready"] for r in sd)
-            tail = statistics.mean(r["end"] - r["streamed"] for r in sd)
-            stream += f"  (ready->last slot {slots/1e3:6.2f} us, epilogue {tail/1e3:5.2f} us)"
-        ld = [r for r in rs if "landed_last" in r]
-        if ld:
-            first = statistics.mean(r["landed_first"] - r["ready"] for r in ld)
-            last = statistics.mean(r["landed_last"] - r["ready"] for r in ld)
-            stream += f"  (ready->slots landed {first/1e3:5.2f} .. {last/1e3:5.2f} us)"
+            stream = f"  ({names[0]} {a/1e3:5.2f} us, {names[1]} {b/1e3:5.2f} us, {names[2]} {c/1e3:5.2f} us)"
+        else:
+            sg = [r for r in rs if "staged" in r]
+            if sg:
+                stream += f"  (ready->staged {statistics.mean(r['staged'] - r['ready'] for r in sg)/1e3:5.2f} us)"
+            sd = [r for r in rs if "streamed" in r]
+            if sd:
+                slots = statistics.mean(r["streamed"] - r["ready"] for r in sd)
+                tail = statistics.mean(r["end"] - r["streamed"] for r in sd)
+                stream += f"  (ready->last slot {slots/1e3:6.2f} us, epilogue {tail/1e3:5.2f} us)"
+            ld = [r for r in rs if "landed_last" in r]
+            if ld:
+                first = statistics.mean(r["landed_first"] - r["ready"] for r in ld)
+                last = statistics.mean(r["landed_last"] - r["ready"] for r in ld)
+                stream += f"  (ready->slots landed {first/1e3:5.2f} .. {last/1e3:5.2f} us)"
         print(f"    {op:17s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us{phase}{stream}")
 
 def main():

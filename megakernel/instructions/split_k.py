@@ -12,8 +12,9 @@ float32 partial (matvec_stages: part_<stage>[l, e]). The E ranges' tiles of a la
 
 so the result is the same bits every run. (The RMS scale of a row needs all of its K; on the device MV_REDUCE
 takes it from the sums of squares per 8 columns that the input's producing stage wrote beside it, StepBuffers.x_ssq
-and h_ssq, added in column order.) Operands: a0 = first row, a1 = row count, a2 = the split stage's opcode, a3 = E. LM_HEAD is never split (its (max, argmax) per tile needs whole logits), and batches up to SPLIT_BATCH
-are not either.
+and h_ssq, added in column order.) Operands: a0 = first row, a1 = row count, a2 = the split stage's opcode,
+a3 = E. LM_HEAD is never split (its (max, argmax) per tile needs whole logits), and batches up to SPLIT_BATCH are
+not either.
 """
 
 from __future__ import annotations

@@ -256,7 +256,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                qkv: Int64, attn_part_o: Int64, attn_part_lse: Int64, attn_out: Int64, act: Int64,
                logits: Int64, lm_max: Int64, lm_idx: Int64, out_tokens: Int64, part_qkv: Int64,
                part_o: Int64, part_gate_up: Int64, part_down: Int64, x_wide: Int64, h_wide: Int64,
-                 attn_wide: Int64, act_wide: Int64, x_ssq: Int64, h_ssq: Int64, counters: Int64,
+               attn_wide: Int64, act_wide: Int64, x_ssq: Int64, h_ssq: Int64, counters: Int64,
                sync: Int64, error: Int64, kv_table: Int64, trace: Int64, host_error: Int64):
         tidx, _, _ = cute.arch.thread_idx()
         sm, _, _ = cute.arch.block_idx()
@@ -302,7 +302,8 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                 mbarrier_init(full + j * 8, Int32(1))                # the producer's arrive + the copy bytes
                 # one arrival per part's reader warp; past SPLIT_BATCH every consumer warp passes every slot
                 mbarrier_init(empty + j * 8, Int32(self.warps if self.wide else self.plan.parts))
-            # past SPLIT_BATCH: the bulk copies of the pre-staged inputs (matvec_wide.input_window): s_ctrl[4] waits on it so far
+            # past SPLIT_BATCH: the mbarrier of the pre-staged inputs' bulk copies (matvec_wide.input_window); s_ctrl[4]
+            # counts the copies completed on it
             mbarrier_init(s.xbar_addr, Int32(1))
             mbarrier_init_fence()
             s_ctrl[0] = ld_i32(sync)

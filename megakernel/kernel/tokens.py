@@ -27,9 +27,9 @@ class TokenStages:
         EMBED_UNROLL rounds' loads issued before any of their stores (a store between two loads would make each
         round a memory round trip), each column octet stored as two 16-byte stores (eight 4-byte stores, one
         sector per lane each, took 57 us at batch 64 on one SM); a token outside the vocabulary reads row 0 and
-        is reported in the error word. Past SPLIT_BATCH also x[0]'s pre-staged copy for layer 0's QKV (times attn_norm[0], bf16 at
-        wide_x_byte: a thread's 8 columns are one 16-byte row of a core matrix) and their sum of squares
-        (StepBuffers.x_wide, x_ssq: megakernel.kernel.matvec_wide)."""
+        is reported in the error word. Past SPLIT_BATCH also x[0]'s pre-staged copy for layer 0's QKV (times
+        attn_norm[0], bf16 at wide_x_byte: a thread's 8 columns are one 16-byte row of a core matrix) and their
+        sum of squares (StepBuffers.x_wide, x_ssq: megakernel.kernel.matvec_wide)."""
         n8 = self.H // 8
         U = EMBED_UNROLL
         if cutlass.const_expr(self.wide):
