@@ -132,7 +132,7 @@ K_ATTN = "megakernel/kernel/attention.py"
 K_TOKENS = "megakernel/kernel/tokens.py"
 K_PTX = "megakernel/kernel/ptx.py"
 KERNEL_MODULES = (K_INTERP, K_MATVEC, K_WIDE, K_ATTN, K_TOKENS, K_PTX, "megakernel/kernel/stream.py",
-                  "megakernel/kernel/staging.py")
+                  "megakernel/kernel/staging.py", "megakernel/kernel/softmax_pass.py")
 VM_MODULE = "megakernel/schedule/vm.py"
 ENGINE_OPTIONS = "tests/unit/test_engine_options.py"
 
@@ -250,8 +250,8 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
        Mutation("attention_copy_of_the_next_head.kernel",
                 "past batch 8, the attention writes O_PROJ's pre-staged input one head further on, so O_PROJ "
                 "multiplies each head's weights by the next head's output (and the last by nothing written)",
-                (Patch(K_ATTN, "self.store_attention_wide(layer, b, head * D + d, outv, p)",
-                       "self.store_attention_wide(layer, b, (head + 1) % self.Hq * D + d, outv, p)"),),
+                (Patch(K_ATTN, "+ Int64(wide_x_byte(b, head * D + d0, self.B)),",
+                       "+ Int64(wide_x_byte(b, (head + 1) % self.Hq * D + d0, self.B)),"),),
                 (GPU_WIDE_STAGES_PROBE,), kernel=True),
        Mutation("wide_second_group_reads_the_first.kernel",
                 "past batch 8, a warpgroup multiplies the set of its second row groups into the accumulators of its "

@@ -1,7 +1,8 @@
 """ATTN_PARTIAL and ATTN_REDUCE: flash-decoding over the paged KV cache.
 
-ATTN_PARTIAL operands: a0 = sequence b, a1 = kv head, a2 = split index, a3 = number of splits.
-It takes the raw q/k/v of the new token from qkv[l][b], applies QK-norm (Qwen3) and RoPE at
+ATTN_PARTIAL operands: a0 = sequence b, a1 = kv head, a2 = split index, a3 = number of splits; `seqs` sequences
+b .. b + seqs - 1 (more than one only past SPLIT_BATCH with one split: `sequence_groups`, one consumer warp each).
+For each sequence it takes the raw q/k/v of the new token from qkv[l][b], applies QK-norm (Qwen3) and RoPE at
 positions[b], and scores the group's query heads against the cached tokens of its split:
 split s of n covers cached positions [s*c, min((s+1)*c, pos)) with c = ceil(pos / n). The new token
 is never read back from the cache within the step: the last split adds it from registers and is the
@@ -20,10 +21,33 @@ import math
 import torch
 
 from .context import StageContext, f32, rms_normalize
+from .layout import ROW_GROUP, SPLIT_BATCH
 from .opcodes import Opcode
 from .record import Instruction
 
 OPCODES = (Opcode.ATTN_PARTIAL, Opcode.ATTN_REDUCE)
+
+
+def warp_attention(layout) -> bool:
+    """Whether an ATTN_PARTIAL takes several sequences, one consumer warp each: past SPLIT_BATCH with one split
+    (StepLayout.fused_reduce there) and more (sequence, kv head) pairs than SMs. A CTA-wide item of a short context
+    is a few dependent round trips and barriers of latency (~5 us), and with more pairs than SMs each SM would take
+    several of them one after another; with at most one pair per SM, all the warps of an item are faster than
+    one (profiles/RESULTS.md, 2026-12-04)."""
+    return (layout.batch > SPLIT_BATCH and layout.fused_reduce
+            and layout.batch * layout.config.num_kv_heads > layout.num_sms)
+
+
+def sequence_groups(layout) -> list[tuple[int, int]]:
+    """(first sequence, sequences) of each ATTN_PARTIAL of one (kv head, split): one sequence each, except where
+    warp_attention, where an instruction takes up to ROW_GROUP sequences (the CTA's consumer warps), as few as
+    spread a layer's (sequence, kv head) pairs over the SMs."""
+    B = layout.batch
+    if not warp_attention(layout):
+        return [(b, 1) for b in range(B)]
+    pairs = B * layout.config.num_kv_heads
+    n = min(ROW_GROUP, -(-pairs // layout.num_sms))
+    return [(b, min(n, B - b)) for b in range(0, B, n)]
 
 
 def merge_splits(lse: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
@@ -43,12 +67,14 @@ def reads(ins: Instruction, layout) -> list:
     g, d = c.gqa_group, c.head_dim
     if ins.opcode == Opcode.ATTN_PARTIAL:
         kvh = ins.a1
-        row = ins.a0 * c.qkv_rows
-        return [("positions", 0, ins.a0, ins.a0 + 1),
-                ("qkv", ins.layer, row + kvh * g * d, row + (kvh + 1) * g * d),
-                ("qkv", ins.layer, row + c.q_size + kvh * d, row + c.q_size + (kvh + 1) * d),
-                ("qkv", ins.layer, row + c.q_size + c.kv_size + kvh * d,
-                 row + c.q_size + c.kv_size + (kvh + 1) * d)]
+        out = [("positions", 0, ins.a0, ins.a0 + ins.seqs)]
+        for b in range(ins.a0, ins.a0 + ins.seqs):
+            row = b * c.qkv_rows
+            out += [("qkv", ins.layer, row + kvh * g * d, row + (kvh + 1) * g * d),
+                    ("qkv", ins.layer, row + c.q_size + kvh * d, row + c.q_size + (kvh + 1) * d),
+                    ("qkv", ins.layer, row + c.q_size + c.kv_size + kvh * d,
+                     row + c.q_size + c.kv_size + (kvh + 1) * d)]
+        return out
     first = (ins.a0 * c.num_heads + ins.a1 * g) * ins.a3      # all splits of the group's heads
     return [("attn_part", ins.layer, first, first + g * ins.a3)]
 
@@ -57,9 +83,12 @@ def writes(ins: Instruction, layout) -> list:
     c = layout.config
     g = c.gqa_group
     if ins.opcode == Opcode.ATTN_PARTIAL:
-        # region index ((b * Hq + head) * splits + split): one slot per head of the group
-        base = (ins.a0 * c.num_heads + ins.a1 * g) * ins.a3 + ins.a2
-        return [("attn_part", ins.layer, base + h * ins.a3, base + h * ins.a3 + 1) for h in range(g)]
+        # region index ((b * Hq + head) * splits + split): one slot per head of the group and sequence
+        out = []
+        for b in range(ins.a0, ins.a0 + ins.seqs):
+            base = (b * c.num_heads + ins.a1 * g) * ins.a3 + ins.a2
+            out += [("attn_part", ins.layer, base + h * ins.a3, base + h * ins.a3 + 1) for h in range(g)]
+        return out
     row = ins.a0 * c.q_size
     return [("attn_out", ins.layer, row + ins.a1 * g * c.head_dim, row + (ins.a1 + 1) * g * c.head_dim)]
 
@@ -100,7 +129,15 @@ def reference(ins: Instruction, ctx: StageContext) -> None:
         merged = merge_splits(bufs.attn_part_lse[l, b, heads], bufs.attn_part_o[l, b, heads])   # [G, D]
         bufs.attn_out[l, b, kvh * g * d:(kvh + 1) * g * d] = merged.reshape(-1)
         return
-    split, num_splits = ins.a2, ins.a3
+    for seq in range(b, b + ins.seqs):
+        partial_reference(ctx, l, seq, kvh, ins.a2, ins.a3)
+
+
+def partial_reference(ctx: StageContext, l: int, b: int, kvh: int, split: int, num_splits: int) -> None:
+    """ATTN_PARTIAL's outputs for one sequence: split `split` of `num_splits` of kv head kvh."""
+    c, bufs = ctx.layout.config, ctx.bufs
+    g, d = c.gqa_group, c.head_dim
+    heads = slice(kvh * g, (kvh + 1) * g)
     pos = int(bufs.positions[b])
     q, k_new, v_new, k_store, v_store = new_token_qkv(ctx, l, b, kvh)
     lo, hi = split_range(pos, split, num_splits)

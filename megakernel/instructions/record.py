@@ -12,7 +12,8 @@ WORDS = 16
 NO_COUNTER = -1
 
 # Word positions, shared by the serializer, the VM and the device decoder.
-W_OPCODE, W_LAYER, W_A0, W_A1, W_A2, W_A3, W_WAIT_ID, W_WAIT_COUNT, W_SIGNAL_ID, W_INDEX, W_K_PART, W_K_PARTS = range(12)
+(W_OPCODE, W_LAYER, W_A0, W_A1, W_A2, W_A3, W_WAIT_ID, W_WAIT_COUNT, W_SIGNAL_ID, W_INDEX, W_K_PART, W_K_PARTS,
+ W_SEQS) = range(13)
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,8 @@ class Instruction:
     counter and the per-step count this instruction waits for; ``signal_id`` the counter it adds 1 to
     when its stores are done; ``index`` is its position in the global topological order (for traces
     and error reports). ``k_part`` of ``k_parts`` is the K range of a matvec tile split over K (split_k.py);
-    an unsplit tile is range 0 of 1.
+    an unsplit tile is range 0 of 1. ``seqs`` is the number of sequences from ``a0`` an ATTN_PARTIAL takes (one
+    consumer warp each; attention.sequence_groups); 1 for every other instruction.
     """
 
     opcode: Opcode
@@ -38,6 +40,7 @@ class Instruction:
     index: int = -1
     k_part: int = 0
     k_parts: int = 1
+    seqs: int = 1
     cost: float = field(default=0.0, compare=False)
 
     def encode(self) -> list[int]:
@@ -50,6 +53,7 @@ class Instruction:
         words[W_SIGNAL_ID] = self.signal_id
         words[W_INDEX] = self.index
         words[W_K_PART], words[W_K_PARTS] = self.k_part, self.k_parts
+        words[W_SEQS] = self.seqs
         return words
 
     @classmethod
@@ -57,7 +61,8 @@ class Instruction:
         w = [int(x) for x in words]
         return cls(opcode=Opcode(w[W_OPCODE]), layer=w[W_LAYER], a0=w[W_A0], a1=w[W_A1], a2=w[W_A2],
                    a3=w[W_A3], wait_id=w[W_WAIT_ID], wait_count=w[W_WAIT_COUNT],
-                   signal_id=w[W_SIGNAL_ID], index=w[W_INDEX], k_part=w[W_K_PART], k_parts=w[W_K_PARTS])
+                   signal_id=w[W_SIGNAL_ID], index=w[W_INDEX], k_part=w[W_K_PART], k_parts=w[W_K_PARTS],
+                   seqs=w[W_SEQS])
 
 
 def serialize(queues: list[list[Instruction]]) -> tuple[torch.Tensor, torch.Tensor]:

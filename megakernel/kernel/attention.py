@@ -4,12 +4,12 @@ input staging uses where the layout folds ATTN_REDUCE into it.
 The records, split ranges and torch references are in megakernel.instructions.attention. ATTN_PARTIAL:
   A. the group's query heads and the new token's k, v (QK-norm, RoPE) into shared memory; the last split
      appends k, v to the paged cache unless that breaks the aliasing rule (`scan_aliasing`, once a step);
-  B. an online softmax over the split's cached tokens (the new token last): a split of at most as many
-     tokens as warps one token per warp, each warp's copied to shared memory by cp.async before the
-     instruction's wait (`attn_preload`: the cache's history is a step input, nothing this step writes);
-     a longer one (at the batches compiled with it, STREAM_UNROLL) streamed, several tokens per warp with
-     their loads in flight together (`attend_streamed`);
+  B. an online softmax over the split's cached tokens (the new token last): softmax_pass.py;
   C. the warps' (max, sum, output) merged and the split's partial (output, log-sum-exp) written.
+Past SPLIT_BATCH with one split and more (sequence, kv head) pairs than SMs (instructions.attention.warp_attention)
+an ATTN_PARTIAL takes several sequences, one consumer warp each, A-C in the warp with no barrier
+(`attend_sequences`): a CTA-wide item there is ~4 us of dependent round trips and barriers for ~30 tokens, and a
+layer at batch 64 put ~4 of them on each SM in series (20 us a layer on llama-3.2-1b; 7 with a warp each).
 """
 
 from __future__ import annotations
@@ -21,26 +21,18 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from ..instructions.layout import wide_x_byte
-from .ptx import (atomic_cas, cp_async_shared, cp_async_wait_all, ex2, globaltimer_lo, ld_bf16, ld_f32, ld_i32, ld_i64,
-                  lg2, ld_shared_f32x4, load_f32x4, load_global_b32x4, load_shared_b32, pack_bf16x2, round_bf16, rsqrt,
-                  st_bf16, st_f32, st_i32, store_relaxed, unpack_bf16x2, warp_sum)
+from .ptx import (atomic_cas, cp_async_wait_all, ex2, globaltimer_lo, ld_bf16, ld_f32, ld_i32, ld_i64, lg2, load_f32x4,
+                  pack_bf16x2, round_bf16, rsqrt, st_b32x4, st_bf16, st_f32, st_f32x4, st_i32, store_relaxed, warp_sum)
+from .softmax_pass import LOG2E, STREAM_ELEMS, WARP_UNROLL, SoftmaxPass
 from .stream import TR_CONSUMED, TR_STAGED
 
 MERGE_GROUP = 4            # attention splits whose partials one merge holds in registers at once
-STREAM_ELEMS = 8           # streamed pass: elements of a token's k (and v) per lane, one 16-byte load each
-# ... tokens per lane group per iteration (their loads in flight together, folded into the softmax as one block),
-# by (batch, head_dim): the batches compiled with the streamed pass, each as many as the 128 registers of its warps
-# hold without spills on the real presets in every cache layout (the compile tests check them; 2 tokens spill at
-# batch 4 and at head_dim 128; at the batches without the pass it pushes long-lived values of the loop out of
-# registers)
-STREAM_UNROLL = {(1, 64): 2, (1, 128): 1, (4, 64): 1, (4, 128): 1}
-LOG2E = 1.4426950408889634
 ERR_POSITION = 2
 ERR_ALIAS = 5           # a new token's KV slot is one this step reads or another sequence appends to
 ALIAS_UNROLL = 4        # block-table entries per thread whose loads the aliasing scan issues together
 
 
-class AttentionStage:
+class AttentionStage(SoftmaxPass):
     """Consumer-side attention (a mixin of the interpreter)."""
 
     @cute.jit
@@ -54,56 +46,6 @@ class AttentionStage:
         if hi > pos:
             hi = pos
         return lo, hi
-
-    @cute.jit
-    def cached_token(self, b: Int32, kvh: Int32, t: Int32, block_table: Int64) -> Int64:
-        """Element offset, in a layer's K (or V) cache, of sequence b's position t, kv head kvh: its block
-        from the block table, then the cache's strides."""
-        tb = ld_i32(block_table + (Int64(b) * self.max_blocks + Int64(t // self.bs)) * 4)
-        return self.token_offset(tb, kvh, t)
-
-    @cute.jit
-    def token_offset(self, tb: Int32, kvh: Int32, t: Int32) -> Int64:
-        """Element offset of position t (in block tb), kv head kvh, in a layer's K (or V) cache: the strides."""
-        return Int64(tb) * self.kv_sb + Int64(t % self.bs) * self.kv_st + Int64(kvh) * self.kv_sh
-
-    @cute.jit
-    def load_cached_kv(self, b: Int32, kvh: Int32, t: Int32, block_table: Int64, k_base: Int64, v_base: Int64,
-                       lane: Int32, kk: cute.Tensor, vv: cute.Tensor):
-        """This lane's E elements of the cached k and v of sequence b at position t (kv head kvh)."""
-        ts = self.cached_token(b, kvh, t, block_table)
-        for e in cutlass.range_constexpr(self.E):
-            kk[e] = ld_bf16(k_base + (ts + Int64(lane * self.E + e)) * 2)
-            vv[e] = ld_bf16(v_base + (ts + Int64(lane * self.E + e)) * 2)
-
-    def preload_slot(self, warp: Int32, lane: Int32, s) -> Int32:
-        """Shared address of this lane's k elements in its warp's preload slot: a slot holds D bf16 of k,
-        then D of v (4 * D bytes); the lane's v elements are D * 2 bytes further."""
-        return s.pre_addr + (warp * 2 * self.D + lane * self.E) * 2
-
-    @cute.jit
-    def attn_preload(self, warp: Int32, lane: Int32, layer: Int32, b: Int32, kvh: Int32, split: Int32,
-                     num_splits: Int32, p, s):
-        """Before ATTN_PARTIAL's wait: this warp's first cached token of the split (position lo + warp), its
-        lane's bf16 k and v elements copied to the warp's preload slot by cp.async, when the warp has one."""
-        pos = ld_i32(p.positions + Int64(b) * 4)
-        if pos < 0 or pos >= self.max_seq_len:
-            pos = Int32(0)                      # attn_partial reports it; no cached token is read
-        lo, hi = self.split_bounds(pos, split, num_splits)
-        if lo + warp < hi:
-            off = (self.cached_token(b, kvh, lo + warp, p.block_table) + Int64(lane * self.E)) * 2
-            dst = self.preload_slot(warp, lane, s)
-            cp_async_shared(dst, ld_i64(p.kv_table + Int64(layer) * 16) + off, self.E * 2)
-            cp_async_shared(dst + self.D * 2, ld_i64(p.kv_table + Int64(layer) * 16 + 8) + off, self.E * 2)
-
-    @cute.jit
-    def preloaded_kv(self, warp: Int32, lane: Int32, s, kk: cute.Tensor, vv: cute.Tensor):
-        """This lane's k and v elements that attn_preload copied (float32), after waiting for the copies."""
-        cp_async_wait_all()
-        src = self.preload_slot(warp, lane, s)
-        for w in cutlass.range_constexpr(self.E // 2):
-            kk[2 * w], kk[2 * w + 1] = unpack_bf16x2(load_shared_b32(src + w * 4))
-            vv[2 * w], vv[2 * w + 1] = unpack_bf16x2(load_shared_b32(src + self.D * 2 + w * 4))
 
     @cute.jit
     def scan_aliasing(self, tidx: Int32, p, s):
@@ -151,16 +93,77 @@ class AttentionStage:
                                 s_alias[b] = Int32(1)
 
     @cute.jit
-    def attn_partial(self, tidx: Int32, warp: Int32, lane: Int32, layer: Int32, b: Int32, kvh: Int32,
-                     split: Int32, num_splits: Int32, index: Int32, p, s, rec: Int64):
-        """The instruction's phases A-C (the module docstring); s.alias[b] = 1 (scan_aliasing): the last split
-        writes no K/V and reports ERR_ALIAS. With KernelOptions.trace past SPLIT_BATCH, the ends of phases A and B
-        in its trace record (rec: TR_STAGED, TR_CONSUMED; at batch 1-8 the stamps' registers would spill)."""
-        s_kv, s_l, s_m, s_o, s_q = s.kv, s.l, s.m, s.o, s.q
+    def load_head(self, hh: Int32, lane: Int32, kvh: Int32, row: Int64, vals: cute.Tensor, at: int):
+        """This lane's E elements of the new token's query head hh < G of the kv head's group, its k (hh == G) or
+        its v (G + 1), from the qkv row, into vals[at:]."""
+        D, E, G = self.D, self.E, self.G
+        off = Int32(0)
+        if hh < G:
+            off = (kvh * G + hh) * D
+        if hh == G:
+            off = Int32(self.Q) + kvh * D
+        if hh == G + 1:
+            off = Int32(self.Q + self.KV) + kvh * D
+        for e in cutlass.range_constexpr(E):
+            vals[at + e] = ld_f32(row + Int64(off + lane * E + e) * 4)
+
+    @cute.jit
+    def finish_head(self, hh: Int32, lane: Int32, layer: Int32, kvh: Int32, pos: Int32, blk: Int32, k_base: Int64,
+                    v_base: Int64, append: cutlass.Boolean, vals: cute.Tensor, at: int, q_at: Int32, kv_at: Int32,
+                    p, s):
+        """Head hh of load_head's vals[at:] (QK-norm, RoPE at pos): the query into s.q from element q_at, k and v
+        rounded to bf16 into s.kv from element kv_at and, where `append`, into the paged cache (block blk). (A
+        step with a bad position or an aliased slot writes no cache slot: the error is raised, the cache kept.)"""
+        s_kv, s_q = s.kv, s.q
         D, E, G, half = self.D, self.E, self.G, self.D // 2
+        if cutlass.const_expr(self.qk_norm):
+            if hh <= G:
+                ssq = Float32(0.0)
+                for e in cutlass.range_constexpr(E):
+                    ssq = ssq + vals[at + e] * vals[at + e]
+                ssq = warp_sum(ssq)
+                r = rsqrt(ssq / Float32(D) + Float32(self.eps))
+                nbase = p.q_norm
+                if hh == G:
+                    nbase = p.k_norm
+                for e in cutlass.range_constexpr(E):
+                    vals[at + e] = vals[at + e] * r * ld_bf16(nbase + (Int64(layer) * D + Int64(lane * E + e)) * 2)
+        if hh <= G:
+            for e in cutlass.range_constexpr(E):
+                partner = cute.arch.shuffle_sync_bfly(vals[at + e], offset=16)
+                fi = (lane * E + e) % half
+                cs = ld_f32(p.rope_cos + (Int64(pos) * half + Int64(fi)) * 4)
+                sn = ld_f32(p.rope_sin + (Int64(pos) * half + Int64(fi)) * 4)
+                rot = vals[at + e] * cs + partner * sn
+                if lane < 16:
+                    rot = vals[at + e] * cs - partner * sn
+                vals[at + e] = rot
+        if hh < G:
+            for e in cutlass.range_constexpr(E):
+                s_q[q_at + hh * D + lane * E + e] = vals[at + e]
+        else:
+            cache = k_base
+            if hh == G + 1:
+                cache = v_base
+            for e in cutlass.range_constexpr(E):
+                rv = round_bf16(vals[at + e])
+                s_kv[kv_at + (hh - G) * D + lane * E + e] = rv
+                if append:
+                    st_bf16(cache + (self.token_offset(blk, kvh, pos) + Int64(lane * E + e)) * 2, rv)
+
+    def qkv_row(self, layer: Int32, b: Int32, p) -> Int64:
+        """Address of sequence b's qkv row of a layer (float32, QKV's output)."""
+        return p.qkv + (Int64(layer) * self.B + Int64(b)) * (self.QKV * 4)
+
+    @cute.jit
+    def new_token_setup(self, lead: cutlass.Boolean, layer: Int32, b: Int32, last: cutlass.Boolean, index: Int32,
+                        p, s):
+        """Sequence b's position (0 where it is out of range), whether the new token's k and v go to the cache
+        (the last split, a good position, no aliasing: s.alias[b], scan_aliasing), the layer's K and V base
+        addresses and the new token's cache block. `lead` reports a bad position (ERR_POSITION) or an aliased
+        slot of the last split (ERR_ALIAS), naming the instruction and the sequence."""
         pos = ld_i32(p.positions + Int64(b) * 4)
         bad = pos < 0 or pos >= self.max_seq_len
-        last = split == num_splits - 1
         aliased = s.alias[b]
         # one report for both errors (a second atomic's block cost spilled registers)
         code = Int32(0)
@@ -168,13 +171,13 @@ class AttentionStage:
             code = Int32(ERR_ALIAS)
         if bad:
             code = Int32(ERR_POSITION)
-        if code != 0 and tidx == 0:
+        if code != 0 and lead:
             if atomic_cas(p.error, Int32(0), code) == 0:
-                store_relaxed(p.error + 4, index)        # (the instruction names the sequence)
+                store_relaxed(p.error + 4, index)
+                store_relaxed(p.error + 8, b)
                 store_relaxed(p.error + 12, pos)
         if bad:
             pos = Int32(0)
-        row = p.qkv + (Int64(layer) * self.B + Int64(b)) * (self.QKV * 4)
         # the layer's K and V base addresses (a device table, so a bound cache can move without a
         # recompile or a new CUDA graph); element offset of (block, offset, kv head) from the strides
         k_base = ld_i64(p.kv_table + Int64(layer) * 16)
@@ -182,56 +185,36 @@ class AttentionStage:
         # the new token's cache block: loaded now, its slot address computed where the last split appends, so
         # the load's round trip runs beside phase A's instead of before it
         blk = ld_i32(p.block_table + (Int64(b) * self.max_blocks + Int64(pos // self.bs)) * 4)
+        append = last and not bad and aliased == 0
+        return pos, append, k_base, v_base, blk
+
+    @cute.jit
+    def attn_partial(self, tidx: Int32, warp: Int32, lane: Int32, layer: Int32, b: Int32, kvh: Int32,
+                     split: Int32, num_splits: Int32, seqs: Int32, index: Int32, p, s, rec: Int64):
+        """The instruction's phases A-C (the module docstring); s.alias[b] = 1 (scan_aliasing): the last split
+        writes no K/V and reports ERR_ALIAS. With KernelOptions.trace past SPLIT_BATCH, the ends of phases A and B
+        in its trace record (rec: TR_STAGED, TR_CONSUMED; at batch 1-8 the stamps' registers would spill). Where
+        the layout has warp_attention, `seqs` sequences from b, one consumer warp each (attend_sequences)."""
+        if cutlass.const_expr(self.warp_attention):
+            self.attend_sequences(tidx, warp, lane, layer, b, kvh, seqs, index, p, s, rec)
+        else:
+            self.attend_split(tidx, warp, lane, layer, b, kvh, split, num_splits, index, p, s, rec)
+
+    @cute.jit
+    def attend_split(self, tidx: Int32, warp: Int32, lane: Int32, layer: Int32, b: Int32, kvh: Int32,
+                     split: Int32, num_splits: Int32, index: Int32, p, s, rec: Int64):
+        """One (sequence, kv head, split) on all the consumer warps: phases A-C of the module docstring."""
+        s_l, s_m, s_o = s.l, s.m, s.o
+        D, G = self.D, self.G
+        last = split == num_splits - 1
+        pos, append, k_base, v_base, blk = self.new_token_setup(tidx == 0, layer, b, last, index, p, s)
+        row = self.qkv_row(layer, b, p)
 
         # ---- phase A: q heads of the group, then k, then v of the new token -> smem
         for hh in range(warp, G + 2, self.warps):
-            # where the q of head hh (hh < G), the k (G) or the v (G + 1) of this kv head start in the qkv row
-            off = Int32(0)
-            if hh < G:
-                off = (kvh * G + hh) * D
-            if hh == G:
-                off = Int32(self.Q) + kvh * D
-            if hh == G + 1:
-                off = Int32(self.Q + self.KV) + kvh * D
-            vals = cute.make_rmem_tensor((E,), Float32)
-            for e in cutlass.range_constexpr(E):
-                vals[e] = ld_f32(row + Int64(off + lane * E + e) * 4)
-            if cutlass.const_expr(self.qk_norm):
-                if hh <= G:
-                    ssq = Float32(0.0)
-                    for e in cutlass.range_constexpr(E):
-                        ssq = ssq + vals[e] * vals[e]
-                    ssq = warp_sum(ssq)
-                    r = rsqrt(ssq / Float32(D) + Float32(self.eps))
-                    nbase = p.q_norm
-                    if hh == G:
-                        nbase = p.k_norm
-                    for e in cutlass.range_constexpr(E):
-                        vals[e] = vals[e] * r * ld_bf16(nbase + (Int64(layer) * D + Int64(lane * E + e)) * 2)
-            if hh <= G:
-                for e in cutlass.range_constexpr(E):
-                    partner = cute.arch.shuffle_sync_bfly(vals[e], offset=16)
-                    fi = (lane * E + e) % half
-                    cs = ld_f32(p.rope_cos + (Int64(pos) * half + Int64(fi)) * 4)
-                    sn = ld_f32(p.rope_sin + (Int64(pos) * half + Int64(fi)) * 4)
-                    rot = vals[e] * cs + partner * sn
-                    if lane < 16:
-                        rot = vals[e] * cs - partner * sn
-                    vals[e] = rot
-            if hh < G:
-                for e in cutlass.range_constexpr(E):
-                    s_q[hh * D + lane * E + e] = vals[e]
-            else:
-                cache = k_base
-                if hh == G + 1:
-                    cache = v_base
-                for e in cutlass.range_constexpr(E):
-                    rv = round_bf16(vals[e])
-                    s_kv[(hh - G) * D + lane * E + e] = rv
-                    if last and not bad and aliased == 0:
-                        # (a step with a bad position or an aliased slot writes no cache slot: the error is
-                        # raised, the cache kept)
-                        st_bf16(cache + (self.token_offset(blk, kvh, pos) + Int64(lane * E + e)) * 2, rv)
+            vals = cute.make_rmem_tensor((self.E,), Float32)
+            self.load_head(hh, lane, kvh, row, vals, 0)
+            self.finish_head(hh, lane, layer, kvh, pos, blk, k_base, v_base, append, vals, 0, Int32(0), Int32(0), p, s)
         self.consumer_sync()
         if cutlass.const_expr(self.options.trace and self.wide):
             if tidx == 0:
@@ -284,217 +267,60 @@ class AttentionStage:
                 st_f32(p.attn_part_lse + pidx * 4, lse)
 
     @cute.jit
-    def softmax_state(self, n: int):
-        """An empty online-softmax state of the G query heads: (m, l, o) = (-inf, 0, 0), n output elements
-        per head."""
-        m = cute.make_rmem_tensor((self.G,), Float32)
-        lsum = cute.make_rmem_tensor((self.G,), Float32)
-        o = cute.make_rmem_tensor((self.G * n,), Float32)
-        for g in cutlass.range_constexpr(self.G):
-            m[g] = Float32(-math.inf)
-            lsum[g] = Float32(0.0)
-            for e in cutlass.range_constexpr(n):
-                o[g * n + e] = Float32(0.0)
-        return m, lsum, o
-
-    @cute.jit
-    def store_softmax_state(self, warp: Int32, lane: Int32, m: cute.Tensor, lsum: cute.Tensor, o: cute.Tensor,
-                            n: int, d0: Int32, writes: cutlass.Boolean, s):
-        """A warp's (m, l, o) into s.m, s.l (lane 0) and s.o: this lane's n elements of each head from
-        element d0, where `writes`."""
-        s_l, s_m, s_o = s.l, s.m, s.o
-        G = self.G
-        for g in cutlass.range_constexpr(G):
-            if lane == 0:
-                s_m[warp * G + g] = m[g]
-                s_l[warp * G + g] = lsum[g]
-            if writes:
-                for e in cutlass.range_constexpr(n):
-                    s_o[(warp * G + g) * self.D + d0 + e] = o[g * n + e]
-
-    @cute.jit
-    def attend_per_warp(self, warp: Int32, lane: Int32, b: Int32, kvh: Int32, lo: Int32, hi: Int32,
-                        last: cutlass.Boolean, k_base: Int64, v_base: Int64, p, s):
-        """Phase B for a split of at most as many tokens as warps (a short context): an online softmax over the
-        split's cached tokens, one token per warp (a lane: D / 32 elements), each warp's copied to shared memory
-        before the wait (attn_preload), the new token last (warp 0 of the last split); the warp's (m, l, o)
-        into s.m, s.l, s.o."""
-        s_kv, s_q = s.kv, s.q
-        D, E, G = self.D, self.E, self.G
-        qv = cute.make_rmem_tensor((G * E,), Float32)
-        for g in cutlass.range_constexpr(G):
-            for e in cutlass.range_constexpr(E):
-                qv[g * E + e] = s_q[g * D + lane * E + e]
-        m, lsum, o = self.softmax_state(E)
-        n_tok = hi - lo
-        extra = Int32(0)
-        if last and warp == 0:
-            extra = Int32(1)
-        n_mine = (n_tok - warp + self.warps - 1) // self.warps
-        if n_tok <= warp:
-            n_mine = Int32(0)
-        for j in range(n_mine + extra):
-            kk = cute.make_rmem_tensor((E,), Float32)
-            vv = cute.make_rmem_tensor((E,), Float32)
-            if j < n_mine:
-                if j == 0:          # copied before the wait (attn_preload)
-                    self.preloaded_kv(warp, lane, s, kk, vv)
-                else:
-                    self.load_cached_kv(b, kvh, lo + warp + j * self.warps, p.block_table, k_base, v_base,
-                                        lane, kk, vv)
-            else:
-                for e in cutlass.range_constexpr(E):
-                    kk[e] = s_kv[lane * E + e]
-                    vv[e] = s_kv[D + lane * E + e]
+    def attend_sequences(self, tidx: Int32, warp: Int32, lane: Int32, layer: Int32, b0: Int32, kvh: Int32,
+                         seqs: Int32, index: Int32, p, s, rec: Int64):
+        """ATTN_PARTIAL of sequences b0 .. b0 + seqs - 1 (warp_attention: past SPLIT_BATCH, one split), one
+        consumer warp each, no barrier between the phases: A, the new token's heads into the warp's own s.q and
+        s.kv (and the cache); B, every cached token streamed, WARP_UNROLL tokens per lane group an iteration, the
+        new token last; C, the warp's state normalised and written (attn_part, and O_PROJ's pre-staged input). With
+        KernelOptions.trace, warp 0's ends of A and B in the trace record (TR_STAGED, TR_CONSUMED)."""
+        D, E, G, NE = self.D, self.E, self.G, STREAM_ELEMS
+        LPT = D // NE
+        TPW = 32 // LPT
+        if warp < seqs:
+            b = b0 + warp
+            # phase A: every head's loads issued before the position's (whose use stalls), then the heads
+            vals = cute.make_rmem_tensor(((G + 2) * E,), Float32)
+            row = self.qkv_row(layer, b, p)
+            for hh in cutlass.range_constexpr(G + 2):
+                self.load_head(hh, lane, kvh, row, vals, hh * E)
+            pos, append, k_base, v_base, blk = self.new_token_setup(lane == 0, layer, b, True, index, p, s)
+            q_at = warp * (G * D)
+            kv_at = warp * (2 * D)
+            for hh in cutlass.range_constexpr(G + 2):
+                self.finish_head(hh, lane, layer, kvh, pos, blk, k_base, v_base, append, vals, hh * E, q_at, kv_at,
+                                 p, s)
+            cute.arch.sync_warp()
+            if cutlass.const_expr(self.options.trace):
+                if tidx == 0:
+                    st_i32(rec + TR_STAGED * 4, globaltimer_lo())
+            m, lsum, o = self.stream_tokens(lane, b, kvh, Int32(0), pos, Int32(0), Int32(1), WARP_UNROLL, True, True,
+                                            q_at, kv_at, k_base, v_base, p, s)
+            if cutlass.const_expr(self.options.trace):
+                if tidx == 0:
+                    st_i32(rec + TR_CONSUMED * 4, globaltimer_lo())
+            # every lane group holds the warp's state (the new token counted, so l > 0): group tg writes heads
+            # tg, tg + TPW, ...
+            tg = lane // LPT
+            d0 = (lane - tg * LPT) * NE
             for g in cutlass.range_constexpr(G):
-                dot = Float32(0.0)
-                for e in cutlass.range_constexpr(E):
-                    dot = dot + qv[g * E + e] * kk[e]
-                sc = warp_sum(dot) * Float32(self.scale_log2)
-                m_new = m[g]
-                if sc > m_new:
-                    m_new = sc
-                corr = ex2(m[g] - m_new)
-                pr = ex2(sc - m_new)
-                lsum[g] = lsum[g] * corr + pr
-                for e in cutlass.range_constexpr(E):
-                    o[g * E + e] = o[g * E + e] * corr + pr * vv[e]
-                m[g] = m_new
-        self.store_softmax_state(warp, lane, m, lsum, o, E, lane * E, True, s)
-
-    def stream_unroll(self) -> int:
-        """Tokens per lane group per iteration of the streamed pass (0: not compiled): STREAM_UNROLL up to
-        SPLIT_BATCH; past it one (8 consumer warps of 168 registers)."""
-        if self.wide:
-            return 1
-        return STREAM_UNROLL.get((self.B, self.D), 0)
-
-    @cute.jit
-    def attend_streamed(self, warp: Int32, lane: Int32, b: Int32, kvh: Int32, lo: Int32, hi: Int32,
-                        last: cutlass.Boolean, k_base: Int64, v_base: Int64, p, s):
-        """Phase B for a split of more tokens than warps: a lane group of D / STREAM_ELEMS lanes takes one token
-        per load (a lane: STREAM_ELEMS elements, one 16-byte load of k and one of v), so a warp takes
-        32 * STREAM_ELEMS / D tokens per load and STREAM_UNROLL loads per iteration, all in flight together,
-        folded into the online softmax as one block (`stream_block`); each token's cache block id is loaded just
-        before its k and v (a split's few table entries stay in L1). Each lane group keeps its own online softmax
-        (m, l, o), merged across the warp's groups by shuffles at the end; the new token (the last split) is lane
-        group 0 of warp 0's. The warp's (m, l, o) into s.m, s.l, s.o."""
-        s_kv = s.kv
-        D, G, W, NE, UT = self.D, self.G, self.warps, STREAM_ELEMS, self.stream_unroll()
-        NW = NE // 2                 # packed bf16 words of a lane's share of a token's k (and of its v)
-        LPT = D // NE                # lanes per token
-        TPW = 32 // LPT              # tokens per warp-wide load
-        step = TPW * UT              # tokens per warp per iteration
-        tg = lane // LPT
-        c = lane - tg * LPT          # this lane's elements: NE c .. NE c + NE - 1 of a head
-        qa = Int32(s.q.iterator.toint()) + c * (NE * 4)    # ... of head 0's query (shared memory)
-        m, lsum, o = self.softmax_state(NE)
-        bt = p.block_table + Int64(b) * (self.max_blocks * 4)
-        lane_off = Int64(kvh) * self.kv_sh + Int64(c * NE)
-        n_it = (hi - lo + W * step - 1) // (W * step)
-        for it in range(n_it):
-            t0 = lo + (it * W + warp) * step
-            kw = cute.make_rmem_tensor((UT * NW,), Int32)
-            vw = cute.make_rmem_tensor((UT * NW,), Int32)
-            tb = cute.make_rmem_tensor((UT,), Int32)
-            for u in cutlass.range_constexpr(UT):         # the tokens' blocks (the split's few table entries:
-                t = t0 + u * TPW + tg                     # after the first warp's load, L1 hits)
-                tb[u] = Int32(0)
-                if t < hi:
-                    tb[u] = ld_i32(bt + Int64(t // self.bs) * 4)
-            for u in cutlass.range_constexpr(UT):
-                t = t0 + u * TPW + tg
-                for e in cutlass.range_constexpr(NW):
-                    kw[u * NW + e] = Int32(0)       # (a token past the split: zeros, so its weight 0 adds 0)
-                    vw[u * NW + e] = Int32(0)
-                if t < hi:
-                    off = (Int64(tb[u]) * self.kv_sb + Int64(t % self.bs) * self.kv_st + lane_off) * 2
-                    kr = load_global_b32x4(k_base + off)
-                    vr = load_global_b32x4(v_base + off)
-                    for e in cutlass.range_constexpr(NW):
-                        kw[u * NW + e] = kr[e]
-                        vw[u * NW + e] = vr[e]
-            # this lane group's tokens of the iteration below hi: u < n_valid
-            n_valid = (hi - t0 - tg + TPW - 1) // TPW
-            self.stream_block(n_valid, UT, qa, kw, vw, m, lsum, o)
-        # the new token, from shared memory (every lane computes its score; lane group 0 of warp 0 adds it)
-        kw = cute.make_rmem_tensor((NW,), Int32)
-        vw = cute.make_rmem_tensor((NW,), Int32)
-        for e in cutlass.range_constexpr(NW):
-            kw[e] = pack_bf16x2(s_kv[c * NE + 2 * e], s_kv[c * NE + 2 * e + 1])
-            vw[e] = pack_bf16x2(s_kv[D + c * NE + 2 * e], s_kv[D + c * NE + 2 * e + 1])
-        mine = Int32(0)
-        if last and warp == 0 and tg == 0:
-            mine = Int32(1)
-        self.stream_block(mine, 1, qa, kw, vw, m, lsum, o)
-        # merge the lane groups' states (a butterfly over the groups: every group ends with the warp's)
-        for sh in cutlass.range_constexpr(LPT.bit_length() - 1, 5):
-            for g in cutlass.range_constexpr(G):
-                m2 = cute.arch.shuffle_sync_bfly(m[g], offset=1 << sh)
-                l2 = cute.arch.shuffle_sync_bfly(lsum[g], offset=1 << sh)
-                mn = cute.arch.fmax(m[g], m2)
-                f1 = Float32(0.0)
-                f2 = Float32(0.0)
-                if mn > Float32(-math.inf):
-                    f1 = ex2(m[g] - mn)
-                    f2 = ex2(m2 - mn)
-                lsum[g] = lsum[g] * f1 + l2 * f2
-                for e in cutlass.range_constexpr(NE):
-                    o2 = cute.arch.shuffle_sync_bfly(o[g * NE + e], offset=1 << sh)
-                    o[g * NE + e] = o[g * NE + e] * f1 + o2 * f2
-                m[g] = mn
-        self.store_softmax_state(warp, lane, m, lsum, o, NE, c * NE, tg == 0, s)
-
-    @cute.jit
-    def stream_block(self, n_valid: Int32, n: int, qa: Int32, kw: cute.Tensor, vw: cute.Tensor,
-                     m: cute.Tensor, lsum: cute.Tensor, o: cute.Tensor):
-        """n tokens into a lane group's online softmax as one block, the first n_valid of them counted: token
-        u's k and v are the packed bf16 words u * STREAM_ELEMS / 2 .. of kw and vw. The scores of every
-        (token, query head) (the lane's products, its query elements read from shared memory at qa, summed over
-        the group's lanes; every lane takes part in the shuffles); then, per head, the block's maximum, one
-        rescale of (l, o) and the block's weights times its values."""
-        NE = STREAM_ELEMS
-        NW = NE // 2
-        G = self.G
-        LPT = self.D // NE
-        sc = cute.make_rmem_tensor((n * G,), Float32)
-        for u in cutlass.range_constexpr(n):
-            kf = cute.make_rmem_tensor((NE,), Float32)
-            for e in cutlass.range_constexpr(NW):
-                kf[2 * e], kf[2 * e + 1] = unpack_bf16x2(kw[u * NW + e])
-            for g in cutlass.range_constexpr(G):
-                dot = Float32(0.0)
-                for h in cutlass.range_constexpr(NE // 4):
-                    q4 = ld_shared_f32x4(qa + (g * self.D + 4 * h) * 4)
-                    for e in cutlass.range_constexpr(4):
-                        dot = dot + q4[e] * kf[4 * h + e]
-                for w in cutlass.range_constexpr(LPT.bit_length() - 1):
-                    dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=1 << w)
-                sc[u * G + g] = dot * Float32(self.scale_log2)
-        if n_valid > 0:
-            for g in cutlass.range_constexpr(G):
-                m_new = m[g]
-                for u in cutlass.range_constexpr(n):
-                    if u < n_valid:
-                        m_new = cute.arch.fmax(m_new, sc[u * G + g])
-                corr = ex2(m[g] - m_new)
-                tot = lsum[g] * corr
-                for u in cutlass.range_constexpr(n):
-                    pr = Float32(0.0)
-                    if u < n_valid:
-                        pr = ex2(sc[u * G + g] - m_new)
-                    sc[u * G + g] = pr                   # (the score's register now holds the weight)
-                    tot = tot + pr
-                lsum[g] = tot
-                m[g] = m_new
-                for e in cutlass.range_constexpr(NE):
-                    o[g * NE + e] = o[g * NE + e] * corr
-            for u in cutlass.range_constexpr(n):
-                for e in cutlass.range_constexpr(NW):
-                    v0, v1 = unpack_bf16x2(vw[u * NW + e])
-                    for g in cutlass.range_constexpr(G):
-                        o[g * NE + 2 * e] = o[g * NE + 2 * e] + sc[u * G + g] * v0
-                        o[g * NE + 2 * e + 1] = o[g * NE + 2 * e + 1] + sc[u * G + g] * v1
+                if tg == g % TPW:
+                    head = kvh * G + g
+                    pidx = ((Int64(layer) * self.B + Int64(b)) * self.Hq + Int64(head)) * self.S
+                    inv = Float32(1.0) / lsum[g]
+                    out = cute.make_rmem_tensor((NE,), Float32)
+                    for e in cutlass.range_constexpr(NE):
+                        out[e] = o[g * NE + e] * inv
+                    dst = p.attn_part_o + (pidx * D + Int64(d0)) * 4
+                    for h in cutlass.range_constexpr(NE // 4):
+                        st_f32x4(dst + 16 * h, out[4 * h], out[4 * h + 1], out[4 * h + 2], out[4 * h + 3])
+                    # (STREAM_ELEMS = 8 columns of one sequence: 16 contiguous bytes of O_PROJ's pre-staged input)
+                    st_b32x4(p.attn_wide + Int64(layer) * self.wide_bytes(self.Q)
+                             + Int64(wide_x_byte(b, head * D + d0, self.B)),
+                             pack_bf16x2(out[0], out[1]), pack_bf16x2(out[2], out[3]),
+                             pack_bf16x2(out[4], out[5]), pack_bf16x2(out[6], out[7]))
+                    if d0 == 0:
+                        st_f32(p.attn_part_lse + pidx * 4, (m[g] + lg2(lsum[g])) * Float32(1.0 / LOG2E))
 
     @cute.jit
     def attn_reduce(self, tidx: Int32, layer: Int32, b: Int32, kvh: Int32, num_splits: Int32, p):

@@ -43,7 +43,8 @@ from cutlass import Boolean, Int32, Int64
 from ..instructions.layout import StepLayout, require_kernel_batch
 from ..instructions.matvec_stages import weight_rows
 from ..instructions.opcodes import Opcode
-from ..instructions.record import (W_A0, W_A1, W_A2, W_A3, W_INDEX, W_K_PART, W_K_PARTS, W_LAYER, W_OPCODE,
+from ..instructions.attention import warp_attention
+from ..instructions.record import (W_A0, W_A1, W_A2, W_A3, W_INDEX, W_K_PART, W_K_PARTS, W_LAYER, W_OPCODE, W_SEQS,
                                    W_SIGNAL_ID, W_WAIT_COUNT, W_WAIT_ID, WORDS)
 from ..instructions.split_k import SPLIT_STAGES, k_splits
 from .attention import ERR_ALIAS, ERR_POSITION, LOG2E, AttentionStage  # noqa: F401  (error codes re-exported)
@@ -165,6 +166,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
         self.wide_groups = self.options.wide_groups or wide_groups(self.B, widest)
         self.plan = StreamPlan.for_config(c, self.B, tuple(self.split_widths.values()), self.wide_groups)
         self.wide = wide(self.B)
+        self.warp_attention = warp_attention(layout)
         free = SMEM_LIMIT - self.smem_bytes(ring_slots=0)
         self.ring_slots = StreamPlan.ring_slots(free)
 
@@ -174,10 +176,11 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
         (no instruction uses both, and a barrier ends every instruction), so the ring gets what either leaves."""
         W, G, D, B = self.warps, self.G, self.D, self.B
         NB = max(8, B)
+        A = W if self.warp_attention else 1      # query and new-token buffers: one per warp, or the CTA's one
         return {"common": {"ctrl": 8, "xbar": 2, "alias": 4 * NB, "red": NB, "ired": NB, "wv": W * NB, "wi": W * NB,
                            "rstd": NB, "queue": self.max_queue_len * WORDS},
                 "matvec": {"part": self.plan.part_floats, "x": self.plan.x_floats},
-                "attention": {"q": G * D, "kv": 2 * D, "m": W * G, "l": W * G, "o": W * G * D, "pre": W * D}}
+                "attention": {"q": G * D * A, "kv": 2 * D * A, "m": W * G, "l": W * G, "o": W * G * D, "pre": W * D}}
 
     @staticmethod
     def _padded_bytes(words: int) -> int:
@@ -372,8 +375,9 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
             t_ready = Int32(0)
             if cutlass.const_expr(self.options.trace):
                 t_begin = globaltimer_lo()
-            if op == OP_ATTN_PARTIAL:
-                self.attn_preload(warp, lane, layer, a0, a1, a2, a3, p, s)
+            if cutlass.const_expr(not self.warp_attention):
+                if op == OP_ATTN_PARTIAL:
+                    self.attn_preload(warp, lane, layer, a0, a1, a2, a3, p, s)
 
             # ---- wait for the producing stage (thread 0 spins, the consumer barrier broadcasts)
             wait_id = s_queue[ins + W_WAIT_ID]
@@ -418,7 +422,8 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                     if op == OP_EMBED:
                         self.embed(tidx, s_queue[ins + W_INDEX], a0, a1, p)
                     if op == OP_ATTN_PARTIAL:
-                        self.attn_partial(tidx, warp, lane, layer, a0, a1, a2, a3, s_queue[ins + W_INDEX], p, s, rec)
+                        self.attn_partial(tidx, warp, lane, layer, a0, a1, a2, a3, s_queue[ins + W_SEQS],
+                                          s_queue[ins + W_INDEX], p, s, rec)
                     if op == OP_ATTN_REDUCE:
                         self.attn_reduce(tidx, layer, a0, a1, a3, p)
                     if op == OP_ARGMAX:

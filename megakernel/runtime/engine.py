@@ -60,7 +60,7 @@ class MegakernelError(RuntimeError):
 class ErrorWord:
     code: int
     instruction: int
-    counter: int
+    detail: int         # the counter a timed-out wait spun on; the sequence of a position or aliasing error
     value: int
 
     def describe(self, program) -> str:
@@ -68,18 +68,17 @@ class ErrorWord:
         what = f"instruction #{self.instruction} {ins.opcode.name} (layer {ins.layer})" if ins else \
             f"instruction #{self.instruction}"
         if self.code == ERR_TIMEOUT:
-            return (f"{what} timed out waiting on counter {self.counter} (last value {self.value}): "
+            return (f"{what} timed out waiting on counter {self.detail} (last value {self.value}): "
                     f"a producer never signalled; the schedule or the kernel is broken")
         if self.code == ERR_POSITION:
-            return f"{what}: position {self.value} is past the KV cache"
+            return f"{what}: sequence {self.detail}'s position {self.value} is past the KV cache"
         if self.code == ERR_RING:
             return (f"a weight-ring slot stayed unfilled or occupied past the timeout (phase "
                     f"{self.value}): the producer and consumers disagree on the slot sequence")
         if self.code == ERR_TOKEN:
             return f"{what}: token id {self.value} is outside the vocabulary"
         if self.code == ERR_ALIAS:
-            seq = f"sequence {ins.a0}" if ins else "a sequence"
-            return (f"{what}: the KV slot of {seq}'s new token (position {self.value}) is one that "
+            return (f"{what}: the KV slot of sequence {self.detail}'s new token (position {self.value}) is one that "
                     f"this step also reads or that another sequence appends to: the block table maps two positions "
                     f"to one slot; that token's K/V was not written")
         return f"unknown error code {self.code} at {what}"

@@ -5,7 +5,8 @@ Every edge is a (layer, stage) counter: a consumer waits until all instructions 
 stage have signalled. Release/acquire chains make that transitive, so an instruction sees every
 store that happened before the stage it waits on (e.g. O_PROJ reads x[l], written by DOWN of layer
 l-1, two stages before the ATTN_REDUCE it waits for). Where the layout stages matvec inputs in shared
-memory, O_PROJ waits on ATTN_PARTIAL directly and merges the splits itself (`StepLayout.fused_reduce`).
+memory, O_PROJ waits on ATTN_PARTIAL directly and merges the splits itself (`StepLayout.fused_reduce`). Past the
+SPLIT_BATCH with one split, an ATTN_PARTIAL takes several sequences (attention.sequence_groups).
 Past the megakernel's batch, a matvec stage may be split over K (instructions/split_k.py): its K ranges' tiles
 signal the stage's *_PARTS counter, and MV_REDUCE tiles, which wait for all of them, signal the stage's counter.
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..instructions.attention import split_range  # noqa: F401  (re-exported for schedule users)
+from ..instructions.attention import sequence_groups, split_range  # noqa: F401  (split_range re-exported)
 from ..instructions.embed import embed_ranges
 from ..instructions.layout import StepLayout, tile_rows  # noqa: F401  (tile_rows re-exported)
 from ..instructions.matvec_stages import weight_rows
@@ -100,20 +101,21 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
             cost=n * c.hidden_size * elem + FIXED_COST_BYTES)
     prev = (embed_counter(L), len(embeds))
     kv_bytes_per_split = 2 * c.head_dim * elem * max(1, layout.max_seq_len // S)
+    groups = sequence_groups(layout)        # (first sequence, sequences) of the ATTN_PARTIALs of a kv head
     for l in range(L):
         if folded and l == 0:
             # layer 0's QKV stages embed[token] itself: no wait; a3 = 1 marks the embedding input
             n = matvec_stage(Opcode.QKV, l, (NO_COUNTER, 0), counter_id(l, Stage.QKV), a3=1) + 1
         else:
             n = matvec_stage(Opcode.QKV, l, prev, counter_id(l, Stage.QKV))
-        for b in range(B):
+        for b, seqs in groups:
             for kvh in range(c.num_kv_heads):
                 for s in range(S):
-                    add(opcode=Opcode.ATTN_PARTIAL, layer=l, a0=b, a1=kvh, a2=s, a3=S,
+                    add(opcode=Opcode.ATTN_PARTIAL, layer=l, a0=b, a1=kvh, a2=s, a3=S, seqs=seqs,
                         wait_id=counter_id(l, Stage.QKV), wait_count=n,
                         signal_id=counter_id(l, Stage.ATTN_PARTIAL),
-                        cost=kv_bytes_per_split + FIXED_COST_BYTES)
-        n_attn = B * c.num_kv_heads * S
+                        cost=seqs * (kv_bytes_per_split + FIXED_COST_BYTES))
+        n_attn = len(groups) * c.num_kv_heads * S
         if layout.fused_reduce:
             # O_PROJ merges the splits while staging its input: one dependency hop less per layer
             n = matvec_stage(Opcode.O_PROJ, l, (counter_id(l, Stage.ATTN_PARTIAL), n_attn),

@@ -541,3 +541,24 @@ def test_the_megakernel_refuses_batches_outside_its_range_before_any_gpu_work(ba
         MegakernelEngine(random_weights(config, seed=0), batch, 64)
     with pytest.raises(ValueError, match=refused):
         require_kernel_batch(batch)
+
+
+def test_error_word_names_the_instruction_and_the_sequence_it_failed_on():
+    """The kernel's error word -> the message check() raises: the instruction, and for a bad position or an aliased
+    slot the sequence the kernel stored beside it (an ATTN_PARTIAL past batch 8 takes several sequences, so its
+    first one (a0) would name the wrong one), for a timeout the counter."""
+    from megakernel.instructions.opcodes import Opcode
+    from megakernel.runtime.engine import ERR_ALIAS, ERR_POSITION, ERR_TIMEOUT, ErrorWord
+
+    layout = StepLayout(config=get_preset("tiny-llama"), batch=16, kv_splits=1, block_size=16, max_blocks_per_seq=4,
+                        num_sms=2)
+    program = build_program(layout)
+    ins = next(i for i in program.instructions if i.opcode == Opcode.ATTN_PARTIAL and i.seqs > 1)
+    seq = ins.a0 + ins.seqs - 1
+    what = f"instruction #{ins.index} ATTN_PARTIAL (layer {ins.layer})"
+    assert ErrorWord(ERR_POSITION, ins.index, seq, 70).describe(program) == \
+        f"{what}: sequence {seq}'s position 70 is past the KV cache"
+    alias = ErrorWord(ERR_ALIAS, ins.index, seq, 9).describe(program)
+    assert alias.startswith(f"{what}: the KV slot of sequence {seq}'s new token (position 9)"), alias
+    timeout = ErrorWord(ERR_TIMEOUT, ins.index, 12, 3).describe(program)
+    assert timeout.startswith(f"{what} timed out waiting on counter 12 (last value 3)"), timeout

@@ -199,9 +199,16 @@ def check_program(program: StepProgram) -> None:
             f"{what}: the program ends with {last.opcode.name} layer {last.layer}"
     b, s, kvh = layout.batch, layout.kv_splits, config.num_kv_heads
     for layer in range(config.num_layers):
-        partial = Counter((i.a0, i.a1, i.a2, i.a3) for i in by_stage[(Opcode.ATTN_PARTIAL, layer)])
+        partial = Counter((q, i.a1, i.a2, i.a3) for i in by_stage[(Opcode.ATTN_PARTIAL, layer)]
+                          for q in range(i.a0, i.a0 + i.seqs))
         assert partial == Counter((q, h, t, s) for q in range(b) for h in range(kvh) for t in range(s)), \
             f"{what}: layer {layer} attention partials do not cover (sequence, kv head, split) once each"
+        seqs = {i.seqs for i in by_stage[(Opcode.ATTN_PARTIAL, layer)]}
+        if layout.batch > SPLIT_BATCH and layout.fused_reduce and b * kvh > layout.num_sms:
+            # several sequences an instruction (a warp each), as few as spread the layer's pairs over the SMs
+            assert max(seqs) == min(ROW_GROUP, -(-b * kvh // layout.num_sms)), f"{what}: {seqs} sequences"
+        else:
+            assert seqs == {1}, f"{what}: ATTN_PARTIAL of {seqs} sequences"
         reduce = Counter((i.a0, i.a1, i.a3) for i in by_stage[(Opcode.ATTN_REDUCE, layer)])
         o_proj_a3 = {i.a3 for i in by_stage[(Opcode.O_PROJ, layer)] + by_stage[(Opcode.O_PROJ, layer, "parts")]}
         if layout.fused_reduce:

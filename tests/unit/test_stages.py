@@ -32,6 +32,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from megakernel.instructions import STAGE_MODULES
+from megakernel.instructions.attention import warp_attention
 from megakernel.instructions.context import StageContext
 from megakernel.instructions.layout import (SPLIT_BATCH, StepBuffers, StepLayout, allocate_buffers, fill_wide_inputs,
                                            pack_weights, wide_input, wide_input_index)
@@ -214,7 +215,10 @@ def pick(bench: Bench, op: Opcode, layer: int | None = None) -> Instruction:
 
 
 def attention_group(bench: Bench) -> list[Instruction]:
-    """Every ATTN_PARTIAL split of one (sequence, kv head), then its ATTN_REDUCE."""
+    """Every ATTN_PARTIAL split of one (sequence, kv head), then its ATTN_REDUCE; with warp_attention (no
+    ATTN_REDUCE: one split, which writes O_PROJ's input itself) one ATTN_PARTIAL of several sequences."""
+    if warp_attention(bench.layout):
+        return [pick(bench, Opcode.ATTN_PARTIAL)]
     red = pick(bench, Opcode.ATTN_REDUCE)
     parts = [i for i in bench.program.instructions if i.opcode == Opcode.ATTN_PARTIAL and i.layer == red.layer
              and i.a0 == red.a0 and i.a1 == red.a1]
@@ -386,56 +390,67 @@ def _cache_bits(cache: torch.Tensor) -> torch.Tensor:
 
 
 def check_attention(bench, group, before, after, what):
-    """All splits of one (sequence, kv head) then their reduction: the new k, v in the cache at pos, each
-    split's (lse, o) over its own range, and the merged output = attention over the whole cache."""
+    """All splits of one kv head's sequences (ATTN_PARTIAL of one sequence, or, with warp_attention, of several
+    in one instruction of one split), then, where the layout has one, the ATTN_REDUCE of the first: each new k,
+    v in the cache at its position, each split's (lse, o) over its own range, and the attention output (the
+    merged one, or the single split's) = attention over the whole cache; nothing written elsewhere."""
     c, lay = bench.config, bench.layout
-    red = group[-1]
-    l, b, kvh, splits = red.layer, red.a0, red.a1, red.a3
+    first = group[0]
+    l, kvh, splits, seqs = first.layer, first.a1, first.a3, range(first.a0, first.a0 + first.seqs)
     g, d, bs = c.gqa_group, c.head_dim, lay.block_size
-    assert [i.a2 for i in group[:-1]] == list(range(splits)), what
-    pos = int(before.bufs.positions[b])
+    assert [i.a2 for i in group if i.opcode == Opcode.ATTN_PARTIAL] == list(range(splits)), what
     table = before.bufs.block_table
-    blk, off = int(table[b, pos // bs]), pos % bs
-    q, k, v = _new_token_qkv(bench, l, b, kvh, pos, before)
-
-    # the new token's k, v in its slot (bf16), and no other slot touched
-    for name, new, cache_before, cache_after in (("k", k, before.k_cache, after.k_cache),
-                                                  ("v", v, before.v_cache, after.v_cache)):
-        assert_close(cache_after[l, blk, off, kvh], new, BF16, context=f"{what} new {name} at pos {pos}")
-        changed = _cache_bits(cache_after) != _cache_bits(cache_before)
-        changed[l, blk, off, kvh] = False
-        assert not changed.any(), f"{what}: {int(changed.sum())} {name}-cache elements changed outside pos {pos}"
-
-    # keys/values as the cache now holds them, positions 0..pos (the new ones as stored, bf16-rounded)
-    t = torch.arange(pos + 1)
-    slots = table[b, t // bs].long()
-    keys = f64(after.k_cache[l, slots, t % bs, kvh])          # [pos + 1, D]
-    vals = f64(after.v_cache[l, slots, t % bs, kvh])
-    scale = d ** -0.5
     heads = slice(kvh * g, (kvh + 1) * g)
-    chunk = -(-pos // splits)
-    lse_exp = torch.empty(g, splits, dtype=torch.float64)
-    o_exp = torch.empty(g, splits, d, dtype=torch.float64)
-    for s in range(splits):
-        lo = min(s * chunk, pos)
-        hi = min(lo + chunk, pos)
-        idx = torch.arange(lo, hi)
-        if s == splits - 1:
-            idx = torch.cat([idx, torch.tensor([pos])])        # the last split adds the new token
-        if idx.numel() == 0:
-            lse_exp[:, s], o_exp[:, s] = -math.inf, 0.0
-            continue
-        scores = (q @ keys[idx].T) * scale
-        lse_exp[:, s] = torch.logsumexp(scores, dim=-1)
-        o_exp[:, s] = torch.softmax(scores, dim=-1) @ vals[idx]
-    assert_region(after.bufs.attn_part_lse, (l, b, heads), lse_exp, F32, f"{what} partial lse")
-    assert_region(after.bufs.attn_part_o, (l, b, heads), o_exp, F32, f"{what} partial o")
-
-    out = ops.paged_attention_decode(q[None], f64(after.k_cache[l, :, :, kvh:kvh + 1]),
-                                     f64(after.v_cache[l, :, :, kvh:kvh + 1]), table[b:b + 1],
-                                     torch.tensor([pos + 1]), scale)[0]          # [G, D]
-    cols = slice(kvh * g * d, (kvh + 1) * g * d)
-    assert_region(after.bufs.attn_out, (l, b, cols), out.reshape(-1), F32, f"{what} attention output")
+    scale = d ** -0.5
+    lse_exp = torch.empty(len(seqs), g, splits, dtype=torch.float64)
+    o_exp = torch.empty(len(seqs), g, splits, d, dtype=torch.float64)
+    new_slots = []
+    for j, b in enumerate(seqs):
+        pos = int(before.bufs.positions[b])
+        blk, off = int(table[b, pos // bs]), pos % bs
+        new_slots.append((blk, off))
+        q, k, v = _new_token_qkv(bench, l, b, kvh, pos, before)
+        for name, new, cache_after in (("k", k, after.k_cache), ("v", v, after.v_cache)):
+            assert_close(cache_after[l, blk, off, kvh], new, BF16, context=f"{what} sequence {b} new {name} at {pos}")
+        # keys/values as the cache now holds them, positions 0..pos (the new ones as stored, bf16-rounded)
+        t = torch.arange(pos + 1)
+        slots = table[b, t // bs].long()
+        keys = f64(after.k_cache[l, slots, t % bs, kvh])          # [pos + 1, D]
+        vals = f64(after.v_cache[l, slots, t % bs, kvh])
+        chunk = -(-pos // splits)
+        for s in range(splits):
+            lo = min(s * chunk, pos)
+            hi = min(lo + chunk, pos)
+            idx = torch.arange(lo, hi)
+            if s == splits - 1:
+                idx = torch.cat([idx, torch.tensor([pos])])        # the last split adds the new token
+            if idx.numel() == 0:
+                lse_exp[j, :, s], o_exp[j, :, s] = -math.inf, 0.0
+                continue
+            scores = (q @ keys[idx].T) * scale
+            lse_exp[j, :, s] = torch.logsumexp(scores, dim=-1)
+            o_exp[j, :, s] = torch.softmax(scores, dim=-1) @ vals[idx]
+        # the attention output: the reduce's (of the first sequence), or the single split's
+        out = ops.paged_attention_decode(q[None], f64(after.k_cache[l, :, :, kvh:kvh + 1]),
+                                         f64(after.v_cache[l, :, :, kvh:kvh + 1]), table[b:b + 1],
+                                         torch.tensor([pos + 1]), scale)[0]          # [G, D]
+        if group[-1].opcode == Opcode.ATTN_REDUCE:
+            if j == 0:
+                cols = slice(kvh * g * d, (kvh + 1) * g * d)
+                assert_region(after.bufs.attn_out, (l, b, cols), out.reshape(-1), F32, f"{what} attention output")
+        else:
+            assert splits == 1, what
+            assert_close(f64(after.bufs.attn_part_o[l, b, heads, 0]), out, F32,
+                         context=f"{what} sequence {b} attention output")
+    # no cache slot touched but the new tokens'
+    for name, cache_before, cache_after in (("k", before.k_cache, after.k_cache), ("v", before.v_cache, after.v_cache)):
+        changed = _cache_bits(cache_after) != _cache_bits(cache_before)
+        for blk, off in new_slots:
+            changed[l, blk, off, kvh] = False
+        assert not changed.any(), f"{what}: {int(changed.sum())} {name}-cache elements changed outside the new slots"
+    rows = slice(first.a0, first.a0 + first.seqs)
+    assert_region(after.bufs.attn_part_lse, (l, rows, heads), lse_exp, F32, f"{what} partial lse")
+    assert_region(after.bufs.attn_part_o, (l, rows, heads), o_exp, F32, f"{what} partial o")
 
 
 def check_attn_reduce(bench, ins, before, after, what):
@@ -521,6 +536,25 @@ def test_lm_head_stage(case, num_sms):
 @given(case=CPU_CASES, num_sms=CPU_SMS)
 def test_argmax_stage(case, num_sms):
     run_cpu_case(case, num_sms, Opcode.ARGMAX)
+
+
+# Past SPLIT_BATCH with one split and more (sequence, kv head) pairs than SMs an ATTN_PARTIAL takes several sequences,
+# a consumer warp each (warp_attention): the reference of one such instruction against float64 (sequences of
+# different lengths, each its own cache slots).
+@settings(max_examples=20)
+@given(case=stage_cases(max_hidden=512, max_intermediate=512, max_heads=16, min_batch=SPLIT_BATCH + 1, max_batch=64,
+                        max_blocks=8, max_vocab=1024, max_splits=1),
+       num_sms=st.sampled_from((2, 7, 40)))
+def test_attention_of_several_sequences_an_instruction(case, num_sms):
+    bench = cpu_bench(case, num_sms)
+    (group,) = runs_for(bench, Opcode.ATTN_PARTIAL)
+    pairs = case.shape.batch * case.shape.num_kv_heads
+    if pairs <= num_sms:     # an SM per (sequence, kv head) at most: CTA-wide items, with ATTN_PARTIAL's own checks
+        assert not warp_attention(bench.layout), bench.what()
+        return
+    assert [i.opcode for i in group] == [Opcode.ATTN_PARTIAL], bench.what()
+    assert max(i.seqs for i in bench.program.instructions) == min(8, -(-pairs // num_sms)) > 1, bench.what()
+    run_cpu_case(case, num_sms, Opcode.ATTN_PARTIAL)
 
 
 # ---- shapes outside the kernel's limits ----------------------------------------------------------------------
@@ -779,7 +813,7 @@ def test_stages_on_gpu_match_reference_past_split_batch_on_drawn_shapes(case):
     run_gpu_stages(case)
 
 
-# At the batches compiled with it (attention.STREAM_UNROLL), splits of more cached tokens than consumer warps take
+# At the batches compiled with it (softmax_pass.STREAM_UNROLL), splits of more cached tokens than consumer warps take
 # the streamed attention pass (several tokens per warp, 16-byte k/v loads in flight together, an iteration's tokens
 # one softmax block), short ones the per-warp pass: both in one step, head dims 64 and 128.
 LONG_SPLIT_CASES = [
@@ -882,7 +916,7 @@ def run_gpu_stages(case: StageCase, expect_slabs: bool = False, **engine_kw) -> 
             what = f"kernel (GPU) {bench.what(instructions[-1])}"
             for n, ins in enumerate(instructions):
                 engine.run_instructions([ins])
-                if op == Opcode.ATTN_PARTIAL and n == len(instructions) - 2:
+                if instructions[-1].opcode == Opcode.ATTN_REDUCE and n == len(instructions) - 2:
                     # the splits alone, before their ATTN_REDUCE (which writes attn_wide too)
                     check_wide_outputs(bench, op, instructions[:-1], pull(engine, before), what)
             gpu = pull(engine, before)
@@ -890,8 +924,8 @@ def run_gpu_stages(case: StageCase, expect_slabs: bool = False, **engine_kw) -> 
             run_reference(ref, instructions)
             check(bench, op, instructions, before, gpu, "kernel (GPU) vs float64")
             _compare_with_reference(op, instructions, gpu, ref, what, bench.matvec_dtype)
-            check_wide_outputs(bench, Opcode.ATTN_REDUCE if op == Opcode.ATTN_PARTIAL else op, instructions, gpu,
-                               what)
+            check_wide_outputs(bench, instructions[-1].opcode if op == Opcode.ATTN_PARTIAL else op, instructions,
+                               gpu, what)
     finally:
         del engine
         torch.cuda.empty_cache()
