@@ -20,6 +20,8 @@ sampling with the top-5 logprobs of every step, on two workloads:
     mixed   12 prompts of 4..200 tokens, 16..96 new tokens each, max_num_seqs=8: requests join as
             others finish, so steps mix prefill chunks with decodes, and pure-decode steps of 1..8
             requests (the megakernel's batches, padded to 1/2/4/8) occur along the way
+    wide    (only with --max-num-seqs above 8) max_num_seqs + 8 prompts of 4..64 tokens, 16..64 new tokens
+            each: pure-decode steps of up to max_num_seqs requests (the kernel's batches past 8)
 
 Judged as house rule 4 says: the two paths must agree token for token until the first step where
 the stock path's top-2 logprob gap is below --near-tie-gap (then the contexts differ and the
@@ -140,23 +142,28 @@ def _prompts(vocab: int, lengths: list[int], seed: int) -> list[dict]:
     return [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(n)]} for n in lengths]
 
 
-def parity_workloads(vocab: int, seed: int) -> dict[str, tuple[list[dict], list[int]]]:
-    """name -> (prompts, max_tokens per prompt)."""
+def parity_workloads(vocab: int, seed: int, max_num_seqs: int = 8) -> dict[str, tuple[list[dict], list[int]]]:
+    """name -> (prompts, max_tokens per prompt); "wide" only where max_num_seqs is above 8."""
     import random
 
     rng = random.Random(seed + 1)
     mixed_lengths = [rng.randrange(4, 201) for _ in range(12)]
     mixed_new = [rng.randrange(16, 97) for _ in range(12)]
-    return {"batch1": (_prompts(vocab, [32], seed), [128]),
-            "mixed": (_prompts(vocab, mixed_lengths, seed + 2), mixed_new)}
+    out = {"batch1": (_prompts(vocab, [32], seed), [128]),
+           "mixed": (_prompts(vocab, mixed_lengths, seed + 2), mixed_new)}
+    if max_num_seqs > 8:
+        n = max_num_seqs + 8
+        out["wide"] = (_prompts(vocab, [rng.randrange(4, 65) for _ in range(n)], seed + 3),
+                       [rng.randrange(16, 65) for _ in range(n)])
+    return out
 
 
-def run_parity(llm, vocab: int, seed: int) -> dict[str, list[dict]]:
+def run_parity(llm, vocab: int, seed: int, max_num_seqs: int = 8) -> dict[str, list[dict]]:
     """Greedy generation with top-k logprobs: name -> per request {tokens, logprobs, top}."""
     from vllm import SamplingParams
 
     out: dict[str, list[dict]] = {}
-    for name, (prompts, new_tokens) in parity_workloads(vocab, seed).items():
+    for name, (prompts, new_tokens) in parity_workloads(vocab, seed, max_num_seqs).items():
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=TOP_K,
                                  detokenize=False) for n in new_tokens]
         results = llm.generate(prompts, params, use_tqdm=False)
@@ -272,7 +279,8 @@ def worker_main(args: argparse.Namespace, extra=None) -> int:
     if started:
         llm = state["llm"]
         if args.parity:
-            stage("parity", lambda: result.update(parity=run_parity(llm, vocab, args.seed)))
+            stage("parity", lambda: result.update(parity=run_parity(llm, vocab, args.seed,
+                                                                     getattr(args, "max_num_seqs", 8))))
         if extra is not None:
             stage("extra", lambda: extra(llm, result))
         if getattr(args, "profile", False) and args.engine_process != "inproc":
@@ -840,7 +848,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="how the plugin path switches the megakernel on: hf_overrides to the Megakernel... "
                         "architecture, or vLLM's additional_config={'megakernel': true} on the stock architecture "
                         "name (docs/vllm.md)")
-    p.add_argument("--plugin-max-batch", type=int, choices=range(1, 9), metavar="{1..8}",
+    p.add_argument("--plugin-max-batch", type=int, choices=range(1, 65), metavar="{1..64}",
                    help="MEGAKERNEL_VLLM_MAX_BATCH for the plugin path: the largest decode batch sent to the "
                         "megakernel (default: the plugin's own default)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="vLLM's max_num_seqs on both paths")

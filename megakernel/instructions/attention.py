@@ -28,14 +28,21 @@ from .record import Instruction
 OPCODES = (Opcode.ATTN_PARTIAL, Opcode.ATTN_REDUCE)
 
 
+# The longest cache (positions per sequence) an ATTN_PARTIAL of several sequences serves: one warp streams a
+# sequence's whole context, so its time grows with the context at a quarter to an eighth of the warps a CTA-wide item
+# has; measured with caches of 256 and 512 positions (32-token contexts), not beyond.
+WARP_ATTENTION_MAX_SEQ = 512
+
+
 def warp_attention(layout) -> bool:
     """Whether an ATTN_PARTIAL takes several sequences, one consumer warp each: past SPLIT_BATCH with one split
-    (StepLayout.fused_reduce there) and more (sequence, kv head) pairs than SMs. A CTA-wide item of a short context
-    is a few dependent round trips and barriers of latency (~5 us), and with more pairs than SMs each SM would take
-    several of them one after another; with at most one pair per SM, all the warps of an item are faster than
-    one (profiles/RESULTS.md, 2026-12-04)."""
+    (StepLayout.fused_reduce there), more (sequence, kv head) pairs than SMs, and caches of at most
+    WARP_ATTENTION_MAX_SEQ positions. A CTA-wide item of a short context is a few dependent round trips and barriers
+    of latency (~5 us), and with more pairs than SMs each SM would take several of them one after another; with at
+    most one pair per SM, all the warps of an item are faster than one (profiles/RESULTS.md, 2026-12-04)."""
     return (layout.batch > SPLIT_BATCH and layout.fused_reduce
-            and layout.batch * layout.config.num_kv_heads > layout.num_sms)
+            and layout.batch * layout.config.num_kv_heads > layout.num_sms
+            and layout.max_seq_len <= WARP_ATTENTION_MAX_SEQ)
 
 
 def sequence_groups(layout) -> list[tuple[int, int]]:

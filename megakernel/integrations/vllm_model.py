@@ -2,8 +2,9 @@
 
 ``MegakernelLlamaForCausalLM`` / ``MegakernelQwen3ForCausalLM`` subclass vLLM's own classes: weights
 load, prefill, chunked prefill and mixed batches run through the stock layers (torch.compile,
-FlashAttention). A forward whose every request has one query token and whose batch is at most 8
-(``MAX_DECODE_BATCH``) runs as one megakernel launch instead, in place in vLLM's paged KV cache:
+FlashAttention). A forward whose every request has one query token and whose batch is at most the limit
+below (at most 64, ``MAX_DECODE_BATCH``) runs as one megakernel launch instead, in place in vLLM's paged KV
+cache:
 
     tokens, positions   <- vLLM's input_ids / positions buffers (padded rows masked, see below)
     block table         <- the attention metadata's block_table (rows [:n], first max_blocks columns)
@@ -23,17 +24,17 @@ rows append to its slot 0) lets those appends through.
 CUDA graphs: the forward uses only vLLM's persistent buffers (input ids, positions, block table,
 slot mapping) and preallocated engine buffers, with no host sync, so vLLM captures it whole in
 FULL graphs (``cudagraph_mode="FULL_DECODE_ONLY"``; FULL_AND_PIECEWISE works the same way for the
-decode graphs). Engines are built per batch bucket (1, 2, 4, 8 and any capture size <= 8) at the
-first decode forward of that size, which vLLM runs eagerly as warm-up before it captures.
+decode graphs). Engines are built per batch bucket (the powers of two and every capture size up to the
+limit) at the first decode forward of that size, which vLLM runs eagerly as warm-up before it captures.
 
 Switch: an instance decodes through the megakernel only where vLLM's ``additional_config`` says so
 (``{"megakernel": true}``), its architecture is a megakernel name (hf_overrides) or ``MEGAKERNEL_VLLM=1``
 (``switch_setting``); otherwise it is vLLM's stock model in every step.
 
 Batch limit: ``additional_config={"megakernel": {"max_batch": N}}``, else ``MEGAKERNEL_VLLM_MAX_BATCH``
-(1..8, default ``DEFAULT_MAX_BATCH``), is the largest decode batch sent to the megakernel; larger decode
-batches run stock (vLLM's batched GEMMs overtake the megakernel's per-row streaming there,
-profiles/RESULTS.md).
+(1..64, default ``DEFAULT_MAX_BATCH``), is the largest decode batch sent to the megakernel; larger decode
+batches run stock (at 2-8 vLLM's batched GEMMs overtook the megakernel of 2026-11-30; past 8 the kernel's
+wgmma path has not been measured inside vLLM yet: profiles/RESULTS.md).
 
 Fallback: whenever the megakernel cannot serve a batch (unsupported model or vLLM config, batch above
 the limit, no Hopper GPU, KV cache layout not understood, engine without the per-layer KV cache API)
@@ -56,7 +57,7 @@ from typing import Any
 
 import torch
 
-from megakernel.instructions.layout import KERNEL_CAPABILITY, SPLIT_BATCH, StepLayout, pack_weights
+from megakernel.instructions.layout import KERNEL_CAPABILITY, KERNEL_MAX_BATCH, StepLayout, pack_weights
 from megakernel.integrations.vllm_plugin import ARCHITECTURES, ENV_SWITCH, env_override, stock_architecture
 from megakernel.model.config import ModelConfig
 from megakernel.model.ops import rms_norm
@@ -66,15 +67,15 @@ logger = logging.getLogger("vllm.megakernel")
 
 ENV_CHECK = "MEGAKERNEL_VLLM_CHECK"   # "1": read the kernel's error word after every eager launch
 CONFIG_KEY = "megakernel"             # the key of vLLM's additional_config that switches an instance
-# The largest decode batch the plugin sends to the megakernel: batches past SPLIT_BATCH (the kernel's wide path)
-# have not been measured inside vLLM yet, so they stay with vLLM
-MAX_DECODE_BATCH = SPLIT_BATCH
+# The largest decode batch the plugin can send to the megakernel: the kernel's (the limit a user sets is at most this)
+MAX_DECODE_BATCH = KERNEL_MAX_BATCH
 ENV_MAX_BATCH = "MEGAKERNEL_VLLM_MAX_BATCH"   # largest decode batch sent to the megakernel (1..MAX_DECODE_BATCH)
 # Default of ENV_MAX_BATCH. tools/vllm_bench.py on the H200 (profiles/RESULTS.md, 2026-11-30, fourth run),
 # megakernel at every batch against stock vLLM, llama-3.2-1b: 1.02x at batch 1, 0.91x at 2, 0.99x at 4,
-# 0.85x at 8. Only batch 1 is not slower, so larger decode batches run stock unless the switch says otherwise.
+# 0.85x at 8. Only batch 1 is not slower, so larger decode batches run stock unless the switch says otherwise
+# (past batch 8, the kernel's wgmma path, not measured inside vLLM yet).
 DEFAULT_MAX_BATCH = 1
-POW2_BUCKETS = (1, 2, 4, 8)
+POW2_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 # Reasons a batch goes to the stock path. QUERY_LEN is the normal case for prefill and is not logged.
 QUERY_LEN = "a request has more than one query token (prefill, chunked prefill or mixed batch)"
@@ -139,9 +140,9 @@ def vllm_config_reason(vllm_config: Any) -> str | None:
     return None
 
 
-def layout_reason(config: ModelConfig) -> str | None:
-    """Why the megakernel cannot run this model shape at some batch 1..MAX_DECODE_BATCH, or None."""
-    for batch in (1, MAX_DECODE_BATCH):
+def layout_reason(config: ModelConfig, max_batch: int = 1) -> str | None:
+    """Why the megakernel cannot run this model shape at batch 1 or max_batch (the instance's limit), or None."""
+    for batch in sorted({1, max_batch}):
         try:
             StepLayout(config=config, batch=batch, kv_splits=1, block_size=16, max_blocks_per_seq=1,
                        num_sms=1).validate()
@@ -429,7 +430,7 @@ class MegakernelDecode:
         if why is None:
             try:
                 self.config = megakernel_config(mc.hf_config, name=str(getattr(mc, "model", "vllm")))
-                why = layout_reason(self.config)
+                why = layout_reason(self.config, self.max_batch)
             except ValueError as exc:
                 why = f"model config not supported: {exc}"
         if why is not None:

@@ -195,9 +195,9 @@ class SoftmaxPass:
         takes one token per load (a lane: STREAM_ELEMS elements, one 16-byte load of k and one of v), so a warp
         takes 32 * STREAM_ELEMS / D tokens per load and UT loads per iteration, all in flight together, folded
         into the softmax as one block (`stream_block`); each token's cache block id is loaded just before its k and
-        v (block_ids), or where `ahead` an iteration before. Each lane group keeps its own (m, l, o); where new_token, lane
-        group 0 adds the new token (k and v at s.kv[kv_at:]) last; the groups' states are merged by shuffles at
-        the end, so every lane group returns the warp's. The queries are s.q[q_at:]."""
+        v (block_ids), or where `ahead` an iteration before. Each lane group keeps its own (m, l, o); where
+        new_token, lane group 0 adds the new token (k and v at s.kv[kv_at:]) last; the groups' states are merged by
+        shuffles at the end, so every lane group returns the warp's. The queries are s.q[q_at:]."""
         s_kv = s.kv
         D, G, NE = self.D, self.G, STREAM_ELEMS
         NW = NE // 2                 # packed bf16 words of a lane's share of a token's k (and of its v)

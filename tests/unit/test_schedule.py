@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megakernel.instructions import STAGE_MODULES
+from megakernel.instructions.attention import warp_attention
 from megakernel.instructions.embed import embed_ranges
 from megakernel.instructions.layout import MAX_BATCH, ROW_GROUP, SPLIT_BATCH, StepLayout, default_kv_splits
 from megakernel.instructions.matvec_stages import MATVEC_OPCODES
@@ -204,7 +205,7 @@ def check_program(program: StepProgram) -> None:
         assert partial == Counter((q, h, t, s) for q in range(b) for h in range(kvh) for t in range(s)), \
             f"{what}: layer {layer} attention partials do not cover (sequence, kv head, split) once each"
         seqs = {i.seqs for i in by_stage[(Opcode.ATTN_PARTIAL, layer)]}
-        if layout.batch > SPLIT_BATCH and layout.fused_reduce and b * kvh > layout.num_sms:
+        if warp_attention(layout):
             # several sequences an instruction (a warp each), as few as spread the layer's pairs over the SMs
             assert max(seqs) == min(ROW_GROUP, -(-b * kvh // layout.num_sms)), f"{what}: {seqs} sequences"
         else:
@@ -670,3 +671,17 @@ def test_lm_head_tiles_cover_every_vocabulary_row_exactly_once(vocab, num_sms, p
     assert all(a1 % ROW_GROUP == 0 and a1 > 0 for _, a1, _ in tiles), what
     argmax = [ins for ins in queued if ins.opcode == Opcode.ARGMAX]
     assert len(argmax) == 1 and argmax[0].a0 == program.lm_tiles, what
+
+
+def test_attention_takes_several_sequences_only_past_batch_8_with_more_pairs_than_sms_and_short_caches():
+    """warp_attention's rule on the llama-3.2-1b shape (8 kv heads, 132 SMs): batch 64 with 512 cache positions takes
+    4 sequences an instruction; batch 16 (128 pairs), batch 8, two KV splits or a cache of 1024 positions keep one."""
+    config = get_preset("llama-3.2-1b")
+
+    def seqs(batch, max_seq, splits=1):
+        layout = StepLayout(config=config, batch=batch, kv_splits=splits, block_size=16,
+                            max_blocks_per_seq=max_seq // 16, num_sms=132)
+        return {i.seqs for i in build_program(layout).instructions if i.opcode == Opcode.ATTN_PARTIAL}
+
+    assert seqs(64, 512) == {4} and seqs(32, 256) == {2}
+    assert seqs(64, 1024) == seqs(16, 256) == seqs(8, 256) == seqs(64, 512, splits=2) == {1}

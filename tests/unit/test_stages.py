@@ -32,7 +32,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from megakernel.instructions import STAGE_MODULES
-from megakernel.instructions.attention import warp_attention
+from megakernel.instructions.attention import WARP_ATTENTION_MAX_SEQ, warp_attention
 from megakernel.instructions.context import StageContext
 from megakernel.instructions.layout import (SPLIT_BATCH, StepBuffers, StepLayout, allocate_buffers, fill_wide_inputs,
                                            pack_weights, wide_input, wide_input_index)
@@ -538,9 +538,9 @@ def test_argmax_stage(case, num_sms):
     run_cpu_case(case, num_sms, Opcode.ARGMAX)
 
 
-# Past SPLIT_BATCH with one split and more (sequence, kv head) pairs than SMs an ATTN_PARTIAL takes several sequences,
-# a consumer warp each (warp_attention): the reference of one such instruction against float64 (sequences of
-# different lengths, each its own cache slots).
+# Past SPLIT_BATCH with one split, more (sequence, kv head) pairs than SMs and short caches an ATTN_PARTIAL takes
+# several sequences, a consumer warp each (warp_attention): the reference of one such instruction against float64
+# (sequences of different lengths, each its own cache slots).
 @settings(max_examples=20)
 @given(case=stage_cases(max_hidden=512, max_intermediate=512, max_heads=16, min_batch=SPLIT_BATCH + 1, max_batch=64,
                         max_blocks=8, max_vocab=1024, max_splits=1),
@@ -549,8 +549,9 @@ def test_attention_of_several_sequences_an_instruction(case, num_sms):
     bench = cpu_bench(case, num_sms)
     (group,) = runs_for(bench, Opcode.ATTN_PARTIAL)
     pairs = case.shape.batch * case.shape.num_kv_heads
-    if pairs <= num_sms:     # an SM per (sequence, kv head) at most: CTA-wide items, with ATTN_PARTIAL's own checks
-        assert not warp_attention(bench.layout), bench.what()
+    expected = pairs > num_sms and bench.layout.max_seq_len <= WARP_ATTENTION_MAX_SEQ
+    assert warp_attention(bench.layout) == expected, bench.what()
+    if not expected:         # CTA-wide items (an SM per pair at most, or long caches): ATTN_PARTIAL's own checks
         return
     assert [i.opcode for i in group] == [Opcode.ATTN_PARTIAL], bench.what()
     assert max(i.seqs for i in bench.program.instructions) == min(8, -(-pairs // num_sms)) > 1, bench.what()

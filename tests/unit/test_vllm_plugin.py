@@ -221,7 +221,7 @@ def test_switch_setting(extra, archs, env, want):
     assert why, "the switch names where it came from"
 
 
-@pytest.mark.parametrize("value", ["yes", 1, None, {"max_batch": 0}, {"max_batch": 9}, {"max_batch": True},
+@pytest.mark.parametrize("value", ["yes", 1, None, {"max_batch": 0}, {"max_batch": 65}, {"max_batch": True},
                                    {"max_batch": "4"}, {"batch": 4}])
 def test_switch_setting_refuses_a_value_it_does_not_understand(value):
     with pytest.raises(ValueError, match="max_batch"):
@@ -250,6 +250,7 @@ def test_additional_config_max_batch_sets_the_buckets(monkeypatch):
 @pytest.mark.parametrize("preset", MODEL_PRESETS)
 def test_layout_reason_accepts_presets(preset):
     assert vm.layout_reason(get_preset(preset)) is None
+    assert vm.layout_reason(get_preset(preset), vm.MAX_DECODE_BATCH) is None
 
 
 def test_layout_reason_names_the_unsupported_field():
@@ -259,15 +260,19 @@ def test_layout_reason_names_the_unsupported_field():
 
 
 def test_decode_buckets_and_pick():
-    assert vm.decode_buckets(None) == (1, 2, 4, 8)
-    assert vm.decode_buckets([1, 2, 3, 4, 8, 16, 24]) == (1, 2, 3, 4, 8)
-    buckets = vm.decode_buckets([1, 2, 4, 8])
+    assert vm.decode_buckets(None) == (1, 2, 4, 8, 16, 32, 64) and vm.MAX_DECODE_BATCH == 64
+    assert vm.decode_buckets([1, 2, 3, 4, 8, 16, 24, 128]) == (1, 2, 3, 4, 8, 16, 24, 32, 64)
+    assert vm.decode_buckets([1, 2, 4, 8, 16, 24], max_batch=8) == (1, 2, 4, 8)
+    buckets = vm.decode_buckets([1, 2, 4, 8], max_batch=8)
     assert [vm.pick_bucket(n, buckets) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, None]
+    buckets = vm.decode_buckets([24, 40])
+    assert [vm.pick_bucket(n, buckets) for n in (9, 17, 24, 25, 33, 41, 64, 65)] == [16, 24, 24, 32, 40, 64, 64, None]
 
 
 @pytest.mark.parametrize("value,expected,warned", [
     (None, vm.DEFAULT_MAX_BATCH, False), ("", vm.DEFAULT_MAX_BATCH, False), ("1", 1, False), (" 4 ", 4, False),
-    ("8", 8, False), ("0", vm.DEFAULT_MAX_BATCH, True), ("9", vm.DEFAULT_MAX_BATCH, True),
+    ("8", 8, False), ("9", 9, False), ("64", 64, False), ("0", vm.DEFAULT_MAX_BATCH, True),
+    ("65", vm.DEFAULT_MAX_BATCH, True),
     ("two", vm.DEFAULT_MAX_BATCH, True),
 ])
 def test_max_batch_setting(value, expected, warned, mk_log):
@@ -280,13 +285,16 @@ def test_batch_reason_names_the_switch_when_it_lowered_the_limit():
     assert vm.batch_reason(4, 4, 1, max_batch=4) is None
     why = vm.batch_reason(5, 5, 1, max_batch=4)
     assert "decode batch of 5 exceeds the megakernel's maximum batch 4" in why and vm.ENV_MAX_BATCH in why
-    assert vm.ENV_MAX_BATCH not in vm.batch_reason(9, 9, 1)
+    assert vm.batch_reason(64, 64, 1) is None
+    assert vm.ENV_MAX_BATCH not in vm.batch_reason(65, 65, 1)
 
 
 @pytest.mark.parametrize("args,kw,expected", [
     ((1, 1, 1), {}, None),
     ((8, 8, 1), {}, None),
-    ((9, 9, 1), {}, "decode batch of 9 exceeds"),
+    ((9, 9, 1), {}, None),
+    ((64, 64, 1), {}, None),
+    ((65, 65, 1), {}, "decode batch of 65 exceeds"),
     ((6, 2, 5), {}, vm.QUERY_LEN),                  # prefill
     ((4, 3, 1), {}, vm.QUERY_LEN),                  # rows that are not one request each
     ((2, 2, 1), {"has_embeds": True}, "embeddings"),
@@ -537,7 +545,7 @@ def test_adapter_default_limit_sends_only_batch_one_to_the_megakernel(monkeypatc
 def test_adapter_on_cpu_falls_back_with_the_reason():
     model = fake_vllm_model(random_weights(get_preset("tiny-qwen3"), seed=3))
     a = vm.MegakernelDecode(model, _vllm_config())
-    assert a.disabled is None and a.buckets == (1, 2, 4, 8)
+    assert a.disabled is None and a.buckets == (1, 2, 4, 8, 16, 24, 32, 64)     # (the capture sizes 1-24 among them)
     a.on_weights_loaded()
     assert a.disabled is not None and "not a CUDA GPU" in a.disabled
     assert a.maybe_decode(torch.tensor([1]), torch.tensor([0])) is None
@@ -640,7 +648,7 @@ def _metadata(n, max_query_len, seed, valid=None):
                            block_table=torch.randint(1, 40, (n, 128), generator=gen, dtype=torch.int32))
 
 
-@pytest.mark.parametrize("n,bucket,seed", [(1, 1, 0), (3, 4, 1), (8, 8, 2)])
+@pytest.mark.parametrize("n,bucket,seed", [(1, 1, 0), (3, 4, 1), (8, 8, 2), (20, 24, 3), (40, 64, 4)])
 def test_adapter_decode_batch_runs_one_engine_launch(n, bucket, seed):
     FakeEngine.built.clear()
     a, cfg, ctx, model = _ready_adapter(seed=seed)
@@ -674,11 +682,11 @@ def test_adapter_leaves_prefill_and_big_batches_to_vllm(mk_log):
     name = "model.layers.0.self_attn.attn"
     ctx.attn_metadata = {name: _metadata(2, 7, 0)}                     # prefill: silent
     assert a.maybe_decode(torch.zeros(9, dtype=torch.long), torch.arange(9)) is None
-    ctx.attn_metadata = {name: _metadata(12, 1, 0)}                    # 12 decodes: logged once
+    ctx.attn_metadata = {name: _metadata(65, 1, 0)}                    # 65 decodes: logged once
     before = vm.STATS["fallbacks"].copy()
     for _ in range(3):
-        assert a.maybe_decode(torch.zeros(12, dtype=torch.long), torch.arange(12)) is None
-    why = "decode batch of 12 exceeds the megakernel's maximum batch 8"
+        assert a.maybe_decode(torch.zeros(65, dtype=torch.long), torch.arange(65)) is None
+    why = "decode batch of 65 exceeds the megakernel's maximum batch 64"
     assert vm.STATS["fallbacks"][why] - before[why] == 3
     assert mk_log.text.count(why) <= 1 and not FakeEngine.built
     ctx.attn_metadata = None                                            # profiling run

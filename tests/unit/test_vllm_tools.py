@@ -451,24 +451,29 @@ def test_vllm_bench_batches(text, want):
 
 
 class _TokenLLM:
-    """generate() returns n tokens per prompt, recording (batch, n)."""
+    """generate() returns n tokens per prompt, recording (batch, n), and advances `clock` (seconds) by 1 ms per
+    token of each prompt: the bench's timings then follow the work, not this machine's load."""
 
     def __init__(self):
         self.calls = []
+        self.clock = 0.0
 
     def generate(self, prompts, params, use_tqdm=True):
         self.calls.append((len(prompts), params.max_tokens))
+        self.clock += 1e-3 * params.max_tokens * len(prompts)
         return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[0] * params.max_tokens)]) for _ in prompts]
 
 
-def test_vllm_bench_times_every_batch_it_is_given(fake_vllm):
+def test_vllm_bench_times_every_batch_it_is_given(fake_vllm, monkeypatch):
     bench = _load_bench()
     llm = _TokenLLM()
+    monkeypatch.setattr(bench, "time", SimpleNamespace(perf_counter=lambda: llm.clock))
     got = bench.bench(llm, 1000, 0, (1, 16, 64))
     assert list(got) == ["1", "16", "64"]
     per_batch = 1 + 2 * bench.REPEATS                       # the warm-up, then (257, 1) per repeat
     assert [b for b, _ in llm.calls] == [1] * per_batch + [16] * per_batch + [64] * per_batch
     for b, row in got.items():
+        assert row["ms_per_step"] == pytest.approx(int(b))          # (257 - 1) tokens of b prompts at 1 ms each
         assert row["decode_tok_s"] == pytest.approx(int(b) * 1e3 / row["ms_per_step"])
 
 
@@ -496,3 +501,15 @@ def test_build_llm_passes_max_num_seqs_async_scheduling_and_the_plugin_switch(tm
     assert made[-1]["additional_config"] == {"megakernel": True} and "hf_overrides" not in made[-1], made[-1]
     tool.build_llm(str(tmp_path), "stock", "LlamaForCausalLM", args)
     assert "additional_config" not in made[-1] and "hf_overrides" not in made[-1], made[-1]
+
+
+def test_parity_workloads_add_a_wide_one_past_eight_sequences():
+    """With max_num_seqs above 8 the parity tool adds a workload of max_num_seqs + 8 short requests (pure-decode
+    steps past batch 8); the others stay as they were."""
+    w8 = tool.parity_workloads(1000, 0)
+    w32 = tool.parity_workloads(1000, 0, 32)
+    assert set(w8) == {"batch1", "mixed"} and set(w32) == {"batch1", "mixed", "wide"}
+    assert w32["batch1"] == w8["batch1"] and w32["mixed"] == w8["mixed"]
+    prompts, new = w32["wide"]
+    assert len(prompts) == len(new) == 40
+    assert all(4 <= len(p["prompt_token_ids"]) <= 64 for p in prompts) and all(16 <= n <= 64 for n in new)
