@@ -316,8 +316,7 @@ class AttentionStage(SoftmaxPass):
                     for h in cutlass.range_constexpr(NE // 4):
                         st_f32x4(dst + 16 * h, out[4 * h], out[4 * h + 1], out[4 * h + 2], out[4 * h + 3])
                     # (STREAM_ELEMS = 8 columns of one sequence: 16 contiguous bytes of O_PROJ's pre-staged input)
-                    st_b32x4(p.attn_wide + Int64(layer) * self.wide_bytes(self.Q)
-                             + Int64(wide_x_byte(b, head * D + d0, self.B)),
+                    st_b32x4(self.attention_wide_addr(layer, b, head * D + d0, p),
                              pack_bf16x2(out[0], out[1]), pack_bf16x2(out[2], out[3]),
                              pack_bf16x2(out[4], out[5]), pack_bf16x2(out[6], out[7]))
                     if d0 == 0:
@@ -349,11 +348,16 @@ class AttentionStage(SoftmaxPass):
             if cutlass.const_expr(self.wide):
                 self.store_attention_wide(layer, b, head * D + d, out, p)
 
+    def attention_wide_addr(self, layer: Int32, b: Int32, k: Int32, p) -> Int64:
+        """Past SPLIT_BATCH: the address of element k of sequence b's attention output in O_PROJ's pre-staged input
+        (StepBuffers.attn_wide[layer]: bf16 in the wgmma B layout, no norm), for its bulk copy (matvec_wide); the 8
+        elements from a multiple of 8 are 16 contiguous bytes."""
+        return p.attn_wide + Int64(layer) * self.wide_bytes(self.Q) + Int64(wide_x_byte(b, k, self.B))
+
     @cute.jit
     def store_attention_wide(self, layer: Int32, b: Int32, k: Int32, v: Float32, p):
-        """Past SPLIT_BATCH: element k of sequence b's attention output into O_PROJ's pre-staged input
-        (StepBuffers.attn_wide[layer]: bf16 in the wgmma B layout, no norm), for its bulk copy (matvec_wide)."""
-        st_bf16(p.attn_wide + Int64(layer) * self.wide_bytes(self.Q) + Int64(wide_x_byte(b, k, self.B)), v)
+        """Element k of sequence b's attention output into O_PROJ's pre-staged input (attention_wide_addr)."""
+        st_bf16(self.attention_wide_addr(layer, b, k, p), v)
 
     @cute.jit
     def merge_quad(self, layer: Int32, b: Int32, k: Int32, attn_part_o: Int64, attn_part_lse: Int64,

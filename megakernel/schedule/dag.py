@@ -5,8 +5,8 @@ Every edge is a (layer, stage) counter: a consumer waits until all instructions 
 stage have signalled. Release/acquire chains make that transitive, so an instruction sees every
 store that happened before the stage it waits on (e.g. O_PROJ reads x[l], written by DOWN of layer
 l-1, two stages before the ATTN_REDUCE it waits for). Where the layout stages matvec inputs in shared
-memory, O_PROJ waits on ATTN_PARTIAL directly and merges the splits itself (`StepLayout.fused_reduce`). Past the
-SPLIT_BATCH with one split, an ATTN_PARTIAL takes several sequences (attention.sequence_groups).
+memory, O_PROJ waits on ATTN_PARTIAL directly and merges the splits itself (`StepLayout.fused_reduce`). Past
+SPLIT_BATCH, where attention.warp_attention says, an ATTN_PARTIAL takes several sequences (sequence_groups).
 Past the megakernel's batch, a matvec stage may be split over K (instructions/split_k.py): its K ranges' tiles
 signal the stage's *_PARTS counter, and MV_REDUCE tiles, which wait for all of them, signal the stage's counter.
 
