@@ -249,9 +249,9 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
                 (GPU_WIDE_STAGES_PROBE,), kernel=True),
        Mutation("attention_copy_of_the_next_head.kernel",
                 "past batch 8, the attention writes O_PROJ's pre-staged input one head further on, so O_PROJ "
-                "multiplies each head's weights by the next head's output (and the last by nothing written)",
-                (Patch(K_ATTN, "st_b32x4(self.attention_wide_addr(layer, b, head * D + d0, p),",
-                       "st_b32x4(self.attention_wide_addr(layer, b, (head + 1) % self.Hq * D + d0, p),"),),
+                "multiplies each head's weights by the previous head's output (the first head's by the last's)",
+                (Patch(K_ATTN, "Int64(wide_x_byte(b, k, self.B)), v)",
+                       "Int64(wide_x_byte(b, (k + self.D) % self.Q, self.B)), v)"),),
                 (GPU_WIDE_STAGES_PROBE,), kernel=True),
        Mutation("wide_second_group_reads_the_first.kernel",
                 "past batch 8, a warpgroup multiplies the set of its second row groups into the accumulators of its "

@@ -86,22 +86,31 @@ def sanitizer_path() -> str | None:
 
 
 def workload(steps: int, batches: tuple[int, ...]) -> None:
-    """A few checked decode steps of each tiny preset at each batch (the engine raises on an error word)."""
+    """A few checked decode steps of each tiny preset at each batch (the engine raises on an error word); past
+    SPLIT_BATCH also on a quarter as many SMs as (sequence, kv head) pairs, where an attention instruction takes
+    several sequences (at 16: 4, two consumer warps each; at 41: 5, one each), since the tiny presets' pairs fit
+    the GPU's SMs, where the attention runs CTA-wide items only."""
     import torch
 
+    from megakernel.instructions.layout import SPLIT_BATCH
     from megakernel.kernel.interpreter import KernelOptions
     from megakernel.model.presets import get_preset
     from megakernel.model.weights import random_weights
     from megakernel.runtime.engine import MegakernelEngine
 
     for name in PRESETS:
-        weights = random_weights(get_preset(name), seed=5, dtype=torch.bfloat16, device="cuda")
+        config = get_preset(name)
+        weights = random_weights(config, seed=5, dtype=torch.bfloat16, device="cuda")
         for batch in batches:
-            eng = MegakernelEngine(weights, batch, 64, options=KernelOptions(timeout_ns=WAIT_BOUND_NS))
-            tokens = torch.arange(batch, dtype=torch.int32, device="cuda") + 1
-            for t in range(steps):
-                tokens = eng.step(tokens, torch.full((batch,), t, dtype=torch.int32, device="cuda")).clone()
-            print(f"workload: {name} batch {batch}: {steps} steps, tokens {tokens.tolist()}", flush=True)
+            sms = [None] + ([max(1, batch * config.num_kv_heads // 4)] if batch > SPLIT_BATCH else [])
+            for num_sms in sms:
+                eng = MegakernelEngine(weights, batch, 64, num_sms=num_sms,
+                                       options=KernelOptions(timeout_ns=WAIT_BOUND_NS))
+                tokens = torch.arange(batch, dtype=torch.int32, device="cuda") + 1
+                for t in range(steps):
+                    tokens = eng.step(tokens, torch.full((batch,), t, dtype=torch.int32, device="cuda")).clone()
+                where = "" if num_sms is None else f" on {num_sms} SMs"
+                print(f"workload: {name} batch {batch}{where}: {steps} steps, tokens {tokens.tolist()}", flush=True)
 
 
 def run_tool(tool: str, steps: int, batches: tuple[int, ...], sanitizer: str) -> tuple[SanitizerReport, int, str]:

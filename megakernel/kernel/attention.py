@@ -21,9 +21,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
+from ..instructions.attention import sequence_groups
 from ..instructions.layout import wide_x_byte
 from .ptx import (atomic_cas, cp_async_wait_all, ex2, globaltimer_lo, ld_bf16, ld_f32, ld_i32, ld_i64, lg2, load_f32x4,
-                  pack_bf16x2, round_bf16, rsqrt, st_b32x4, st_bf16, st_f32, st_f32x4, st_i32, store_relaxed, warp_sum)
+                  round_bf16, rsqrt, st_bf16, st_f32, st_i32, store_relaxed, warp_sum)
 from .softmax_pass import LOG2E, STREAM_ELEMS, WARP_UNROLL, SoftmaxPass
 from .stream import TR_CONSUMED, TR_STAGED
 
@@ -267,60 +268,81 @@ class AttentionStage(SoftmaxPass):
             if d == 0:
                 st_f32(p.attn_part_lse + pidx * 4, lse)
 
+    def sequence_warps(self) -> int:
+        """Consumer warps per sequence of an attend_sequences instruction: those an instruction of the layout's
+        most sequences leaves to each (2 at batch 64 on the presets, 4 at 32; measured against one warp per
+        sequence, profiles/RESULTS.md 2026-12-04: level at llama-3.2-1b 64, 2-3% faster at llama-3.2-1b 32,
+        qwen3-0.6b 64, llama-3.1-8b 32)."""
+        return self.warps // max(n for _, n in sequence_groups(self.layout))
+
     @cute.jit
     def attend_sequences(self, tidx: Int32, warp: Int32, lane: Int32, layer: Int32, b0: Int32, kvh: Int32,
                          seqs: Int32, index: Int32, p, s, rec: Int64):
-        """ATTN_PARTIAL of sequences b0 .. b0 + seqs - 1 (warp_attention: past SPLIT_BATCH, one split), one
-        consumer warp each, no barrier between the phases: A, the new token's heads into the warp's own s.q and
-        s.kv (and the cache); B, every cached token streamed, WARP_UNROLL tokens per lane group an iteration, the
-        new token last; C, the warp's state normalised and written (attn_part, and O_PROJ's pre-staged input). With
-        KernelOptions.trace, warp 0's ends of A and B in the trace record (TR_STAGED, TR_CONSUMED)."""
+        """ATTN_PARTIAL of sequences b0 .. b0 + seqs - 1 (warp_attention: past SPLIT_BATCH, one split), WPS =
+        sequence_warps() consumer warps each (warps j WPS .. j WPS + WPS - 1 take sequence b0 + j): A, the new
+        token's heads spread over the sequence's warps (into s.q and s.kv, and the cache); B, its cached tokens
+        streamed, WARP_UNROLL tokens per lane group an iteration, the iterations over its warps in turn
+        (stream_tokens with first = the warp's place, stride = WPS), each warp's state into s.m, s.l, s.o; C, the
+        sequence's WPS states merged (as attend_split merges all the warps'), the output written (attn_part, and
+        O_PROJ's pre-staged input). Every consumer warp passes the two barriers, with a sequence or without. With
+        KernelOptions.trace, the ends of A and B in the trace record (TR_STAGED, TR_CONSUMED)."""
+        s_l, s_m, s_o = s.l, s.m, s.o
         D, E, G, NE = self.D, self.E, self.G, STREAM_ELEMS
+        WPS = self.sequence_warps()
         LPT = D // NE
-        TPW = 32 // LPT
-        if warp < seqs:
-            b = b0 + warp
-            # phase A: every head's loads issued before the position's (whose use stalls), then the heads
-            vals = cute.make_rmem_tensor(((G + 2) * E,), Float32)
+        j = warp // WPS
+        sub = warp - j * WPS
+        b = b0 + j
+        q_at = j * (G * D)
+        kv_at = j * (2 * D)
+        pos = Int32(0)
+        k_base = Int64(0)
+        v_base = Int64(0)
+        if j < seqs:
+            pos, append, k_base, v_base, blk = self.new_token_setup(lane == 0 and sub == 0, layer, b, True, index,
+                                                                    p, s)
             row = self.qkv_row(layer, b, p)
-            for hh in cutlass.range_constexpr(G + 2):
-                self.load_head(hh, lane, kvh, row, vals, hh * E)
-            pos, append, k_base, v_base, blk = self.new_token_setup(lane == 0, layer, b, True, index, p, s)
-            q_at = warp * (G * D)
-            kv_at = warp * (2 * D)
-            for hh in cutlass.range_constexpr(G + 2):
-                self.finish_head(hh, lane, layer, kvh, pos, blk, k_base, v_base, append, vals, hh * E, q_at, kv_at,
-                                 p, s)
-            cute.arch.sync_warp()
-            if cutlass.const_expr(self.options.trace):
-                if tidx == 0:
-                    st_i32(rec + TR_STAGED * 4, globaltimer_lo())
-            m, lsum, o = self.stream_tokens(lane, b, kvh, Int32(0), pos, Int32(0), Int32(1), WARP_UNROLL, True, True,
-                                            q_at, kv_at, k_base, v_base, p, s)
-            if cutlass.const_expr(self.options.trace):
-                if tidx == 0:
-                    st_i32(rec + TR_CONSUMED * 4, globaltimer_lo())
-            # every lane group holds the warp's state (the new token counted, so l > 0): group tg writes heads
-            # tg, tg + TPW, ...
+            for hh in range(sub, G + 2, WPS):
+                vals = cute.make_rmem_tensor((E,), Float32)
+                self.load_head(hh, lane, kvh, row, vals, 0)
+                self.finish_head(hh, lane, layer, kvh, pos, blk, k_base, v_base, append, vals, 0, q_at, kv_at, p, s)
+        self.consumer_sync()
+        if cutlass.const_expr(self.options.trace):
+            if tidx == 0:
+                st_i32(rec + TR_STAGED * 4, globaltimer_lo())
+        if j < seqs:
+            m, lsum, o = self.stream_tokens(lane, b, kvh, Int32(0), pos, sub, Int32(WPS), WARP_UNROLL, True,
+                                            sub == 0, q_at, kv_at, k_base, v_base, p, s)
             tg = lane // LPT
-            d0 = (lane - tg * LPT) * NE
-            for g in cutlass.range_constexpr(G):
-                if tg == g % TPW:
-                    head = kvh * G + g
-                    pidx = ((Int64(layer) * self.B + Int64(b)) * self.Hq + Int64(head)) * self.S
-                    inv = Float32(1.0) / lsum[g]
-                    out = cute.make_rmem_tensor((NE,), Float32)
-                    for e in cutlass.range_constexpr(NE):
-                        out[e] = o[g * NE + e] * inv
-                    dst = p.attn_part_o + (pidx * D + Int64(d0)) * 4
-                    for h in cutlass.range_constexpr(NE // 4):
-                        st_f32x4(dst + 16 * h, out[4 * h], out[4 * h + 1], out[4 * h + 2], out[4 * h + 3])
-                    # (STREAM_ELEMS = 8 columns of one sequence: 16 contiguous bytes of O_PROJ's pre-staged input)
-                    st_b32x4(self.attention_wide_addr(layer, b, head * D + d0, p),
-                             pack_bf16x2(out[0], out[1]), pack_bf16x2(out[2], out[3]),
-                             pack_bf16x2(out[4], out[5]), pack_bf16x2(out[6], out[7]))
-                    if d0 == 0:
-                        st_f32(p.attn_part_lse + pidx * 4, (m[g] + lg2(lsum[g])) * Float32(1.0 / LOG2E))
+            self.store_softmax_state(warp, lane, m, lsum, o, NE, (lane - tg * LPT) * NE, tg == 0, s)
+        self.consumer_sync()
+        if cutlass.const_expr(self.options.trace):
+            if tidx == 0:
+                st_i32(rec + TR_CONSUMED * 4, globaltimer_lo())
+        for t in range(tidx, (self.warps // WPS) * G * D, self.cthreads):
+            jj = t // (G * D)
+            r = t - jj * (G * D)
+            g = r // D
+            d = r - g * D
+            if jj < seqs:
+                mx = Float32(-math.inf)
+                for w in cutlass.range_constexpr(WPS):
+                    mw = s_m[(jj * WPS + w) * G + g]
+                    if mw > mx:
+                        mx = mw
+                tot = Float32(0.0)
+                acc_o = Float32(0.0)
+                for w in cutlass.range_constexpr(WPS):      # (the new token counted in warp 0's: mx is finite)
+                    f = ex2(s_m[(jj * WPS + w) * G + g] - mx)
+                    tot = tot + s_l[(jj * WPS + w) * G + g] * f
+                    acc_o = acc_o + s_o[((jj * WPS + w) * G + g) * D + d] * f
+                head = kvh * G + g
+                pidx = ((Int64(layer) * self.B + Int64(b0 + jj)) * self.Hq + Int64(head)) * self.S
+                outv = acc_o / tot
+                st_f32(p.attn_part_o + (pidx * D + Int64(d)) * 4, outv)
+                self.store_attention_wide(layer, b0 + jj, head * D + d, outv, p)
+                if d == 0:
+                    st_f32(p.attn_part_lse + pidx * 4, (mx + lg2(tot)) * Float32(1.0 / LOG2E))
 
     @cute.jit
     def attn_reduce(self, tidx: Int32, layer: Int32, b: Int32, kvh: Int32, num_splits: Int32, p):
@@ -348,16 +370,11 @@ class AttentionStage(SoftmaxPass):
             if cutlass.const_expr(self.wide):
                 self.store_attention_wide(layer, b, head * D + d, out, p)
 
-    def attention_wide_addr(self, layer: Int32, b: Int32, k: Int32, p) -> Int64:
-        """Past SPLIT_BATCH: the address of element k of sequence b's attention output in O_PROJ's pre-staged input
-        (StepBuffers.attn_wide[layer]: bf16 in the wgmma B layout, no norm), for its bulk copy (matvec_wide); the 8
-        elements from a multiple of 8 are 16 contiguous bytes."""
-        return p.attn_wide + Int64(layer) * self.wide_bytes(self.Q) + Int64(wide_x_byte(b, k, self.B))
-
     @cute.jit
     def store_attention_wide(self, layer: Int32, b: Int32, k: Int32, v: Float32, p):
-        """Element k of sequence b's attention output into O_PROJ's pre-staged input (attention_wide_addr)."""
-        st_bf16(self.attention_wide_addr(layer, b, k, p), v)
+        """Past SPLIT_BATCH: element k of sequence b's attention output into O_PROJ's pre-staged input
+        (StepBuffers.attn_wide[layer]: bf16 in the wgmma B layout, no norm), for its bulk copy (matvec_wide)."""
+        st_bf16(p.attn_wide + Int64(layer) * self.wide_bytes(self.Q) + Int64(wide_x_byte(b, k, self.B)), v)
 
     @cute.jit
     def merge_quad(self, layer: Int32, b: Int32, k: Int32, attn_part_o: Int64, attn_part_lse: Int64,

@@ -299,9 +299,11 @@ class WideMatvec:
     @cute.jit
     def rstd_from_ssq(self, tidx: Int32, ssq: Int64, s):
         """s.rstd[b] = rsqrt(sequence b's sum of squares / H + eps) from the H / 8 sums per 8 columns its
-        producers wrote (f32 [B, H / 8] at ssq): P threads per sequence each add a consecutive share in column
-        order, 16 loads of 4 floats a round, then the P shares go together pairwise (a butterfly: the same bits on
-        every lane and in every run). Read after a consumer barrier."""
+        producers wrote (f32 [B, H / 8] at ssq): P threads per sequence, thread t adding 16-byte words t, t + P,
+        t + 2 P, ... in that order (a warp's loads in runs of P x 16 consecutive bytes: 2.0 us less than a
+        consecutive share per thread at llama-3.2-1b 64, profiles/RESULTS.md 2026-12-04), 16 loads a round, then
+        the P sums go together pairwise (a butterfly: the same bits on every lane and in every run). Read after a
+        consumer barrier."""
         s_rstd = s.rstd
         NG = self.H // 8
         P = self.ssq_threads()
@@ -309,12 +311,12 @@ class WideMatvec:
         b = tidx // P
         tot = Float32(0.0)
         if b < self.B:
-            base = ssq + (Int64(b) * NG + Int64(tidx - b * P) * per) * 4
+            base = ssq + (Int64(b) * NG + Int64(tidx - b * P) * 4) * 4
             for r0 in cutlass.range_constexpr(0, per // 4, 16):
                 n4 = min(16, per // 4 - r0)
                 v = cute.make_rmem_tensor((4 * n4,), Float32)
                 for i in cutlass.range_constexpr(n4):
-                    q = load_f32x4(base + (r0 + i) * 16)
+                    q = load_f32x4(base + (r0 + i) * (16 * P))
                     for e in cutlass.range_constexpr(4):
                         v[4 * i + e] = q[e]
                 for i in cutlass.range_constexpr(4 * n4):

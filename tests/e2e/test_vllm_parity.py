@@ -9,12 +9,15 @@ MEGAKERNEL_VLLM_MAX_BATCH=8 (`--plugin-max-batch 8`) so that decode batches of e
 those the plugin sends to the megakernel by default, are checked. Two workloads, greedy with
 the top-5 logprobs of every step: one 32-token prompt for 128 tokens (batch 1), and 12 prompts of
 different lengths through max_num_seqs=8 (prefill chunks and decodes of 1-8 requests interleaved, one
-shared paged cache). The judgement (tools/vllm_parity.compare, unit-tested in tests/unit/test_vllm_tools.py)
+shared paged cache). Past batch 8 (llama-3.2-1b, max_num_seqs=32, MEGAKERNEL_VLLM_MAX_BATCH=32) a third,
+"wide": 40 prompts of 4-64 tokens, so pure-decode steps of up to 32 requests run on the engines of 16 and
+32 rows. The judgement (tools/vllm_parity.compare, unit-tested in tests/unit/test_vllm_tools.py)
 is check_logprobs_close's: same tokens until the first step where stock's top-2 gap is below 0.1, there
 each token in the other's top 5, and sampled logprobs within 0.1 while they agree.
 
 One model per call of the GPU host (about four minutes each): `bash tools/gpu_run.sh vllm llama-3.2-1b`,
-then `bash tools/gpu_run.sh vllm qwen3-0.6b` (after staging the vLLM bundle, docs/vllm.md).
+then `bash tools/gpu_run.sh vllm qwen3-0.6b`, and `bash tools/gpu_run.sh vllm llama-3.2-1b 32` for the case
+past batch 8 (after staging the vLLM bundle, docs/vllm.md).
 """
 
 from __future__ import annotations
@@ -33,19 +36,27 @@ BUDGET_S = 540          # the tool splits it between the two paths; the host all
 # (workload, requests, fewest steps that must be compared: the comparison may stop at a near-tie, but a
 # run that compares almost nothing proves nothing)
 WORKLOADS = {"batch1": (1, 8), "mixed": (12, 96)}
+WIDE_WORKLOADS = dict(WORKLOADS, wide=(40, 160))
 
 
 @pytest.mark.gpu
 @pytest.mark.hopper
 @pytest.mark.vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("preset,switch", [("llama-3.2-1b", "additional_config"), ("qwen3-0.6b", "hf_overrides")])
-def test_plugin_path_matches_stock_vllm(preset, switch, tmp_path):
+@pytest.mark.parametrize("preset,switch,max_batch", [("llama-3.2-1b", "additional_config", 8),
+                                                    ("qwen3-0.6b", "hf_overrides", 8),
+                                                    ("llama-3.2-1b", "additional_config", 32)],
+                         ids=["llama-3.2-1b-b8", "qwen3-0.6b-b8", "llama-3.2-1b-b32"])
+def test_plugin_path_matches_stock_vllm(preset, switch, max_batch, tmp_path):
     """The plugin switched on by vLLM's additional_config (llama-3.2-1b: the stock architecture name, which the
-    plugin maps to its classes) or by hf_overrides (qwen3-0.6b)."""
+    plugin maps to its classes) or by hf_overrides (qwen3-0.6b); up to batch 8, and on llama-3.2-1b up to 32
+    (max_num_seqs 32: the engines past batch 8 and the wide workload)."""
     out = tmp_path / "out"
     cmd = [sys.executable, TOOL, "--preset", preset, "--out", str(out), "--models", str(tmp_path / "models"),
-           "--budget", str(BUDGET_S), "--plugin-max-batch", "8", "--plugin-switch", switch]
+           "--budget", str(BUDGET_S), "--plugin-max-batch", str(max_batch), "--plugin-switch", switch]
+    if max_batch > 8:
+        cmd += ["--max-num-seqs", str(max_batch)]
+    buckets = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_batch]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=BUDGET_S + 45)
     tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
     report_path = out / f"vllm_parity_{preset}.json"
@@ -53,10 +64,10 @@ def test_plugin_path_matches_stock_vllm(preset, switch, tmp_path):
     report = json.loads(report_path.read_text())
     assert report.get("megakernel_used") is True, \
         f"{preset}: the plugin path did not run decode steps through the megakernel: {report.get('megakernel')}"
-    assert "engines [1, 2, 4, 8]" in report["megakernel"], \
-        f"{preset}: not every batch bucket ran on the megakernel: {report['megakernel']}"
+    assert f"engines {buckets}" in report["megakernel"], \
+        f"{preset}: not every batch bucket up to {max_batch} ran on the megakernel: {report['megakernel']}"
     workloads = report.get("parity", {}).get("workloads", {})
-    for name, (requests, min_steps) in WORKLOADS.items():
+    for name, (requests, min_steps) in (WIDE_WORKLOADS if max_batch > 8 else WORKLOADS).items():
         w = workloads.get(name)
         assert w is not None, f"{preset}: workload {name} missing from the report:\n{tail}"
         bad = [r for r in w.get("per_request", []) if not r["ok"]]
