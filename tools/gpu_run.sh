@@ -19,7 +19,17 @@ case "$what" in
     wait
     for f in "$OUT"/tests_stages.log "$OUT"/tests_e2e.log "$OUT"/tests_rest.log; do
       echo "== $f"; tail -n 15 "$f"; done ;;
-  bench) python3 -m pytest -m perf -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/perf.log" ;;
+  bench)
+    # the benchmark JSON keeps each case's ratios (extra_info: floor_fraction, speedups); one line per case here
+    python3 -m pytest -m perf -q -p no:cacheprovider --benchmark-json="$OUT/perf.json" "$@" 2>&1 | tee "$OUT/perf.log"
+    python3 - "$OUT/perf.json" <<'PY'
+import json, sys
+for b in json.load(open(sys.argv[1]))["benchmarks"]:
+    e = b["extra_info"]
+    print(f"{b['name']:52s} {e['ms_per_step']:8.3f} ms  {100 * e['floor_fraction']:5.1f}% of the floor  "
+          + "  ".join(f"{k[8:]} x{v:.2f}" for k, v in e.items() if k.startswith("speedup_")))
+PY
+    ;;
   fuzz)
     # the fuzz hypothesis profile (random seeds) over the GPU stage property tests, sized to end within a call:
     # MEGAKERNEL_FUZZ_EXAMPLES examples per test (default 12; each new shape compiles a kernel). Every test's

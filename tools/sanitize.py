@@ -87,9 +87,9 @@ def sanitizer_path() -> str | None:
 
 def workload(steps: int, batches: tuple[int, ...]) -> None:
     """A few checked decode steps of each tiny preset at each batch (the engine raises on an error word); past
-    SPLIT_BATCH also on a quarter as many SMs as (sequence, kv head) pairs, where an attention instruction takes
-    several sequences (at 16: 4, two consumer warps each; at 41: 5, one each), since the tiny presets' pairs fit
-    the GPU's SMs, where the attention runs CTA-wide items only."""
+    SPLIT_BATCH, for the first preset, also on a quarter as many SMs as (sequence, kv head) pairs, where an
+    attention instruction takes several sequences (at 16: 4, two consumer warps each; at 41: 5, one each), since
+    the tiny presets' pairs fit the GPU's SMs, where the attention runs CTA-wide items only."""
     import torch
 
     from megakernel.instructions.layout import SPLIT_BATCH
@@ -102,7 +102,8 @@ def workload(steps: int, batches: tuple[int, ...]) -> None:
         config = get_preset(name)
         weights = random_weights(config, seed=5, dtype=torch.bfloat16, device="cuda")
         for batch in batches:
-            sms = [None] + ([max(1, batch * config.num_kv_heads // 4)] if batch > SPLIT_BATCH else [])
+            narrow = batch > SPLIT_BATCH and name == PRESETS[0]
+            sms = [None] + ([max(1, batch * config.num_kv_heads // 4)] if narrow else [])
             for num_sms in sms:
                 eng = MegakernelEngine(weights, batch, 64, num_sms=num_sms,
                                        options=KernelOptions(timeout_ns=WAIT_BOUND_NS))
