@@ -1,8 +1,9 @@
 """Time kernel variants on one set of weights, then trace the first variant: per-stage wait and work
 times. Usage: gpu_sweep.py MODEL BATCH 'name:key=val,key=val' ... [--no-trace] [--trace=NAME,...] [--rounds=N]
-[--context=N] (the trace is of the first variant, or of each variant named; the timed steps start at position
---context, 32 by default, each replay one position further, over a cache of random history, and the floor counts
-the KV bytes at --context)
+[--context=N] [--cache=N] (the trace is of the first variant, or of each variant named; the timed steps start at
+position --context, 32 by default, each replay one position further, over a cache of random history, and the floor
+counts the KV bytes at --context; --cache sets the positions each sequence's cache holds, at least what the timed
+steps need: a serving engine's caches hold max_model_len positions whatever the context)
 
 Any KernelOptions field is a variant key (`nocopy:diag_no_copy=1` times the step without weight copies: the
 dependency chain and the consumers alone; `nostage:diag_no_stage=1` without the consumers' input staging). Every variant is built first (one packed copy of the weights shared by all), its logits checked
@@ -59,11 +60,12 @@ HEADROOM = 64         # cache positions past the context beyond the timed replay
 
 BLOCK = 16          # the engines' KV cache block size (MegakernelEngine's default)
 
-def cache_positions(context, rounds):
+def cache_positions(context, rounds, cache=0):
     """Positions the engines' caches hold: every timed replay's (each advances the position by one, from
-    `context`), plus HEADROOM for the warm-up and trace steps, at least 512, in whole cache blocks (the engine
-    rounds its cache up to them, and the one packed copy of the weights must cover the rounded count)."""
-    n = max(512, context + rounds * STEPS + HEADROOM)
+    `context`), plus HEADROOM for the warm-up and trace steps, at least 512 and `cache`, in whole cache blocks
+    (the engine rounds its cache up to them, and the one packed copy of the weights must cover the rounded
+    count)."""
+    n = max(512, cache, context + rounds * STEPS + HEADROOM)
     return -(-n // BLOCK) * BLOCK
 
 def capture(eng, start=32):
@@ -163,17 +165,19 @@ def trace(eng, start=32):
         print(f"    {op:17s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us{phase}{stream}")
 
 def main():
-    usage = "gpu_sweep.py MODEL BATCH [name:key=val,...] ... [--no-trace] [--trace=NAME,...] [--rounds=N] [--context=N]"
+    usage = ("gpu_sweep.py MODEL BATCH [name:key=val,...] ... [--no-trace] [--trace=NAME,...] [--rounds=N] "
+             "[--context=N] [--cache=N]")
     args = positional(__doc__, usage, 2, ints=(1,))
     model, B = args[0], int(args[1])
     specs = args[2:] or ["default:"]
     context, rounds = int_flag("--context", CONTEXT, usage), int_flag("--rounds", ROUNDS, usage)
-    max_seq = cache_positions(context, rounds)
+    max_seq = cache_positions(context, rounds, int_flag("--cache", 0, usage))
     cfg = get_preset(model)
     w = random_weights(cfg, seed=3, device="cuda")
     bw = read_bw()
     floor = floor_ms(cfg, B, bw, context_len=context)
-    print(f"{model} B={B} context {context}: read bw {bw/1e12:.2f} TB/s, floor {floor:.3f} ms")
+    print(f"{model} B={B} context {context} (caches of {max_seq} positions): read bw {bw/1e12:.2f} TB/s, "
+          f"floor {floor:.3f} ms")
     packed = pack_weights(w, max_seq).to("cuda")   # one copy for every variant (the 8B shape: 16 GB)
     to_trace = []
     traced = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--trace=")), None)

@@ -44,6 +44,17 @@ def test_interleaved_rounds_visit_every_variant_in_turn(sweep):
     assert got["b"] == (5.25, 4.5, 6.5)
 
 
+def test_cache_positions_cover_the_timed_steps_and_the_asked_cache_in_whole_blocks(sweep):
+    """--cache: a serving engine's long cache with a short context; never fewer positions than the replays need."""
+    need = 32 + 5 * sweep.STEPS + sweep.HEADROOM
+    assert sweep.cache_positions(32, 5) == max(512, -(-need // sweep.BLOCK) * sweep.BLOCK)
+    assert sweep.cache_positions(32, 5, cache=4096) == 4096
+    assert sweep.cache_positions(32, 5, cache=4001) == 4001 // sweep.BLOCK * sweep.BLOCK + sweep.BLOCK
+    assert sweep.cache_positions(8192, 5, cache=1024) >= 8192 + 5 * sweep.STEPS
+    assert all(sweep.cache_positions(c, r, k) % sweep.BLOCK == 0 for c in (1, 33, 900) for r in (1, 3)
+               for k in (0, 100, 777))
+
+
 def test_help_and_missing_arguments_stop_before_any_gpu_work(sweep, monkeypatch, capsys):
     """--help prints the usage; a missing MODEL or BATCH exits with the usage line, before any weights
     are made or the GPU is touched."""
