@@ -2,17 +2,37 @@
 # Run a parked experiment (profiles/experiments/NAME.patch) on the GPU host in one call: copy the working tree to
 # a scratch folder, apply the patch there, and run the sweep commands its header lists (the lines that start with
 # "python3 tools/gpu_sweep.py"), each variant's logits checked against the first's by the sweep itself. The tree
-# this script runs from is not changed. Logs under $OUT/experiment_NAME.log.
-# Usage on the GPU host: bash tools/gpu_experiment.sh profiles/experiments/NAME.patch [--dry-run]
+# this script runs from is not changed. Logs under $OUT/experiment_NAME.log. --only=1,3 runs only those sweeps
+# (numbered from 1 in the header's order), so one patch's sweeps can be spread over several calls.
+# Usage on the GPU host: bash tools/gpu_experiment.sh profiles/experiments/NAME.patch [--only=N,...] [--dry-run]
 set -uo pipefail
 patch=${1:-}
 if [ -z "$patch" ] || [ "$patch" = "-h" ] || [ "$patch" = "--help" ]; then
-  sed -n '2,6p' "$0" | sed 's/^# \{0,1\}//'; [ -n "$patch" ]; exit $?
+  sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; [ -n "$patch" ]; exit $?
 fi
-[ -f "$patch" ] || { echo "usage: gpu_experiment.sh PATCH [--dry-run]  (no such file: $patch)" >&2; exit 2; }
+usage="usage: gpu_experiment.sh PATCH [--only=N,...] [--dry-run]"
+[ -f "$patch" ] || { echo "$usage  (no such file: $patch)" >&2; exit 2; }
+dry=0; only=""
+for a in "${@:2}"; do
+  case "$a" in
+    --dry-run) dry=1 ;;
+    --only=*) only=${a#--only=} ;;
+    *) echo "$usage  (unknown argument: $a)" >&2; exit 2 ;;
+  esac
+done
 mapfile -t sweeps < <(grep -E '^[[:space:]]*python3 tools/gpu_sweep\.py ' "$patch" | sed 's/^[[:space:]]*//')
 if [ ${#sweeps[@]} -eq 0 ]; then
   echo "usage: gpu_experiment.sh PATCH  ($patch lists no 'python3 tools/gpu_sweep.py' line)" >&2; exit 2
+fi
+if [ -n "$only" ]; then
+  picked=()
+  for n in ${only//,/ }; do
+    if ! [[ "$n" =~ ^[0-9]+$ ]] || [ "$n" -lt 1 ] || [ "$n" -gt ${#sweeps[@]} ]; then
+      echo "$usage  (--only takes sweep numbers 1..${#sweeps[@]}, not $n)" >&2; exit 2
+    fi
+    picked+=("${sweeps[$((n - 1))]}")
+  done
+  sweeps=("${picked[@]}")
 fi
 name=$(basename "$patch" .patch)
 patch=$(realpath "$patch")
@@ -21,7 +41,7 @@ tar -cf - --exclude=./.gpu --exclude=./.git --exclude=./profiles . | tar -xf - -
 if ! ( cd "$work" && git apply "$patch" ); then
   echo "gpu_experiment.sh: $patch does not apply to this tree" >&2; rm -rf "$work"; exit 2
 fi
-if [ "${2:-}" = "--dry-run" ]; then
+if [ "$dry" = 1 ]; then
   printf 'the patch applies; would run:\n'; printf '  %s\n' "${sweeps[@]}"; rm -rf "$work"; exit 0
 fi
 source tools/gpu_env.sh

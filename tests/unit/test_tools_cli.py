@@ -80,6 +80,12 @@ def test_gpu_experiment_applies_a_parked_patch_and_lists_its_sweeps(tmp_path):
     assert got.returncode == 0, got.stderr
     lines = [l.strip() for l in got.stdout.splitlines() if l.strip().startswith("python3 tools/gpu_sweep.py")]
     assert len(lines) == 2 and "t:trace=1" in lines[0] and "tiny-qwen3" in lines[1], got.stdout
+    got = run(str(patch), "--only=2", "--dry-run")
+    lines = [l.strip() for l in got.stdout.splitlines() if l.strip().startswith("python3 tools/gpu_sweep.py")]
+    assert got.returncode == 0 and len(lines) == 1 and "tiny-qwen3" in lines[0], got.stdout + got.stderr
+    for bad in ("--only=3", "--only=0", "--only=x", "--frobnicate"):
+        got = run(str(patch), bad, "--dry-run")
+        assert got.returncode == 2 and "usage: gpu_experiment.sh" in got.stderr, (bad, got.stderr)
     assert not (REPO / "probe_note.txt").exists()
     conflicting = tmp_path / "conflicting.patch"
     conflicting.write_text(patch.read_text().replace("probe_note.txt", "README.md"))   # (README.md exists)
