@@ -1,7 +1,8 @@
 """ATTN_PARTIAL and ATTN_REDUCE: flash-decoding over the paged KV cache.
 
 ATTN_PARTIAL operands: a0 = sequence b, a1 = kv head, a2 = split index, a3 = number of splits; `seqs` sequences
-b .. b + seqs - 1 (more than one only past SPLIT_BATCH with one split: `sequence_groups`, one consumer warp each).
+b .. b + seqs - 1 (more than one only past SPLIT_BATCH with one split: `sequence_groups`, the consumer warps shared
+out among them).
 For each sequence it takes the raw q/k/v of the new token from qkv[l][b], applies QK-norm (Qwen3) and RoPE at
 positions[b], and scores the group's query heads against the cached tokens of its split:
 split s of n covers cached positions [s*c, min((s+1)*c, pos)) with c = ceil(pos / n). The new token
@@ -28,15 +29,15 @@ from .record import Instruction
 OPCODES = (Opcode.ATTN_PARTIAL, Opcode.ATTN_REDUCE)
 
 
-# The longest cache (positions per sequence) an ATTN_PARTIAL of several sequences serves: one warp streams a
-# sequence's whole context, so its time grows with the context at a quarter to an eighth of the warps a CTA-wide item
-# has; measured with caches of 256 and 512 positions (32-token contexts), not beyond.
+# The longest cache (positions per sequence) an ATTN_PARTIAL of several sequences serves: a sequence's own warps
+# (8 / sequences) stream its whole context, so its time grows with the context at a quarter to an eighth of the
+# warps a CTA-wide item has; measured with caches of 256 and 512 positions (32-token contexts), not beyond.
 WARP_ATTENTION_MAX_SEQ = 512
 
 
 def warp_attention(layout) -> bool:
-    """Whether an ATTN_PARTIAL takes several sequences, one consumer warp each: past SPLIT_BATCH with one split
-    (StepLayout.fused_reduce there), more (sequence, kv head) pairs than SMs, and caches of at most
+    """Whether an ATTN_PARTIAL takes several sequences, the consumer warps shared out among them: past SPLIT_BATCH
+    with one split (StepLayout.fused_reduce there), more (sequence, kv head) pairs than SMs, and caches of at most
     WARP_ATTENTION_MAX_SEQ positions. A CTA-wide item of a short context is a few dependent round trips and barriers
     of latency (~5 us), and with more pairs than SMs each SM would take several of them one after another; with at
     most one pair per SM, all the warps of an item are faster than one (profiles/RESULTS.md, 2026-12-04)."""

@@ -24,8 +24,8 @@ class Instruction:
     counter and the per-step count this instruction waits for; ``signal_id`` the counter it adds 1 to
     when its stores are done; ``index`` is its position in the global topological order (for traces
     and error reports). ``k_part`` of ``k_parts`` is the K range of a matvec tile split over K (split_k.py);
-    an unsplit tile is range 0 of 1. ``seqs`` is the number of sequences from ``a0`` an ATTN_PARTIAL takes (one
-    consumer warp each; attention.sequence_groups); 1 for every other instruction.
+    an unsplit tile is range 0 of 1. ``seqs`` is the number of sequences from ``a0`` an ATTN_PARTIAL takes (its
+    consumer warps shared out among them; attention.sequence_groups); 1 for every other instruction.
     """
 
     opcode: Opcode

@@ -7,10 +7,10 @@ The records, split ranges and torch references are in megakernel.instructions.at
   B. an online softmax over the split's cached tokens (the new token last): softmax_pass.py;
   C. the warps' (max, sum, output) merged and the split's partial (output, log-sum-exp) written.
 Past SPLIT_BATCH with one split, more (sequence, kv head) pairs than SMs and caches of at most 512 positions
-(instructions.attention.warp_attention) an ATTN_PARTIAL takes several sequences, one consumer warp each, A-C in the
-warp with no barrier (`attend_sequences`): a CTA-wide item there is ~4 us of dependent round trips and barriers for
-~30 tokens, and a layer at batch 64 put ~4 of them on each SM in series (20 us a layer on llama-3.2-1b; 7 with a warp
-each).
+(instructions.attention.warp_attention) an ATTN_PARTIAL takes several sequences, the consumer warps shared out among
+them (`attend_sequences`: 2 a sequence at batch 64 on the presets): a CTA-wide item there is ~4 us of dependent round
+trips and barriers for ~30 tokens, and a layer at batch 64 put ~4 of them on each SM in series (20 us a layer on
+llama-3.2-1b; 7 with a warp each).
 """
 
 from __future__ import annotations
@@ -196,7 +196,8 @@ class AttentionStage(SoftmaxPass):
         """The instruction's phases A-C (the module docstring); s.alias[b] = 1 (scan_aliasing): the last split
         writes no K/V and reports ERR_ALIAS. With KernelOptions.trace past SPLIT_BATCH, the ends of phases A and B
         in its trace record (rec: TR_STAGED, TR_CONSUMED; at batch 1-8 the stamps' registers would spill). Where
-        the layout has warp_attention, `seqs` sequences from b, one consumer warp each (attend_sequences)."""
+        the layout has warp_attention, `seqs` sequences from b, the consumer warps shared out among them
+        (attend_sequences)."""
         if cutlass.const_expr(self.warp_attention):
             self.attend_sequences(tidx, warp, lane, layer, b, kvh, seqs, index, p, s, rec)
         else:
@@ -206,7 +207,6 @@ class AttentionStage(SoftmaxPass):
     def attend_split(self, tidx: Int32, warp: Int32, lane: Int32, layer: Int32, b: Int32, kvh: Int32,
                      split: Int32, num_splits: Int32, index: Int32, p, s, rec: Int64):
         """One (sequence, kv head, split) on all the consumer warps: phases A-C of the module docstring."""
-        s_l, s_m, s_o = s.l, s.m, s.o
         D, G = self.D, self.G
         last = split == num_splits - 1
         pos, append, k_base, v_base, blk = self.new_token_setup(tidx == 0, layer, b, last, index, p, s)
@@ -241,32 +241,41 @@ class AttentionStage(SoftmaxPass):
                 st_i32(rec + TR_CONSUMED * 4, globaltimer_lo())
         for t in range(tidx, G * D, self.cthreads):
             g = t // D
-            d = t - g * D
-            mx = Float32(-math.inf)
-            for w in cutlass.range_constexpr(self.warps):
-                mw = s_m[w * G + g]
-                if mw > mx:
-                    mx = mw
-            tot = Float32(0.0)
-            acc_o = Float32(0.0)
-            if mx > Float32(-math.inf):
-                for w in cutlass.range_constexpr(self.warps):
-                    f = ex2(s_m[w * G + g] - mx)
-                    tot = tot + s_l[w * G + g] * f
-                    acc_o = acc_o + s_o[(w * G + g) * D + d] * f
-            head = kvh * G + g
-            pidx = ((Int64(layer) * self.B + Int64(b)) * self.Hq + Int64(head)) * self.S + Int64(split)
-            outv = Float32(0.0)
-            lse = Float32(-math.inf)
-            if tot > Float32(0.0):
-                outv = acc_o / tot
-                lse = (mx + lg2(tot)) * Float32(1.0 / LOG2E)
-            st_f32(p.attn_part_o + (pidx * D + Int64(d)) * 4, outv)
-            if cutlass.const_expr(self.wide and self.layout.fused_reduce):
-                # (past SPLIT_BATCH, a single split: its output is O_PROJ's input, pre-staged here for its bulk copy)
-                self.store_attention_wide(layer, b, head * D + d, outv, p)
-            if d == 0:
-                st_f32(p.attn_part_lse + pidx * 4, lse)
+            self.merge_warps(0, self.warps, g, t - g * D, layer, b, kvh, split, p, s)
+
+    @cute.jit
+    def merge_warps(self, w0, nw: int, g: Int32, d: Int32, layer: Int32, b: Int32, kvh: Int32, split: Int32, p, s):
+        """Phase C for element d of query head g of the kv head's group: the (m, l, o) states of warps w0 .. w0 +
+        nw - 1 (s.m, s.l, s.o) merged, the split's partial output and, for d = 0, its log-sum-exp written (and,
+        past SPLIT_BATCH with a single split, O_PROJ's pre-staged input); a split with no token (every state's max
+        -inf) writes output 0 and lse -inf."""
+        s_l, s_m, s_o = s.l, s.m, s.o
+        D, G = self.D, self.G
+        mx = Float32(-math.inf)
+        for w in cutlass.range_constexpr(nw):
+            mw = s_m[(w0 + w) * G + g]
+            if mw > mx:
+                mx = mw
+        tot = Float32(0.0)
+        acc_o = Float32(0.0)
+        if mx > Float32(-math.inf):
+            for w in cutlass.range_constexpr(nw):
+                f = ex2(s_m[(w0 + w) * G + g] - mx)
+                tot = tot + s_l[(w0 + w) * G + g] * f
+                acc_o = acc_o + s_o[((w0 + w) * G + g) * D + d] * f
+        head = kvh * G + g
+        pidx = ((Int64(layer) * self.B + Int64(b)) * self.Hq + Int64(head)) * self.S + Int64(split)
+        outv = Float32(0.0)
+        lse = Float32(-math.inf)
+        if tot > Float32(0.0):
+            outv = acc_o / tot
+            lse = (mx + lg2(tot)) * Float32(1.0 / LOG2E)
+        st_f32(p.attn_part_o + (pidx * D + Int64(d)) * 4, outv)
+        if cutlass.const_expr(self.wide and self.layout.fused_reduce):
+            # (past SPLIT_BATCH, a single split: its output is O_PROJ's input, pre-staged here for its bulk copy)
+            self.store_attention_wide(layer, b, head * D + d, outv, p)
+        if d == 0:
+            st_f32(p.attn_part_lse + pidx * 4, lse)
 
     def sequence_warps(self) -> int:
         """Consumer warps per sequence of an attend_sequences instruction: those an instruction of the layout's
@@ -286,7 +295,6 @@ class AttentionStage(SoftmaxPass):
         sequence's WPS states merged (as attend_split merges all the warps'), the output written (attn_part, and
         O_PROJ's pre-staged input). Every consumer warp passes the two barriers, with a sequence or without. With
         KernelOptions.trace, the ends of A and B in the trace record (TR_STAGED, TR_CONSUMED)."""
-        s_l, s_m, s_o = s.l, s.m, s.o
         D, E, G, NE = self.D, self.E, self.G, STREAM_ELEMS
         WPS = self.sequence_warps()
         LPT = D // NE
@@ -323,26 +331,8 @@ class AttentionStage(SoftmaxPass):
             jj = t // (G * D)
             r = t - jj * (G * D)
             g = r // D
-            d = r - g * D
             if jj < seqs:
-                mx = Float32(-math.inf)
-                for w in cutlass.range_constexpr(WPS):
-                    mw = s_m[(jj * WPS + w) * G + g]
-                    if mw > mx:
-                        mx = mw
-                tot = Float32(0.0)
-                acc_o = Float32(0.0)
-                for w in cutlass.range_constexpr(WPS):      # (the new token counted in warp 0's: mx is finite)
-                    f = ex2(s_m[(jj * WPS + w) * G + g] - mx)
-                    tot = tot + s_l[(jj * WPS + w) * G + g] * f
-                    acc_o = acc_o + s_o[((jj * WPS + w) * G + g) * D + d] * f
-                head = kvh * G + g
-                pidx = ((Int64(layer) * self.B + Int64(b0 + jj)) * self.Hq + Int64(head)) * self.S
-                outv = acc_o / tot
-                st_f32(p.attn_part_o + (pidx * D + Int64(d)) * 4, outv)
-                self.store_attention_wide(layer, b0 + jj, head * D + d, outv, p)
-                if d == 0:
-                    st_f32(p.attn_part_lse + pidx * 4, (mx + lg2(tot)) * Float32(1.0 / LOG2E))
+                self.merge_warps(jj * WPS, WPS, g, r - g * D, layer, b0 + jj, kvh, Int32(0), p, s)
 
     @cute.jit
     def attn_reduce(self, tidx: Int32, layer: Int32, b: Int32, kvh: Int32, num_splits: Int32, p):

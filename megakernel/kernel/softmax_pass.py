@@ -29,7 +29,7 @@ STREAM_ELEMS = 8           # streamed pass: elements of a token's k (and v) per 
 # batch 4 and at head_dim 128; at the batches without the pass it pushes long-lived values of the loop out of
 # registers)
 STREAM_UNROLL = {(1, 64): 2, (1, 128): 1, (4, 64): 1, (4, 128): 1}
-# ... where one warp streams a sequence's whole context (warp_attention, past SPLIT_BATCH: 168 registers a thread;
+# ... where a sequence's own warps stream its whole context (warp_attention, past SPLIT_BATCH: 168 registers a thread;
 # llama-3.2-1b at 64, 2 / 4 / 8: 1.803 / 1.770 / 1.757 ms, 8 within the rounds' spread of 4; qwen3-0.6b 2 / 4:
 # 2.246 / 2.129; llama-3.1-8b 2 / 4: 8.263 / 8.248; profiles/RESULTS.md, 2026-12-04)
 WARP_UNROLL = 4

@@ -539,7 +539,7 @@ def test_argmax_stage(case, num_sms):
 
 
 # Past SPLIT_BATCH with one split, more (sequence, kv head) pairs than SMs and short caches an ATTN_PARTIAL takes
-# several sequences, a consumer warp each (warp_attention): the reference of one such instruction against float64
+# several sequences, its consumer warps shared out among them (warp_attention): the reference of one such instruction against float64
 # (sequences of different lengths, each its own cache slots).
 @settings(max_examples=20)
 @given(case=stage_cases(max_hidden=512, max_intermediate=512, max_heads=16, min_batch=SPLIT_BATCH + 1, max_batch=64,
