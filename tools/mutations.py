@@ -174,7 +174,7 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
             (Patch(K_INTERP, "self.scale_log2 = LOG2E / math.sqrt(self.D)", "self.scale_log2 = LOG2E / self.D"),))
     + _pair("missing_wait",
             "DAG builder: ATTN_PARTIAL no longer waits for its layer's QKV stage",
-            (Patch(DAG, "wait_id=counter_id(l, Stage.QKV), wait_count=n,",
+            (Patch(DAG, "wait_id=qkv_done, wait_count=n,",
                    "wait_id=NO_COUNTER, wait_count=0,"),),
             (Probe("schedule", (SCHEDULE, "-k", "tiny_presets_fully")), VM_PROBE, E2E_CPU_PROBE),
             (Patch(K_INTERP, "if tidx == 0 and wait_id >= 0:",

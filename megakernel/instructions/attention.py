@@ -76,6 +76,15 @@ def reads(ins: Instruction, layout) -> list:
     if ins.opcode == Opcode.ATTN_PARTIAL:
         kvh = ins.a1
         out = [("positions", 0, ins.a0, ins.a0 + ins.seqs)]
+        from .matvec_stages import part_regions, per_batch      # (they import this module)
+        from .split_k import k_splits, qkv_reduce_folded
+        if qkv_reduce_folded(layout):
+            # the kv head's q, k and v rows of every K range's partials (all sequences: part_regions), and x[l]
+            # for the RMS scale (its sums of squares, x_ssq, come with it)
+            for e in range(k_splits(layout, Opcode.QKV)):
+                for lo, hi in head_rows(c, kvh):
+                    out += part_regions(Opcode.QKV, ins.layer, e, lo, hi, layout)
+            return out + per_batch("x", ins.layer, 0, c.hidden_size, layout.batch, c.hidden_size)
         for b in range(ins.a0, ins.a0 + ins.seqs):
             row = b * c.qkv_rows
             out += [("qkv", ins.layer, row + kvh * g * d, row + (kvh + 1) * g * d),
@@ -85,6 +94,13 @@ def reads(ins: Instruction, layout) -> list:
         return out
     first = (ins.a0 * c.num_heads + ins.a1 * g) * ins.a3      # all splits of the group's heads
     return [("attn_part", ins.layer, first, first + g * ins.a3)]
+
+
+def head_rows(c, kvh: int) -> list[tuple[int, int]]:
+    """The qkv rows [lo, hi) of kv head kvh's group: its query heads, its key, its value."""
+    g, d = c.gqa_group, c.head_dim
+    return [(kvh * g * d, (kvh + 1) * g * d), (c.q_size + kvh * d, c.q_size + (kvh + 1) * d),
+            (c.q_size + c.kv_size + kvh * d, c.q_size + c.kv_size + (kvh + 1) * d)]
 
 
 def writes(ins: Instruction, layout) -> list:
@@ -137,8 +153,27 @@ def reference(ins: Instruction, ctx: StageContext) -> None:
         merged = merge_splits(bufs.attn_part_lse[l, b, heads], bufs.attn_part_o[l, b, heads])   # [G, D]
         bufs.attn_out[l, b, kvh * g * d:(kvh + 1) * g * d] = merged.reshape(-1)
         return
+    from .split_k import qkv_reduce_folded                     # (it imports this module)
+    if qkv_reduce_folded(ctx.layout):
+        fold_qkv_rows(ctx, l, b, b + ins.seqs, kvh)
     for seq in range(b, b + ins.seqs):
         partial_reference(ctx, l, seq, kvh, ins.a2, ins.a3)
+
+
+def fold_qkv_rows(ctx: StageContext, l: int, b0: int, b1: int, kvh: int) -> None:
+    """Where QKV's reduce is folded into the attention (split_k.qkv_reduce_folded): sequences b0 .. b1 - 1's q, k
+    and v rows of kv head kvh, as MV_REDUCE/QKV would have written them (its partials in range order, times the
+    RMS scale), into qkv, which only these rows' readers read."""
+    from .matvec_stages import PART_BUFFERS, rms_scale        # (they import this module)
+    from .split_k import k_splits
+    c, bufs = ctx.layout.config, ctx.bufs
+    parts = getattr(bufs, PART_BUFFERS[Opcode.QKV])
+    scale = rms_scale(bufs.x[l, b0:b1], c.rms_norm_eps)
+    for lo, hi in head_rows(c, kvh):
+        y = parts[l, 0, b0:b1, lo:hi].clone()
+        for e in range(1, k_splits(ctx.layout, Opcode.QKV)):
+            y += parts[l, e, b0:b1, lo:hi]
+        bufs.qkv[l, b0:b1, lo:hi] = y * scale
 
 
 def partial_reference(ctx: StageContext, l: int, b: int, kvh: int, split: int, num_splits: int) -> None:

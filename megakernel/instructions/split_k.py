@@ -74,6 +74,15 @@ def k_splits(layout, op: Opcode) -> int:
     return best
 
 
+def qkv_reduce_folded(layout) -> bool:
+    """Whether QKV's MV_REDUCE is folded into the attention (StepLayout.fold_qkv_reduce, where QKV is split over
+    K): no MV_REDUCE/QKV instructions; each ATTN_PARTIAL waits for every QKV K-range tile of its layer and sums its
+    own q, k and v rows' partials in range order, times its sequence's RMS scale (the same additions as
+    MV_REDUCE's), instead of reading qkv. A reduce stage and a global hop fewer per layer: at batch 64 on the H200
+    1.697 -> 1.606 ms per step on llama-3.2-1b, 2.036 -> 1.833 on qwen3-0.6b (profiles/RESULTS.md, 2026-12-04)."""
+    return bool(layout.fold_qkv_reduce) and k_splits(layout, Opcode.QKV) > 1
+
+
 def _stage(ins: Instruction) -> Opcode:
     op = Opcode(ins.a2)
     if op not in PARTS_STAGE:

@@ -23,6 +23,8 @@ from cutlass import Float32, Int32, Int64
 
 from ..instructions.attention import sequence_groups
 from ..instructions.layout import wide_x_byte
+from ..instructions.opcodes import Opcode
+from ..instructions.split_k import k_splits
 from .ptx import (atomic_cas, cp_async_wait_all, ex2, globaltimer_lo, ld_bf16, ld_f32, ld_i32, ld_i64, lg2, load_f32x4,
                   round_bf16, rsqrt, st_bf16, st_f32, st_i32, store_relaxed, warp_sum)
 from .softmax_pass import LOG2E, STREAM_ELEMS, WARP_UNROLL, SoftmaxPass
@@ -95,9 +97,12 @@ class AttentionStage(SoftmaxPass):
                                 s_alias[b] = Int32(1)
 
     @cute.jit
-    def load_head(self, hh: Int32, lane: Int32, kvh: Int32, row: Int64, vals: cute.Tensor, at: int):
+    def load_head(self, hh: Int32, lane: Int32, kvh: Int32, row: Int64, vals: cute.Tensor, at: int,
+                  scale: Float32):
         """This lane's E elements of the new token's query head hh < G of the kv head's group, its k (hh == G) or
-        its v (G + 1), from the qkv row, into vals[at:]."""
+        its v (G + 1), from the qkv row, into vals[at:]; where QKV's reduce is folded into the attention
+        (qkv_folded), `row` is the sequence's row of QKV's first K range's partials, and each element is the sum of
+        its ranges' partials in range order, times `scale` (qkv_scale), as MV_REDUCE would have stored it."""
         D, E, G = self.D, self.E, self.G
         off = Int32(0)
         if hh < G:
@@ -106,8 +111,20 @@ class AttentionStage(SoftmaxPass):
             off = Int32(self.Q) + kvh * D
         if hh == G + 1:
             off = Int32(self.Q + self.KV) + kvh * D
-        for e in cutlass.range_constexpr(E):
-            vals[at + e] = ld_f32(row + Int64(off + lane * E + e) * 4)
+        if cutlass.const_expr(self.qkv_folded):
+            NP = k_splits(self.layout, Opcode.QKV)
+            parts = cute.make_rmem_tensor((E * NP,), Float32)
+            for e in cutlass.range_constexpr(E):
+                for r in cutlass.range_constexpr(NP):
+                    parts[e * NP + r] = ld_f32(row + (Int64(r) * (self.B * self.QKV) + Int64(off + lane * E + e)) * 4)
+            for e in cutlass.range_constexpr(E):
+                y = Float32(0.0)
+                for r in cutlass.range_constexpr(NP):
+                    y = y + parts[e * NP + r]
+                vals[at + e] = y * scale
+        else:
+            for e in cutlass.range_constexpr(E):
+                vals[at + e] = ld_f32(row + Int64(off + lane * E + e) * 4)
 
     @cute.jit
     def finish_head(self, hh: Int32, lane: Int32, layer: Int32, kvh: Int32, pos: Int32, blk: Int32, k_base: Int64,
@@ -154,8 +171,40 @@ class AttentionStage(SoftmaxPass):
                     st_bf16(cache + (self.token_offset(blk, kvh, pos) + Int64(lane * E + e)) * 2, rv)
 
     def qkv_row(self, layer: Int32, b: Int32, p) -> Int64:
-        """Address of sequence b's qkv row of a layer (float32, QKV's output)."""
+        """Address of sequence b's qkv row of a layer (float32, QKV's output); where QKV's reduce is folded into
+        the attention, of its row of the layer's first K range's partials (part_qkv [L, E, B, rows])."""
+        if cutlass.const_expr(self.qkv_folded):
+            NP = k_splits(self.layout, Opcode.QKV)
+            return p.part_qkv + ((Int64(layer) * NP * self.B + Int64(b)) * self.QKV) * 4
         return p.qkv + (Int64(layer) * self.B + Int64(b)) * (self.QKV * 4)
+
+    @cute.jit
+    def qkv_scale(self, lane: Int32, layer: Int32, b: Int32, p) -> Float32:
+        """Where QKV's reduce is folded into the attention: sequence b's RMS scale of x[layer], from its sums of
+        squares (x_ssq) in MV_REDUCE's order (matvec_wide.rstd_from_ssq: ssq_threads() lanes, lane t adding words
+        t, t + P, ..., then a butterfly), so the same bits; every lane gets lane 0's. 1 elsewhere."""
+        scale = Float32(1.0)
+        if cutlass.const_expr(self.qkv_folded):
+            NG = self.H // 8
+            P = self.ssq_threads()
+            per = NG // P
+            tot = Float32(0.0)
+            if lane < P:
+                base = p.x_ssq + (Int64(layer) * self.B * NG + Int64(b) * NG + Int64(lane) * 4) * 4
+                for r0 in cutlass.range_constexpr(0, per // 4, 16):
+                    n4 = min(16, per // 4 - r0)
+                    v = cute.make_rmem_tensor((4 * n4,), Float32)
+                    for i in cutlass.range_constexpr(n4):
+                        q = load_f32x4(base + (r0 + i) * (16 * P))
+                        for e in cutlass.range_constexpr(4):
+                            v[4 * i + e] = q[e]
+                    for i in cutlass.range_constexpr(4 * n4):
+                        tot = tot + v[i]
+            for off in self.ssq_offsets():
+                tot = tot + cute.arch.shuffle_sync_bfly(tot, offset=off)
+            tot = cute.arch.shuffle_sync(tot, 0)
+            scale = rsqrt(tot / Float32(self.H) + Float32(self.eps))
+        return scale
 
     @cute.jit
     def new_token_setup(self, lead: cutlass.Boolean, layer: Int32, b: Int32, last: cutlass.Boolean, index: Int32,
@@ -211,11 +260,12 @@ class AttentionStage(SoftmaxPass):
         last = split == num_splits - 1
         pos, append, k_base, v_base, blk = self.new_token_setup(tidx == 0, layer, b, last, index, p, s)
         row = self.qkv_row(layer, b, p)
+        scale = self.qkv_scale(lane, layer, b, p)
 
         # ---- phase A: q heads of the group, then k, then v of the new token -> smem
         for hh in range(warp, G + 2, self.warps):
             vals = cute.make_rmem_tensor((self.E,), Float32)
-            self.load_head(hh, lane, kvh, row, vals, 0)
+            self.load_head(hh, lane, kvh, row, vals, 0, scale)
             self.finish_head(hh, lane, layer, kvh, pos, blk, k_base, v_base, append, vals, 0, Int32(0), Int32(0), p, s)
         self.consumer_sync()
         if cutlass.const_expr(self.options.trace and self.wide):
@@ -310,9 +360,10 @@ class AttentionStage(SoftmaxPass):
             pos, append, k_base, v_base, blk = self.new_token_setup(lane == 0 and sub == 0, layer, b, True, index,
                                                                     p, s)
             row = self.qkv_row(layer, b, p)
+            scale = self.qkv_scale(lane, layer, b, p)
             for hh in range(sub, G + 2, WPS):
                 vals = cute.make_rmem_tensor((E,), Float32)
-                self.load_head(hh, lane, kvh, row, vals, 0)
+                self.load_head(hh, lane, kvh, row, vals, 0, scale)
                 self.finish_head(hh, lane, layer, kvh, pos, blk, k_base, v_base, append, vals, 0, q_at, kv_at, p, s)
         self.consumer_sync()
         if cutlass.const_expr(self.options.trace):

@@ -46,7 +46,7 @@ from ..instructions.opcodes import Opcode
 from ..instructions.attention import warp_attention
 from ..instructions.record import (W_A0, W_A1, W_A2, W_A3, W_INDEX, W_K_PART, W_K_PARTS, W_LAYER, W_OPCODE, W_SEQS,
                                    W_SIGNAL_ID, W_WAIT_COUNT, W_WAIT_ID, WORDS)
-from ..instructions.split_k import SPLIT_STAGES, k_splits
+from ..instructions.split_k import SPLIT_STAGES, k_splits, qkv_reduce_folded
 from .attention import ERR_ALIAS, ERR_POSITION, LOG2E, AttentionStage  # noqa: F401  (error codes re-exported)
 from .matvec import MatvecStage
 from .matvec_wide import WideMatvec
@@ -167,6 +167,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
         self.plan = StreamPlan.for_config(c, self.B, tuple(self.split_widths.values()), self.wide_groups)
         self.wide = wide(self.B)
         self.warp_attention = warp_attention(layout)
+        self.qkv_folded = qkv_reduce_folded(layout)
         free = SMEM_LIMIT - self.smem_bytes(ring_slots=0)
         self.ring_slots = StreamPlan.ring_slots(free)
 

@@ -26,7 +26,7 @@ from ..instructions.matvec_stages import weight_rows
 from ..instructions.opcodes import (Opcode, Stage, argmax_counter, counter_id, embed_counter,
                                     lm_head_counter, num_counters)
 from ..instructions.record import NO_COUNTER, Instruction
-from ..instructions.split_k import PARTS_STAGE, k_splits, split_tile_rows
+from ..instructions.split_k import PARTS_STAGE, k_splits, qkv_reduce_folded, split_tile_rows
 
 # Cost model: bytes a stage reads from HBM plus a fixed cost per instruction (in bytes of time).
 FIXED_COST_BYTES = 16 * 1024
@@ -69,7 +69,8 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
     def add(**kw) -> None:
         out.append(Instruction(index=len(out), **kw))
 
-    def matvec_stage(op: Opcode, layer: int, wait: tuple[int, int], signal: int, a3: int = 0) -> int:
+    def matvec_stage(op: Opcode, layer: int, wait: tuple[int, int], signal: int, a3: int = 0,
+                     reduce: bool = True) -> int:
         rows, k = weight_rows(op, layout)
         e = k_splits(layout, op)
         if e == 1:
@@ -86,6 +87,8 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
                 add(opcode=op, layer=layer, a0=lo, a1=n, a2=t, a3=a3, wait_id=wait[0], wait_count=wait[1],
                     signal_id=parts, k_part=part, k_parts=e,
                     cost=n * (k // e) * elem + n * B * 4 + FIXED_COST_BYTES)
+        if not reduce:
+            return e * len(tiles)         # (the signals on the stage's *_PARTS counter)
         reduces = _tiles(rows, split_tile_rows(layout, op, 1))
         for lo, n in reduces:
             add(opcode=Opcode.MV_REDUCE, layer=layer, a0=lo, a1=n, a2=int(op), a3=e, wait_id=parts,
@@ -102,17 +105,19 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
     prev = (embed_counter(L), len(embeds))
     kv_bytes_per_split = 2 * c.head_dim * elem * max(1, layout.max_seq_len // S)
     groups = sequence_groups(layout)        # (first sequence, sequences) of the ATTN_PARTIALs of a kv head
+    qkv_folded = qkv_reduce_folded(layout)  # ATTN_PARTIAL sums QKV's K-range partials: no MV_REDUCE/QKV
     for l in range(L):
         if folded and l == 0:
             # layer 0's QKV stages embed[token] itself: no wait; a3 = 1 marks the embedding input
             n = matvec_stage(Opcode.QKV, l, (NO_COUNTER, 0), counter_id(l, Stage.QKV), a3=1) + 1
         else:
-            n = matvec_stage(Opcode.QKV, l, prev, counter_id(l, Stage.QKV))
+            n = matvec_stage(Opcode.QKV, l, prev, counter_id(l, Stage.QKV), reduce=not qkv_folded)
+        qkv_done = counter_id(l, PARTS_STAGE[Opcode.QKV] if qkv_folded else Stage.QKV)
         for b, seqs in groups:
             for kvh in range(c.num_kv_heads):
                 for s in range(S):
                     add(opcode=Opcode.ATTN_PARTIAL, layer=l, a0=b, a1=kvh, a2=s, a3=S, seqs=seqs,
-                        wait_id=counter_id(l, Stage.QKV), wait_count=n,
+                        wait_id=qkv_done, wait_count=n,
                         signal_id=counter_id(l, Stage.ATTN_PARTIAL),
                         cost=seqs * (kv_bytes_per_split + FIXED_COST_BYTES))
         n_attn = len(groups) * c.num_kv_heads * S

@@ -21,9 +21,9 @@ REAL_PRESETS = ("llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b", "llama-2-7b")
 WIDE = dict(hidden_size=1024, intermediate_size=2048, num_heads=8, num_kv_heads=2, head_dim=128)
 
 
-def _layout(config, batch: int, num_sms: int = 132) -> StepLayout:
+def _layout(config, batch: int, num_sms: int = 132, **kw) -> StepLayout:
     return StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, num_sms, 64),
-                      block_size=16, max_blocks_per_seq=4, num_sms=num_sms)
+                      block_size=16, max_blocks_per_seq=4, num_sms=num_sms, **kw)
 
 
 @pytest.mark.parametrize("name", REAL_PRESETS)
@@ -47,9 +47,9 @@ def test_short_wide_matrices_split_at_large_batches(batch):
         assert k_splits(layout, op) > 1, f"llama-3.2-1b batch {batch} {op.name} is not split"
 
 
-def _wide_program(batch: int, num_sms: int = 132, **kw) -> StepProgram:
+def _wide_program(batch: int, num_sms: int = 132, fold_qkv_reduce: bool = False, **kw) -> StepProgram:
     config = dataclasses.replace(get_preset("tiny-qwen3"), **WIDE)
-    return build_program(_layout(config, batch, num_sms), **kw)
+    return build_program(_layout(config, batch, num_sms, fold_qkv_reduce=fold_qkv_reduce), **kw)
 
 
 @pytest.mark.parametrize("batch", (16, MAX_BATCH))
@@ -63,6 +63,25 @@ def test_split_programs_are_race_and_deadlock_free(batch, lm_head):
         queues = assign(program, policy)
         done = simulate(queues, program.num_counters)
         assert len(done) == len(program.instructions), f"batch {batch} {policy}: deadlock"
+
+
+@pytest.mark.parametrize("batch", (16, MAX_BATCH))
+def test_qkv_reduce_folded_into_the_attention_is_race_and_deadlock_free(batch):
+    """fold_qkv_reduce: no MV_REDUCE/QKV; every ATTN_PARTIAL waits for all of its layer's QKV K-range tiles (the
+    race check knows it reads their partials and x[l]), and a wait one tile short is a race."""
+    program = _wide_program(batch, fold_qkv_reduce=True)
+    split = {Opcode(i.a2) for i in program.instructions if i.opcode == Opcode.MV_REDUCE}
+    assert split == set(SPLIT_STAGES) - {Opcode.QKV}, f"batch {batch}: reduces of {sorted(o.name for o in split)}"
+    assert find_races(program) == [], f"batch {batch}"
+    for policy in ("balanced", "round-robin"):
+        assert len(simulate(assign(program, policy), program.num_counters)) == len(program.instructions)
+    attn = next(i for i in program.instructions if i.opcode == Opcode.ATTN_PARTIAL and i.layer == 1)
+    tiles = [i for i in program.instructions if i.opcode == Opcode.QKV and i.layer == 1]
+    assert attn.wait_id == tiles[0].signal_id and attn.wait_count == len(tiles), attn
+    short = dataclasses.replace(attn, wait_count=attn.wait_count - 1)
+    broken = dataclasses.replace(program, instructions=tuple(
+        short if i.index == attn.index else i for i in program.instructions))
+    assert any(f"#{attn.index} ATTN_PARTIAL" in r for r in find_races(broken))
 
 
 def test_every_k_range_is_closed_by_the_reduce_of_its_rows():

@@ -94,10 +94,10 @@ class Bench:
         return s
 
 
-def _layout(case: StageCase, num_sms: int) -> StepLayout:
+def _layout(case: StageCase, num_sms: int, **kw) -> StepLayout:
     s = case.shape
     return StepLayout(config=case.to_config(), batch=s.batch, kv_splits=case.kv_splits, block_size=s.block_size,
-                      max_blocks_per_seq=s.blocks_per_seq, num_sms=num_sms)
+                      max_blocks_per_seq=s.blocks_per_seq, num_sms=num_sms, **kw)
 
 
 def _num_blocks(case: StageCase) -> int:
@@ -111,8 +111,8 @@ def _cpu_context(layout: StepLayout, program: StepProgram, packed, num_blocks: i
     return StageContext(layout, packed, bufs, torch.full(shape, NAN, dtype=BF16), torch.full(shape, NAN, dtype=BF16))
 
 
-def cpu_bench(case: StageCase, num_sms: int) -> Bench:
-    layout = _layout(case, num_sms)
+def cpu_bench(case: StageCase, num_sms: int, **layout_kw) -> Bench:
+    layout = _layout(case, num_sms, **layout_kw)
     program = build_program(layout)
     weights = random_weights(layout.config, seed=case.seed, dtype=BF16)
     packed = pack_weights(weights, layout.max_seq_len)
@@ -647,8 +647,10 @@ def _gpu_bench(case: StageCase, **engine_kw):
     config = case.to_config()
     weights = random_weights(config, seed=case.seed, dtype=BF16, device=GPU, rng_device=GPU)
     # each stage in its plain form: layer 0's QKV reading x[0] (not the folded embedding), the LM head in
-    # static tiles (tests/unit/test_engine_options.py checks the folded and pooled layouts end to end)
+    # static tiles (tests/unit/test_engine_options.py checks the folded and pooled layouts end to end), QKV closed by
+    # its MV_REDUCE where it splits over K (the reduce folded into the attention: test_qkv_folded_into_the_attention*)
     engine_kw.setdefault("fold_embed", False)
+    engine_kw.setdefault("fold_qkv_reduce", False)
     engine = MegakernelEngine(weights, s.batch, s.max_seq_len, block_size=s.block_size,
                               num_blocks=_num_blocks(case), kv_splits=case.kv_splits, device=GPU, **engine_kw)
     packed = engine.weights.to("cpu")
@@ -812,6 +814,98 @@ FAILED_PAST_SPLIT_BATCH = StageCase(
 @example(case=FAILED_PAST_SPLIT_BATCH)
 def test_stages_on_gpu_match_reference_past_split_batch_on_drawn_shapes(case):
     run_gpu_stages(case)
+
+
+# Where QKV splits over K its reduce is folded into the attention (split_k.qkv_reduce_folded, the engine's default):
+# every QKV K-range tile of the layer writes its partials, then one kv head's attention sums its q, k and v rows'
+# partials, times the RMS scale. The case above (QKV in 2 K ranges at batch 21) and a Qwen3 one (QK-norm after the
+# fold) at batch 64.
+FOLDED_CASES = [FAILED_PAST_SPLIT_BATCH,
+                dataclasses.replace(FAILED_PAST_SPLIT_BATCH, architecture="Qwen3ForCausalLM", seed=4251, shape=dataclasses.replace(
+                    FAILED_PAST_SPLIT_BATCH.shape, batch=64, kv_lens=tuple(1 + (37 * b) % 224 for b in range(64))))]
+
+
+def folded_run(bench: Bench) -> list[Instruction]:
+    """Every QKV K-range tile of the case's layer, then one kv head's attention group."""
+    tiles = [i for i in bench.program.instructions if i.opcode == Opcode.QKV and i.layer == bench.case.layer]
+    assert len({i.k_part for i in tiles}) > 1, f"{bench.what()}: QKV is not split over K"
+    assert not any(i.opcode == Opcode.MV_REDUCE and i.a2 == int(Opcode.QKV) for i in bench.program.instructions), \
+        f"{bench.what()}: an MV_REDUCE/QKV beside the folded attention"
+    return sorted(tiles, key=lambda i: (i.k_part, i.a0)) + attention_group(bench)
+
+
+def check_folded(bench: Bench, instructions, before: StageContext, after: StageContext, what: str) -> None:
+    """The QKV partials against float64 (their sum over the K ranges times the RMS scale is rms_norm(x) @ W_qkv^T,
+    at the bf16 tolerance), qkv never written, and the attention (check_attention) against float64 on the q, k, v
+    rows the partials give."""
+    from megakernel.instructions.split_k import k_splits
+
+    c, l = bench.config, bench.case.layer
+    lw = bench.weights.layers[l]
+    x = f64(before.bufs.x[l])
+    expected = ops.rms_norm(x, f64(lw.attn_norm), c.rms_norm_eps) @ f64(lw.qkv).T        # [B, qkv_rows]
+    parts = f64(after.bufs.part_qkv[l, :k_splits(bench.layout, Opcode.QKV)])
+    assert not torch.isnan(parts).any(), f"{what}: QKV partials left unwritten"
+    folded = parts.sum(0) * torch.rsqrt(x.square().mean(-1, keepdim=True) + c.rms_norm_eps)
+    assert_close(folded, expected, BF16, context=f"{what}: QKV partials summed, times the RMS scale")
+    assert torch.isnan(after.bufs.qkv).all(), f"{what}: qkv written (the attention reads the partials)"
+    rows = clone_ctx(before)
+    rows.bufs.qkv[l] = folded.float()
+    check_attention(bench, instructions[len(instructions) - len(attention_group_of(instructions)):], rows, after, what)
+
+
+def attention_group_of(instructions) -> list[Instruction]:
+    return [i for i in instructions if i.opcode in (Opcode.ATTN_PARTIAL, Opcode.ATTN_REDUCE)]
+
+
+def _poison_folded(ctx: StageContext) -> None:
+    poison_outputs(ctx, Opcode.ATTN_PARTIAL)
+    for name in ("part_qkv", "qkv"):
+        getattr(ctx.bufs, name).fill_(NAN)
+
+
+@pytest.mark.parametrize("case", FOLDED_CASES, ids=["llama-b21", "qwen3-b64"])
+def test_qkv_folded_into_the_attention_reference(case):
+    """The stage references of the folded form (the VM's) against float64."""
+    bench = cpu_bench(case, 132, fold_qkv_reduce=True)
+    instructions = folded_run(bench)
+    fill_inputs(bench)
+    _poison_folded(bench.ctx)
+    before = clone_ctx(bench.ctx)
+    run_reference(bench.ctx, instructions)
+    bench.ctx.bufs.qkv.fill_(NAN)              # (the reference keeps the folded rows there for its own readers)
+    check_folded(bench, instructions, before, bench.ctx, "stage reference (CPU) vs float64")
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("case", FOLDED_CASES, ids=["llama-b21", "qwen3-b64"])
+def test_qkv_folded_into_the_attention_on_gpu(case):
+    """The kernel's QKV tiles and folded attention against float64 and against the stage references."""
+    bench, engine = _gpu_bench(case, fold_qkv_reduce=True)
+    try:
+        instructions = folded_run(bench)
+        fill_inputs(bench)
+        fill_wide_inputs(bench.ctx.bufs, bench.ctx.weights, bench.layout)
+        _poison_folded(bench.ctx)
+        for name in WIDE_OUTPUTS[Opcode.ATTN_PARTIAL]:
+            getattr(bench.ctx.bufs, name).fill_(NAN)
+        before = clone_ctx(bench.ctx)
+        push(before, engine)
+        for ins in instructions:
+            engine.run_instructions([ins])
+        gpu = pull(engine, before)
+        what = f"kernel (GPU) {bench.what(instructions[-1])}"
+        check_folded(bench, instructions, before, gpu, what)
+        ref = clone_ctx(before)
+        run_reference(ref, instructions)
+        _compare_with_reference(Opcode.ATTN_PARTIAL, instructions, gpu, ref, what)
+        e = len({i.k_part for i in instructions if i.opcode == Opcode.QKV})
+        l = bench.case.layer
+        assert_close(gpu.bufs.part_qkv[l, :e], ref.bufs.part_qkv[l, :e], BF16, context=f"{what}: QKV partials")
+    finally:
+        del engine
+        torch.cuda.empty_cache()
 
 
 # At the batches compiled with it (softmax_pass.STREAM_UNROLL), splits of more cached tokens than consumer warps take
