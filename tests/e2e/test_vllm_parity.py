@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -64,7 +65,9 @@ def test_plugin_path_matches_stock_vllm(preset, switch, max_batch, tmp_path):
     report = json.loads(report_path.read_text())
     assert report.get("megakernel_used") is True, \
         f"{preset}: the plugin path did not run decode steps through the megakernel: {report.get('megakernel')}"
-    assert f"engines {buckets}" in report["megakernel"], \
+    # (vLLM's CUDA-graph sizes between the buckets, 24 at max_num_seqs 32, get engines of their own)
+    engines = re.search(r"engines \[([0-9, ]*)\]", report["megakernel"])
+    assert engines and set(buckets) <= {int(n) for n in engines.group(1).split(",") if n.strip()}, \
         f"{preset}: not every batch bucket up to {max_batch} ran on the megakernel: {report['megakernel']}"
     workloads = report.get("parity", {}).get("workloads", {})
     for name, (requests, min_steps) in (WIDE_WORKLOADS if max_batch > 8 else WORKLOADS).items():
