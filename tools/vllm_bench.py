@@ -147,6 +147,7 @@ def main() -> int:
         "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS, "repeats": REPEATS,
         "engine_process": args.engine_process, "plugin_max_batch": args.plugin_max_batch,
         "async_scheduling": args.async_scheduling, "max_num_seqs": args.max_num_seqs, "batches": list(args.batches),
+        "capture_sizes": list(args.capture_sizes or []) or "vLLM's default",
         "ms_per_step": "(t257 - t1) / 256, best of repeats"}, "paths": {}}
     for path, r in results.items():
         report["paths"][path] = {k: v for k, v in r.items() if k != "parity"}

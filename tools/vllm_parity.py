@@ -122,12 +122,17 @@ def build_llm(model_dir: str, path: str, arch: str, args: argparse.Namespace):
                               gpu_memory_utilization=args.gpu_memory_utilization)
     if getattr(args, "async_scheduling", False):
         kw["async_scheduling"] = True      # vLLM's: the next step scheduled while this one runs (both paths)
+    sizes = getattr(args, "capture_sizes", None)
+    if sizes:
+        # the CUDA-graph batch sizes of both paths (vLLM's default adds 24, 40, 48, 56, ...: on the plugin path each
+        # size past 8 is one more megakernel engine to compile)
+        kw["compilation_config"] = {"cudagraph_capture_sizes": list(sizes)}
     if path == "plugin":
         if getattr(args, "plugin_switch", "hf_overrides") == "additional_config":
             kw["additional_config"] = {"megakernel": True}     # the stock architecture name, switched on here
         else:
             kw["hf_overrides"] = {"architectures": [MK_ARCH[arch]]}
-        kw["compilation_config"] = {"cudagraph_mode": args.plugin_cudagraph_mode}
+        kw["compilation_config"] = dict(kw.get("compilation_config", {}), cudagraph_mode=args.plugin_cudagraph_mode)
         if args.plugin_eager:
             kw["enforce_eager"] = True
     t0 = time.perf_counter()
@@ -708,6 +713,8 @@ def run_workers(script: str, args: argparse.Namespace, model_dir: str, extra_arg
                "--max-num-seqs", str(args.max_num_seqs), "--time-limit", f"{timeout:.0f}"] + extra_args
         if args.async_scheduling:
             cmd.append("--async-scheduling")
+        if args.capture_sizes:
+            cmd += ["--capture-sizes", ",".join(map(str, args.capture_sizes))]
         if args.plugin_eager:
             cmd.append("--plugin-eager")
         if args.plugin_switch != "hf_overrides":
@@ -833,6 +840,17 @@ def print_profiles(preset: str, results: dict[str, dict]) -> None:
             print(f"RESULT profile {preset} {profile_line(path, results[path])}", flush=True)
 
 
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """'1,2,4' -> (1, 2, 4): distinct positive batch sizes, ascending."""
+    try:
+        sizes = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated integers expected") from None
+    if not sizes or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: positive batch sizes expected")
+    return tuple(sizes)
+
+
 def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="llama-3.2-1b", help="megakernel model preset (shape of the random model)")
     p.add_argument("--seed", type=int, default=0)
@@ -852,6 +870,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="MEGAKERNEL_VLLM_MAX_BATCH for the plugin path: the largest decode batch sent to the "
                         "megakernel (default: the plugin's own default)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="vLLM's max_num_seqs on both paths")
+    p.add_argument("--capture-sizes", type=parse_sizes, default=None, metavar="N,N,...",
+                   help="vLLM's cudagraph_capture_sizes on both paths, e.g. 1,2,4,8,16,32,64 (default: vLLM's own, "
+                        "whose in-between sizes each cost the plugin path one more megakernel compile)")
     p.add_argument("--async-scheduling", action="store_true",
                    help="vLLM's async_scheduling=True on both paths (what a latency-minded user turns on)")
     p.add_argument("--engine-process", choices=("inproc", "separate"), default="inproc",

@@ -5,6 +5,7 @@ steps call the same methods vLLM's in-process engine does."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gzip
 import importlib.util
@@ -501,6 +502,25 @@ def test_build_llm_passes_max_num_seqs_async_scheduling_and_the_plugin_switch(tm
     assert made[-1]["additional_config"] == {"megakernel": True} and "hf_overrides" not in made[-1], made[-1]
     tool.build_llm(str(tmp_path), "stock", "LlamaForCausalLM", args)
     assert "additional_config" not in made[-1] and "hf_overrides" not in made[-1], made[-1]
+    assert "compilation_config" not in made[-1], made[-1]        # stock: vLLM's default compilation
+    # --capture-sizes: the same CUDA-graph sizes on both paths, beside the plugin's cudagraph mode
+    args.capture_sizes = (1, 8, 64)
+    tool.build_llm(str(tmp_path), "stock", "LlamaForCausalLM", args)
+    assert made[-1]["compilation_config"] == {"cudagraph_capture_sizes": [1, 8, 64]}, made[-1]
+    tool.build_llm(str(tmp_path), "plugin", "LlamaForCausalLM", args)
+    assert made[-1]["compilation_config"] == {"cudagraph_capture_sizes": [1, 8, 64],
+                                              "cudagraph_mode": "FULL_DECODE_ONLY"}, made[-1]
+
+
+@pytest.mark.parametrize("text,want", [("1,2,4,8,16,32,64", (1, 2, 4, 8, 16, 32, 64)), ("64, 1,8,8", (1, 8, 64))])
+def test_capture_sizes_parse(text, want):
+    assert tool.parse_sizes(text) == want
+
+
+@pytest.mark.parametrize("text", ["", "0,1", "a,2", "-4"])
+def test_capture_sizes_reject_what_is_not_a_batch_size(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        tool.parse_sizes(text)
 
 
 def test_parity_workloads_add_a_wide_one_past_eight_sequences():
