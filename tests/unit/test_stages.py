@@ -818,11 +818,15 @@ def test_stages_on_gpu_match_reference_past_split_batch_on_drawn_shapes(case):
 
 # Where QKV splits over K its reduce is folded into the attention (split_k.qkv_reduce_folded, the engine's default):
 # every QKV K-range tile of the layer writes its partials, then one kv head's attention sums its q, k and v rows'
-# partials, times the RMS scale. The case above (QKV in 2 K ranges at batch 21) and a Qwen3 one (QK-norm after the
-# fold) at batch 64.
-FOLDED_CASES = [FAILED_PAST_SPLIT_BATCH,
-                dataclasses.replace(FAILED_PAST_SPLIT_BATCH, architecture="Qwen3ForCausalLM", seed=4251, shape=dataclasses.replace(
-                    FAILED_PAST_SPLIT_BATCH.shape, batch=64, kv_lens=tuple(1 + (37 * b) % 224 for b in range(64))))]
+# partials, times the RMS scale. The case above (QKV in 2 K ranges at batch 21), a Qwen3 one (QK-norm after the
+# fold) at batch 64, both on the CTA-wide attention items (4 KV splits), and the Qwen3 one with a single split, where
+# an instruction takes several sequences (attention.warp_attention).
+_QWEN3_B64 = dataclasses.replace(
+    FAILED_PAST_SPLIT_BATCH, architecture="Qwen3ForCausalLM", seed=4251,
+    shape=dataclasses.replace(FAILED_PAST_SPLIT_BATCH.shape, batch=64,
+                              kv_lens=tuple(1 + (37 * b) % 224 for b in range(64))))
+FOLDED_CASES = [FAILED_PAST_SPLIT_BATCH, _QWEN3_B64, dataclasses.replace(_QWEN3_B64, kv_splits=1, seed=4252)]
+FOLDED_IDS = ["llama-b21", "qwen3-b64", "qwen3-b64-several-sequences"]
 
 
 def folded_run(bench: Bench) -> list[Instruction]:
@@ -851,11 +855,8 @@ def check_folded(bench: Bench, instructions, before: StageContext, after: StageC
     assert torch.isnan(after.bufs.qkv).all(), f"{what}: qkv written (the attention reads the partials)"
     rows = clone_ctx(before)
     rows.bufs.qkv[l] = folded.float()
-    check_attention(bench, instructions[len(instructions) - len(attention_group_of(instructions)):], rows, after, what)
-
-
-def attention_group_of(instructions) -> list[Instruction]:
-    return [i for i in instructions if i.opcode in (Opcode.ATTN_PARTIAL, Opcode.ATTN_REDUCE)]
+    check_attention(bench, [i for i in instructions if i.opcode in (Opcode.ATTN_PARTIAL, Opcode.ATTN_REDUCE)], rows,
+                    after, what)
 
 
 def _poison_folded(ctx: StageContext) -> None:
@@ -864,7 +865,7 @@ def _poison_folded(ctx: StageContext) -> None:
         getattr(ctx.bufs, name).fill_(NAN)
 
 
-@pytest.mark.parametrize("case", FOLDED_CASES, ids=["llama-b21", "qwen3-b64"])
+@pytest.mark.parametrize("case", FOLDED_CASES, ids=FOLDED_IDS)
 def test_qkv_folded_into_the_attention_reference(case):
     """The stage references of the folded form (the VM's) against float64."""
     bench = cpu_bench(case, 132, fold_qkv_reduce=True)
@@ -879,7 +880,7 @@ def test_qkv_folded_into_the_attention_reference(case):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("case", FOLDED_CASES, ids=["llama-b21", "qwen3-b64"])
+@pytest.mark.parametrize("case", FOLDED_CASES, ids=FOLDED_IDS)
 def test_qkv_folded_into_the_attention_on_gpu(case):
     """The kernel's QKV tiles and folded attention against float64 and against the stage references."""
     bench, engine = _gpu_bench(case, fold_qkv_reduce=True)
