@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run a parked experiment (profiles/experiments/NAME.patch) on the GPU host in one call: copy the working tree to
 # a scratch folder, apply the patch there, and run the sweep commands its header lists (the lines that start with
-# "python3 tools/gpu_sweep.py"), each variant's logits checked against the first's by the sweep itself. The tree
+# "python3 tools/gpu_sweep.py", optionally after VAR=value settings of its environment: a sweep in a process of its
+# own), each variant's logits checked against the first's by the sweep itself. The tree
 # this script runs from is not changed. Logs under $OUT/experiment_NAME.log. --only=1,3 runs only those sweeps
 # (numbered from 1 in the header's order), so one patch's sweeps can be spread over several calls.
 # Usage on the GPU host: bash tools/gpu_experiment.sh profiles/experiments/NAME.patch [--only=N,...] [--dry-run]
@@ -20,7 +21,8 @@ for a in "${@:2}"; do
     *) echo "$usage  (unknown argument: $a)" >&2; exit 2 ;;
   esac
 done
-mapfile -t sweeps < <(grep -E '^[[:space:]]*python3 tools/gpu_sweep\.py ' "$patch" | sed 's/^[[:space:]]*//')
+mapfile -t sweeps < <(grep -E '^[[:space:]]*([A-Z][A-Z0-9_]*=[^[:space:]]+[[:space:]]+)*python3 tools/gpu_sweep\.py ' "$patch" |
+                      sed 's/^[[:space:]]*//')
 if [ ${#sweeps[@]} -eq 0 ]; then
   echo "usage: gpu_experiment.sh PATCH  ($patch lists no 'python3 tools/gpu_sweep.py' line)" >&2; exit 2
 fi
