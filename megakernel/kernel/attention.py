@@ -181,28 +181,13 @@ class AttentionStage(SoftmaxPass):
     @cute.jit
     def qkv_scale(self, lane: Int32, layer: Int32, b: Int32, p) -> Float32:
         """Where QKV's reduce is folded into the attention: sequence b's RMS scale of x[layer], from its sums of
-        squares (x_ssq) in MV_REDUCE's order (matvec_wide.rstd_from_ssq: ssq_threads() lanes, lane t adding words
-        t, t + P, ..., then a butterfly), so the same bits; every lane gets lane 0's. 1 elsewhere."""
+        squares (x_ssq) by the reduce's own sum (matvec_wide.ssq_sum over lanes 0 .. ssq_threads() - 1), so the
+        same bits; every lane gets lane 0's. 1 elsewhere."""
         scale = Float32(1.0)
         if cutlass.const_expr(self.qkv_folded):
             NG = self.H // 8
-            P = self.ssq_threads()
-            per = NG // P
-            tot = Float32(0.0)
-            if lane < P:
-                base = p.x_ssq + (Int64(layer) * self.B * NG + Int64(b) * NG + Int64(lane) * 4) * 4
-                for r0 in cutlass.range_constexpr(0, per // 4, 16):
-                    n4 = min(16, per // 4 - r0)
-                    v = cute.make_rmem_tensor((4 * n4,), Float32)
-                    for i in cutlass.range_constexpr(n4):
-                        q = load_f32x4(base + (r0 + i) * (16 * P))
-                        for e in cutlass.range_constexpr(4):
-                            v[4 * i + e] = q[e]
-                    for i in cutlass.range_constexpr(4 * n4):
-                        tot = tot + v[i]
-            for off in self.ssq_offsets():
-                tot = tot + cute.arch.shuffle_sync_bfly(tot, offset=off)
-            tot = cute.arch.shuffle_sync(tot, 0)
+            row = p.x_ssq + (Int64(layer) * self.B * NG + Int64(b) * NG) * 4
+            tot = cute.arch.shuffle_sync(self.ssq_sum(row, lane, lane < self.ssq_threads()), 0)
             scale = rsqrt(tot / Float32(self.H) + Float32(self.eps))
         return scale
 

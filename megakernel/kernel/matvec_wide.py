@@ -297,21 +297,19 @@ class WideMatvec:
         return tuple(P >> (i + 1) for i in range(P.bit_length() - 1))
 
     @cute.jit
-    def rstd_from_ssq(self, tidx: Int32, ssq: Int64, s):
-        """s.rstd[b] = rsqrt(sequence b's sum of squares / H + eps) from the H / 8 sums per 8 columns its
-        producers wrote (f32 [B, H / 8] at ssq): P threads per sequence, thread t adding 16-byte words t, t + P,
-        t + 2 P, ... in that order (a warp's loads in runs of P x 16 consecutive bytes: 2.0 us less than a
-        consecutive share per thread at llama-3.2-1b 64, profiles/RESULTS.md 2026-12-04), 16 loads a round, then
-        the P sums go together pairwise (a butterfly: the same bits on every lane and in every run). Read after a
-        consumer barrier."""
-        s_rstd = s.rstd
+    def ssq_sum(self, row: Int64, t: Int32, active: Boolean) -> Float32:
+        """One sequence's sum of squares from the H / 8 sums per 8 columns its producers wrote (f32 at `row`), by
+        its P = ssq_threads() threads (this one: t < P, lanes of one butterfly group): thread t adds 16-byte words
+        t, t + P, t + 2 P, ... in that order (a warp's loads in runs of P x 16 consecutive bytes: 2.0 us less than
+        a consecutive share per thread at llama-3.2-1b 64, profiles/RESULTS.md 2026-12-04), 16 loads a round, then
+        the P sums go together pairwise (a butterfly: the same bits on every lane of the group and in every run).
+        An inactive thread adds nothing (and loads nothing) but takes part in the butterfly."""
         NG = self.H // 8
         P = self.ssq_threads()
         per = NG // P
-        b = tidx // P
         tot = Float32(0.0)
-        if b < self.B:
-            base = ssq + (Int64(b) * NG + Int64(tidx - b * P) * 4) * 4
+        if active:
+            base = row + Int64(t) * 16
             for r0 in cutlass.range_constexpr(0, per // 4, 16):
                 n4 = min(16, per // 4 - r0)
                 v = cute.make_rmem_tensor((4 * n4,), Float32)
@@ -323,6 +321,16 @@ class WideMatvec:
                     tot = tot + v[i]
         for off in self.ssq_offsets():
             tot = tot + cute.arch.shuffle_sync_bfly(tot, offset=off)
+        return tot
+
+    @cute.jit
+    def rstd_from_ssq(self, tidx: Int32, ssq: Int64, s):
+        """s.rstd[b] = rsqrt(sequence b's sum of squares / H + eps) from its sums per 8 columns (f32 [B, H / 8] at
+        ssq), P threads per sequence (ssq_sum). Read after a consumer barrier."""
+        s_rstd = s.rstd
+        P = self.ssq_threads()
+        b = tidx // P
+        tot = self.ssq_sum(ssq + Int64(b) * (self.H // 8 * 4), tidx - b * P, b < self.B)
         if b < self.B and tidx == b * P:
             s_rstd[b] = rsqrt(tot / Float32(self.H) + Float32(self.eps))
 
