@@ -65,17 +65,6 @@ def read_bandwidth(nbytes: int = 2 << 30) -> float:
     return nbytes / (sorted(times)[len(times) // 2] * 1e-3)
 
 
-def parse_batches(text: str) -> tuple[int, ...]:
-    """'1,2,4' -> (1, 2, 4): positive integers, ascending, no repeats (argparse type: a bad list exits 2)."""
-    try:
-        got = tuple(int(t) for t in text.split(","))
-    except ValueError:
-        got = ()
-    if not got or any(b < 1 for b in got) or list(got) != sorted(set(got)):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated ascending list of positive batch sizes")
-    return got
-
-
 def bench(llm, vocab: int, seed: int, batches: tuple[int, ...] = BATCHES) -> dict[str, Any]:
     from vllm import SamplingParams
 
@@ -126,7 +115,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_args(p)
     p.add_argument("--parity", action="store_true", help="also run the parity workloads (tools/vllm_parity.py)")
-    p.add_argument("--batches", type=parse_batches, default=BATCHES,
+    p.add_argument("--batches", type=common.parse_batches, default=BATCHES,
                    help="decode batch sizes to time, comma-separated (default %(default)s); vLLM's max_num_seqs "
                         "becomes the largest")
     p.add_argument("--near-tie-gap", type=float, default=common.NEAR_TIE_GAP)

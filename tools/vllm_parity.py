@@ -840,15 +840,15 @@ def print_profiles(preset: str, results: dict[str, dict]) -> None:
             print(f"RESULT profile {preset} {profile_line(path, results[path])}", flush=True)
 
 
-def parse_sizes(text: str) -> tuple[int, ...]:
-    """'1,2,4' -> (1, 2, 4): distinct positive batch sizes, ascending."""
+def parse_batches(text: str) -> tuple[int, ...]:
+    """'1,2,4' -> (1, 2, 4): positive integers, ascending, no repeats (argparse type: a bad list exits 2)."""
     try:
-        sizes = sorted({int(t) for t in text.split(",") if t.strip()})
+        got = tuple(int(t) for t in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated integers expected") from None
-    if not sizes or sizes[0] < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: positive batch sizes expected")
-    return tuple(sizes)
+        got = ()
+    if not got or any(b < 1 for b in got) or list(got) != sorted(set(got)):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated ascending list of positive batch sizes")
+    return got
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
@@ -870,7 +870,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="MEGAKERNEL_VLLM_MAX_BATCH for the plugin path: the largest decode batch sent to the "
                         "megakernel (default: the plugin's own default)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="vLLM's max_num_seqs on both paths")
-    p.add_argument("--capture-sizes", type=parse_sizes, default=None, metavar="N,N,...",
+    p.add_argument("--capture-sizes", type=parse_batches, default=None, metavar="N,N,...",
                    help="vLLM's cudagraph_capture_sizes on both paths, e.g. 1,2,4,8,16,32,64 (default: vLLM's own, "
                         "whose in-between sizes each cost the plugin path one more megakernel compile)")
     p.add_argument("--async-scheduling", action="store_true",

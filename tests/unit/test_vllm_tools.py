@@ -443,12 +443,12 @@ def _load_bench():
 @pytest.mark.parametrize("text,want", [("1,2,4,8,16,32,64", (1, 2, 4, 8, 16, 32, 64)), ("8", (8,)),
                                        ("4,2", None), ("1,1", None), ("0,4", None), ("a", None), ("", None)])
 def test_vllm_bench_batches(text, want):
-    bench = _load_bench()
+    """The one parser of batch-size lists (vllm_bench's --batches, both tools' --capture-sizes)."""
     if want is None:
         with pytest.raises(Exception, match="ascending list"):
-            bench.parse_batches(text)
+            tool.parse_batches(text)
     else:
-        assert bench.parse_batches(text) == want
+        assert tool.parse_batches(text) == want
 
 
 class _TokenLLM:
@@ -512,15 +512,14 @@ def test_build_llm_passes_max_num_seqs_async_scheduling_and_the_plugin_switch(tm
                                               "cudagraph_mode": "FULL_DECODE_ONLY"}, made[-1]
 
 
-@pytest.mark.parametrize("text,want", [("1,2,4,8,16,32,64", (1, 2, 4, 8, 16, 32, 64)), ("64, 1,8,8", (1, 8, 64))])
-def test_capture_sizes_parse(text, want):
-    assert tool.parse_sizes(text) == want
-
-
-@pytest.mark.parametrize("text", ["", "0,1", "a,2", "-4"])
-def test_capture_sizes_reject_what_is_not_a_batch_size(text):
-    with pytest.raises(argparse.ArgumentTypeError):
-        tool.parse_sizes(text)
+def test_capture_sizes_are_batch_size_lists():
+    p = argparse.ArgumentParser()
+    tool.add_common_args(p)
+    assert p.parse_args(["--capture-sizes", "1,2,4,8,16,32,64"]).capture_sizes == (1, 2, 4, 8, 16, 32, 64)
+    assert p.parse_args([]).capture_sizes is None
+    for bad in ("", "0,1", "a,2", "-4", "64,1"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--capture-sizes", bad])
 
 
 def test_parity_workloads_add_a_wide_one_past_eight_sequences():
