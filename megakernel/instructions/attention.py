@@ -165,14 +165,12 @@ def fold_qkv_rows(ctx: StageContext, l: int, b0: int, b1: int, kvh: int) -> None
     and v rows of kv head kvh, as MV_REDUCE/QKV would have written them (its partials in range order, times the
     RMS scale), into qkv, which only these rows' readers read."""
     from .matvec_stages import PART_BUFFERS, rms_scale        # (they import this module)
-    from .split_k import k_splits
+    from .split_k import k_splits, sum_ranges
     c, bufs = ctx.layout.config, ctx.bufs
     parts = getattr(bufs, PART_BUFFERS[Opcode.QKV])
     scale = rms_scale(bufs.x[l, b0:b1], c.rms_norm_eps)
     for lo, hi in head_rows(c, kvh):
-        y = parts[l, 0, b0:b1, lo:hi].clone()
-        for e in range(1, k_splits(ctx.layout, Opcode.QKV)):
-            y += parts[l, e, b0:b1, lo:hi]
+        y = sum_ranges(parts, l, k_splits(ctx.layout, Opcode.QKV), slice(b0, b1), slice(lo, hi))
         bufs.qkv[l, b0:b1, lo:hi] = y * scale
 
 

@@ -108,12 +108,18 @@ def writes(ins: Instruction, layout) -> list:
     return output_regions(_stage(ins), ins.layer, ins.a0, ins.a0 + ins.a1, 0, layout)
 
 
+def sum_ranges(parts, layer: int, num_ranges: int, seqs: slice, rows: slice):
+    """The partials of a stage's K ranges 0 .. num_ranges - 1 for sequences `seqs` and rows `rows`, added in range
+    order (the reduce's order, wherever it runs: MV_REDUCE, or the attention that QKV's is folded into)."""
+    y = parts[layer, 0, seqs, rows].clone()
+    for e in range(1, num_ranges):
+        y += parts[layer, e, seqs, rows]
+    return y
+
+
 def reference(ins: Instruction, ctx: StageContext) -> None:
     op, l, lo, hi = _stage(ins), ins.layer, ins.a0, ins.a0 + ins.a1
-    parts = getattr(ctx.bufs, PART_BUFFERS[op])
-    y = parts[l, 0, :, lo:hi].clone()
-    for e in range(1, ins.a3):
-        y += parts[l, e, :, lo:hi]
+    y = sum_ranges(getattr(ctx.bufs, PART_BUFFERS[op]), l, ins.a3, slice(None), slice(lo, hi))
     if op in (Opcode.QKV, Opcode.GATE_UP):
         inp, _ = norm_input(op, l, op == Opcode.QKV and l == 0 and ctx.layout.embed_folded, ctx)
         y = y * rms_scale(inp, ctx.layout.config.rms_norm_eps)
