@@ -70,10 +70,11 @@ CONFIG_KEY = "megakernel"             # the key of vLLM's additional_config that
 # The largest decode batch the plugin can send to the megakernel: the kernel's (the limit a user sets is at most this)
 MAX_DECODE_BATCH = KERNEL_MAX_BATCH
 ENV_MAX_BATCH = "MEGAKERNEL_VLLM_MAX_BATCH"   # largest decode batch sent to the megakernel (1..MAX_DECODE_BATCH)
-# Default of ENV_MAX_BATCH. tools/vllm_bench.py on the H200 (profiles/RESULTS.md, 2026-11-30, fourth run),
-# megakernel at every batch against stock vLLM, llama-3.2-1b: 1.02x at batch 1, 0.91x at 2, 0.99x at 4,
-# 0.85x at 8. Only batch 1 is not slower, so larger decode batches run stock unless the switch says otherwise
-# (past batch 8, the kernel's wgmma path, not measured inside vLLM yet).
+# Default of ENV_MAX_BATCH. tools/vllm_bench.py on the H200, megakernel at every batch against stock vLLM
+# (profiles/RESULTS.md): llama-3.1-8b 1.16x at batch 1, 0.86x at 8, 0.91x at 16, 0.82x at 32, 0.66x at 64
+# (2026-12-04, thirteenth session; with async scheduling 1.17x at 1, 0.84x at 8); llama-3.2-1b 1.02x at 1, 0.91x
+# at 2, 0.99x at 4, 0.85x at 8 (2026-11-30). Only batch 1 is faster, so larger decode batches run stock unless the
+# switch says otherwise.
 DEFAULT_MAX_BATCH = 1
 POW2_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 

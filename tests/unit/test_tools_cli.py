@@ -74,7 +74,7 @@ def test_gpu_experiment_applies_a_parked_patch_and_lists_its_sweeps(tmp_path):
     patch.write_text("A probe (its header names its sweeps):\n"
                      "  python3 tools/gpu_sweep.py tiny-llama 1 default: t:trace=1 --no-trace\n"
                      "  python3 tools/gpu_sweep.py tiny-qwen3 2 default: --no-trace\n"
-                     "  MEGAKERNEL_SPLIT_BATCH=4 python3 tools/gpu_sweep.py tiny-llama 8 default: --no-trace\n"
+                     "  PROBE_SETTING=4 python3 tools/gpu_sweep.py tiny-llama 8 default: --no-trace\n"
                      "  not python3 tools/gpu_sweep.py tiny-llama 4: a sentence that mentions one\n\n"
                      "diff --git a/probe_note.txt b/probe_note.txt\nnew file mode 100644\n--- /dev/null\n"
                      "+++ b/probe_note.txt\n@@ -0,0 +1 @@\n+probe\n")
@@ -82,7 +82,7 @@ def test_gpu_experiment_applies_a_parked_patch_and_lists_its_sweeps(tmp_path):
     assert got.returncode == 0, got.stderr
     lines = [l.strip() for l in got.stdout.splitlines() if "python3 tools/gpu_sweep.py" in l]
     assert len(lines) == 3 and "t:trace=1" in lines[0] and "tiny-qwen3" in lines[1], got.stdout
-    assert lines[2].startswith("MEGAKERNEL_SPLIT_BATCH=4 python3"), got.stdout     # (a sweep in its own environment)
+    assert lines[2].startswith("PROBE_SETTING=4 python3"), got.stdout     # (a sweep in its own environment)
     got = run(str(patch), "--only=2", "--dry-run")
     lines = [l.strip() for l in got.stdout.splitlines() if l.strip().startswith("python3 tools/gpu_sweep.py")]
     assert got.returncode == 0 and len(lines) == 1 and "tiny-qwen3" in lines[0], got.stdout + got.stderr
