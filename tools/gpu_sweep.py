@@ -162,6 +162,13 @@ def trace(eng, start=32):
                 first = statistics.mean(r["landed_first"] - r["ready"] for r in ld)
                 last = statistics.mean(r["landed_last"] - r["ready"] for r in ld)
                 stream += f"  (ready->slots landed {first/1e3:5.2f} .. {last/1e3:5.2f} us)"
+            # the weight ring's waits: the producer's for a free slot (the consumers behind the stream) and on the
+            # in-flight cap (the copies' latency), consumer warp 0's for its slots to land (the stream behind)
+            wr = [r for r in rs if "wait_free" in r and "wait_landed" in r]
+            if wr:
+                free, cap, landed = (statistics.mean(r[k] for r in wr) / 1e3
+                                     for k in ("wait_free", "wait_in_flight", "wait_landed"))
+                stream += f"  (ring waits: free slot {free:6.2f}, in flight {cap:6.2f}, landed {landed:6.2f} us)"
         print(f"    {op:17s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us{phase}{stream}")
 
 def main():

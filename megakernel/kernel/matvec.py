@@ -29,7 +29,7 @@ from .ptx import (ex2, globaltimer_lo, ld_f32, load_shared_raw, max_index, mbarr
                   st_f32, st_i32, warp_max_index, warp_sum)
 from .ring_model import reader_warp
 from .stream import (ITEM_ROWS, SLAB_COLS, SLOT_BYTES, TR_CONSUMED, TR_LANDED_FIRST, TR_LANDED_LAST, TR_STAGED,
-                     X_PAD)
+                     TR_WAIT_LANDED, X_PAD)
 
 LOAD_KP = 4                # 32-column blocks whose weight loads are in flight at once (8 x 16 bytes per lane)
 
@@ -147,6 +147,7 @@ class MatvecStage:
         if is_lm:
             self.reset_tile_maximum(tidx, s)
         x_base = s.x_addr
+        t_landed = Int32(0)               # (trace mode) this warp's waits for its slots to land, ns
         for c0 in range(0, a1, chunk):
             rows = a1 - c0
             if rows > chunk:
@@ -184,8 +185,11 @@ class MatvecStage:
                             if nr > rps:
                                 nr = rps
                             mb = slot * 8
+                            if cutlass.const_expr(self.options.trace):
+                                t0 = globaltimer_lo()
                             self.wait_full(full + mb, (k_slot // self.ring_slots) % 2, p.error)
                             if cutlass.const_expr(self.options.trace):
+                                t_landed = t_landed + (globaltimer_lo() - t0)
                                 if lane == 0 and part == 0:
                                     # when the tile's first slot had landed, and its last
                                     if c0 == 0 and sl == 0 and g0 == 0:
@@ -205,6 +209,7 @@ class MatvecStage:
             if cutlass.const_expr(self.options.trace):
                 if tidx == 0:
                     st_i32(rec + TR_CONSUMED * 4, globaltimer_lo())     # every warp past the chunk's last slot
+                    st_i32(rec + TR_WAIT_LANDED * 4, t_landed)          # warp 0's waits for its slots (so far)
             self.epilogue(tidx, warp, lane, c0, rows, n_seg, a0, tile, is_gate_up, is_lm, has_norm, has_res,
                           res_addr, res0, out_addr, out_w, s)
         if is_lm:

@@ -44,7 +44,7 @@ from .ptx import (bulk_copy_g2s, globaltimer_lo, ld_bf16, ld_f32, load_f32x4, lo
                   mbarrier_arrive_expect_tx, policy_evict_last, rsqrt, st_bf16, st_f32, st_i32, warp_max_index,
                   wgmma_bf16_rs, wgmma_desc)
 from .stream import (ITEM_ROWS, M_TILE, SLAB_COLS, SLOT_BYTES, TR_CONSUMED, TR_LANDED_FIRST, TR_LANDED_LAST, TR_STAGED,
-                     WGMMA_LBO, WGMMA_SBO, WIDE_WARPS, m_tiles, wide_ks_bytes)
+                     TR_WAIT_LANDED, WGMMA_LBO, WGMMA_SBO, WIDE_WARPS, m_tiles, wide_ks_bytes)
 
 OP_QKV, OP_O_PROJ, OP_GATE_UP = int(Opcode.QKV), int(Opcode.O_PROJ), int(Opcode.GATE_UP)
 OP_DOWN, OP_LM_HEAD = int(Opcode.DOWN), int(Opcode.LM_HEAD)
@@ -85,6 +85,7 @@ class WideMatvec:
         wg = warp // 4                    # the consumer warpgroup
         g_own = warp * ITEM_ROWS          # the first row group this warp owns in every chunk (then every
         GS = WIDE_WARPS * ITEM_ROWS       # GS rows further: G in all)
+        t_landed = Int32(0)               # (trace mode) this warp's waits for its slots to land, ns
         for c0 in range(0, a1, chunk):
             rows = a1 - c0
             if rows > chunk:
@@ -115,8 +116,11 @@ class WideMatvec:
                 for g0 in range(0, rows, ITEM_ROWS):
                     slot = k_slot % self.ring_slots
                     mb = slot * 8
+                    if cutlass.const_expr(self.options.trace):
+                        t0 = globaltimer_lo()
                     self.wait_full(full + mb, (k_slot // self.ring_slots) % 2, p.error)
                     if cutlass.const_expr(self.options.trace):
+                        t_landed = t_landed + (globaltimer_lo() - t0)
                         if tidx == 0:
                             if c0 == 0 and sl == 0 and g0 == 0:
                                 st_i32(rec + TR_LANDED_FIRST * 4, globaltimer_lo())
@@ -150,6 +154,7 @@ class WideMatvec:
             if cutlass.const_expr(self.options.trace):
                 if tidx == 0:
                     st_i32(rec + TR_CONSUMED * 4, globaltimer_lo())
+                    st_i32(rec + TR_WAIT_LANDED * 4, t_landed)
             self.epilogue_wide(warp, lane, op, layer, a0, c0, rows - g_own, kpart, split, has_norm, has_res,
                                out_addr, out_w, res_addr, acc, p, s)
             if is_lm:

@@ -44,9 +44,11 @@ X_WHOLE_BYTES = 64 * 1024   # a matvec input (all sequences, float32) staged who
 ERR_RING = 4                # error code: a weight-ring wait timed out
 # The int32 words of an instruction's trace record (trace mode), as MegakernelEngine.trace_records decodes them:
 # index * 256 + opcode, a matvec's input staged, begin, counter ready, end, a matvec's last slot consumed, the
-# producer's first and last slot issued, the first and last slot landed (as consumer warp 0 saw them)
+# producer's first and last slot issued, the first and last slot landed (as consumer warp 0 saw them); then three
+# durations (ns) of a matvec's slots: the producer's waits for a free ring slot (the consumers behind) and for the
+# slot MAX_IN_FLIGHT before to land (the copies' latency), and consumer warp 0's waits for its slots to land
 (TR_OP, TR_STAGED, TR_BEGIN, TR_READY, TR_END, TR_CONSUMED, TR_ISSUED_FIRST, TR_ISSUED_LAST, TR_LANDED_FIRST,
- TR_LANDED_LAST, TRACE_WORDS) = range(11)
+ TR_LANDED_LAST, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED, TRACE_WORDS) = range(14)
 
 OP_QKV, OP_O_PROJ, OP_DOWN, OP_LM_HEAD = int(Opcode.QKV), int(Opcode.O_PROJ), int(Opcode.DOWN), int(Opcode.LM_HEAD)
 OP_ATTN_PARTIAL, OP_ATTN_REDUCE = int(Opcode.ATTN_PARTIAL), int(Opcode.ATTN_REDUCE)
@@ -279,6 +281,8 @@ class WeightStream:
         # weights are read once per step: evict_first keeps them from displacing the activations, counters and
         # KV cache in L2 (1-3% faster on every shape and batch measured, profiles/RESULTS.md 2026-12-02)
         policy = policy_evict_first()
+        t_free = Int32(0)         # (trace mode) this instruction's waits for a free slot and on the in-flight cap, ns
+        t_cap = Int32(0)
         for i in range(n):
             ins = i * WORDS
             op = s_queue[ins + W_OPCODE]
@@ -286,6 +290,8 @@ class WeightStream:
                 stop = cute.arch.shuffle_sync(load_shared_volatile(abort_addr), 0)
             if is_matvec(op) and stop == 0:
                 if cutlass.const_expr(self.options.trace):
+                    t_free = Int32(0)
+                    t_cap = Int32(0)
                     if lane == 0:
                         st_i32(self.trace_record(trace, sm, i) + TR_ISSUED_FIRST * 4, globaltimer_lo())
                 w_addr, k_row = self.weight_tile(op, s_queue[ins + W_LAYER], s_queue[ins + W_A0], w_qkv, w_o,
@@ -305,10 +311,18 @@ class WeightStream:
                                 nr = rps
                             slot = k % NS
                             if stop == 0:
+                                if cutlass.const_expr(self.options.trace):
+                                    t0 = globaltimer_lo()
                                 stop = self.wait_slot(empty + slot * 8, ((k // NS) % 2) ^ 1, abort_addr, error)
+                                if cutlass.const_expr(self.options.trace):
+                                    t_free = t_free + (globaltimer_lo() - t0)
                             kf = k - MAX_IN_FLIGHT          # at most MAX_IN_FLIGHT slots on their way at once
                             if stop == 0 and kf >= 0:
+                                if cutlass.const_expr(self.options.trace):
+                                    t1 = globaltimer_lo()
                                 self.wait_full(full + (kf % NS) * 8, (kf // NS) % 2, error)
+                                if cutlass.const_expr(self.options.trace):
+                                    t_cap = t_cap + (globaltimer_lo() - t1)
                             if stop == 0 and lane == 0:     # (stop is the same on every lane)
                                 dst = ring + slot * SLOT_BYTES
                                 width = K - sl * slab              # the last slab may be narrower
@@ -334,7 +348,10 @@ class WeightStream:
                                 k = k + 1
                 if cutlass.const_expr(self.options.trace):
                     if lane == 0:
-                        st_i32(self.trace_record(trace, sm, i) + TR_ISSUED_LAST * 4, globaltimer_lo())
+                        rec = self.trace_record(trace, sm, i)
+                        st_i32(rec + TR_ISSUED_LAST * 4, globaltimer_lo())
+                        st_i32(rec + TR_WAIT_FREE * 4, t_free)
+                        st_i32(rec + TR_WAIT_IN_FLIGHT * 4, t_cap)
         # the last use of every ring slot has landed (consumed ones long ago; after an abort, in flight)
         for j in range(NS):
             if j < k:

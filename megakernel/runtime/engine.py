@@ -46,7 +46,8 @@ from ..instructions.opcodes import Opcode
 from ..instructions.record import serialize
 from ..kernel.interpreter import ARG_NAMES, ERR_ALIAS, ERR_POSITION, ERR_RING, ERR_TIMEOUT, ERR_TOKEN, KernelOptions
 from ..kernel.stream import (TR_BEGIN, TR_CONSUMED, TR_END, TR_ISSUED_FIRST, TR_ISSUED_LAST, TR_LANDED_FIRST,
-                             TR_LANDED_LAST, TR_OP, TR_READY, TR_STAGED, TRACE_WORDS)
+                             TR_LANDED_LAST, TR_OP, TR_READY, TR_STAGED, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT,
+                             TR_WAIT_LANDED, TRACE_WORDS)
 from ..model.kv_cache import contiguous_block_table
 from ..model.weights import ModelWeights
 from ..schedule import assign, build_program, simulate
@@ -380,7 +381,10 @@ class MegakernelEngine:
         """Per-instruction (sm, index, opcode, begin, ready, end) of the last launch (trace mode), and for a
         matvec `staged` (its input staged), `streamed` (its last slot consumed), (landed_first, landed_last)
         (consumer warp 0 past its first and last slot's wait) and (stream_begin, stream_end): when its weight
-        slots began and finished being issued to the copy engine. Nanoseconds from the step's earliest begin."""
+        slots began and finished being issued to the copy engine. Nanoseconds from the step's earliest begin.
+        Also a matvec's waits for the weight ring, in nanoseconds: `wait_free` and `wait_in_flight` (the
+        producer's, for a free slot and for the slot MAX_IN_FLIGHT before to land) and `wait_landed` (consumer
+        warp 0's, for its slots to land)."""
         if not self.options.trace:
             raise RuntimeError("trace records need KernelOptions(trace=True)")
         return decode_trace(self.trace_buf.cpu(), self.queue_lengths.cpu().tolist())
@@ -422,6 +426,12 @@ def decode_trace(t: torch.Tensor, lengths: list[int]) -> list[dict]:
             for group in matvec:
                 if w[list(group.values())[-1]]:
                     rec.update({k: ns(w[j]) for k, j in group.items()})
+            # a matvec's waits for the weight ring (durations, ns): the producer's, where it issued the slots,
+            # and consumer warp 0's, where the consumers were past the last slot
+            if "stream_end" in rec:
+                rec.update(wait_free=w[TR_WAIT_FREE], wait_in_flight=w[TR_WAIT_IN_FLIGHT])
+            if "streamed" in rec and "landed_last" in rec:
+                rec["wait_landed"] = w[TR_WAIT_LANDED]
             out.append(rec)
     return out
 

@@ -124,6 +124,19 @@ def test_the_no_stage_diagnostic_stages_no_input_and_still_multiplies():
     assert re.findall(r"\bHMMA\.16816\.F32\.BF16\b", art["sass"]), f"{what}: no MMA in the no-stage build"
 
 
+@pytest.mark.parametrize("name,batch", [("llama-3.2-1b", 1), ("llama-3.1-8b", 8), ("llama-3.2-1b", 64)])
+def test_the_trace_build_compiles_without_spills_and_the_plain_build_reads_no_timer_for_it(name, batch):
+    """KernelOptions(trace=True), the build behind every trace in profiles/ (its stamps and the weight ring's
+    wait durations, stream.TRACE_WORDS): no spills on the narrow and the wide path, and the globaltimer reads
+    it adds (SASS ...GLOBALTIMER...) are not in the plain build, which keeps only its bounded waits' reads."""
+    plain, traced = compiled(name, batch), compiled(name, batch, options=KernelOptions(trace=True))
+    what = _what(name, batch, traced)
+    assert traced["spills"] == 0 and traced["usage"].get("frame_bytes", 0) == 0, \
+        f"{what}: local-memory loads/stores in the trace build"
+    reads = [len(re.findall(r"GLOBALTIMER", a["sass"])) for a in (plain, traced)]
+    assert reads[1] >= reads[0] + 12, f"{what}: {reads} globaltimer reads (plain, trace)"
+
+
 @pytest.mark.parametrize("name,batch", CASES)
 def test_matvecs_multiply_on_the_tensor_cores(name, batch):
     """Every matvec work item is m16n8k16 bf16 MMAs with float32 accumulation (SASS HMMA.16816.F32.BF16),

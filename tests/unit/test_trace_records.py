@@ -11,7 +11,8 @@ import torch
 
 from megakernel.instructions.opcodes import Opcode
 from megakernel.kernel.stream import (TR_BEGIN, TR_CONSUMED, TR_END, TR_ISSUED_FIRST, TR_ISSUED_LAST, TR_LANDED_FIRST,
-                                      TR_LANDED_LAST, TR_OP, TR_READY, TR_STAGED, TRACE_WORDS)
+                                      TR_LANDED_LAST, TR_OP, TR_READY, TR_STAGED, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT,
+                                      TR_WAIT_LANDED, TRACE_WORDS)
 from megakernel.runtime.engine import decode_trace
 
 
@@ -46,13 +47,22 @@ def test_decode_trace_gives_signed_distances_from_the_earliest_begin_across_the_
                 for name, ns in rel.items():
                     t[sm, i, words[name]] = as_int32(start + ns)
                 want[(sm, i)] = dict(rel, sm=sm, index=10 * sm + i, opcode=op.name)
+                if op == Opcode.GATE_UP:
+                    # the ring waits are durations: read as they are, whatever the stamps' origin
+                    waits = {"wait_free": rng.randrange(5_000), "wait_in_flight": rng.randrange(5_000),
+                             "wait_landed": rng.randrange(5_000)}
+                    for name, word in (("wait_free", TR_WAIT_FREE), ("wait_in_flight", TR_WAIT_IN_FLIGHT),
+                                       ("wait_landed", TR_WAIT_LANDED)):
+                        t[sm, i, word] = waits[name]
+                    want[(sm, i)]["durations"] = waits
         # the earliest begin is SM 0's first instruction: distances are from it
         base = want[(0, 0)]["begin"]
         got = {(r["sm"], i): r for r in decode_trace(t, lengths) for i in [r["index"] % 10]}
         assert set(got) == set(want), (start, sorted(got))
         for key, w in want.items():
+            durations = w.pop("durations", {})
             expect = {k: (v - base if isinstance(v, int) and k not in ("sm", "index") else v) for k, v in w.items()}
-            assert got[key] == expect, (start, key, got[key], expect)
+            assert got[key] == dict(expect, **durations), (start, key, got[key], expect, durations)
 
 
 def test_decode_trace_leaves_out_a_matvec_group_whose_last_word_is_unset():
