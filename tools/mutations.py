@@ -223,8 +223,8 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
             "the MMA's A operand registers in the wrong order: the second 8-row block's registers where the first "
             "block's columns k+8 belong")
     + [Mutation("split_k_reduce_drops_a_range",
-                "the partials of a split stage summed without the last K range (split_k.sum_ranges: MV_REDUCE and the "
-                "attention QKV's reduce is folded into; the VM's form of batch 16-64 programs)",
+                "the partials of a split stage summed without the last K range (split_k.sum_ranges: MV_REDUCE's, and "
+                "the attention's for QKV, at batch 16-64)",
                 (Patch(SPLIT_K, "    for e in range(1, num_ranges):", "    for e in range(1, num_ranges - 1):"),),
                 (Probe("vm-split-k", (VM, "-k", "split_over_k or large_batch")),)),
        Mutation("aliasing_shared_append_allowed",

@@ -162,8 +162,8 @@ def reference(ins: Instruction, ctx: StageContext) -> None:
 
 def fold_qkv_rows(ctx: StageContext, l: int, b0: int, b1: int, kvh: int) -> None:
     """Where QKV's reduce is folded into the attention (split_k.qkv_reduce_folded): sequences b0 .. b1 - 1's q, k
-    and v rows of kv head kvh, as MV_REDUCE/QKV would have written them (its partials in range order, times the
-    RMS scale), into qkv, which only these rows' readers read."""
+    and v rows of kv head kvh (QKV's partials in range order, times the RMS scale) into qkv, which only these rows'
+    readers read."""
     from .matvec_stages import PART_BUFFERS, rms_scale        # (they import this module)
     from .split_k import k_splits, sum_ranges
     c, bufs = ctx.layout.config, ctx.bufs

@@ -88,8 +88,6 @@ class StepLayout:
     fuse_attn_reduce: bool | None = None   # None: wherever the matvec input is staged (stages_input)
     slab_staging: bool = False             # stage inputs wider than X_STAGE_BYTES in column slabs
     fold_embed: bool = False               # layer 0's QKV stages embed[token] itself (embed_folded)
-    fold_qkv_reduce: bool = False          # where QKV splits over K, ATTN_PARTIAL sums its K-range partials itself
-                                           # (split_k.qkv_reduce_folded; the engine's default)
     scratch_block: int = -1                # a cache block no sequence reads (vLLM's null block 0, where its padded
                                            # rows append): appends there are exempt from the aliasing rule; -1 none
 

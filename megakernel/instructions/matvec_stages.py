@@ -19,8 +19,9 @@ is then embed[token] (float32), what EMBED writes to x[0], read from the table d
 Past KERNEL_SPLIT_BATCH (split_k.py), QKV, O_PROJ, GATE_UP and DOWN may be split over K: a tile of range
 k_part of k_parts multiplies its rows over that range of columns only (the input times the norm weight, without the
 row's RMS scale, which needs all of K) and stores the float32 partial into part_<stage>[l, k_part] instead of
-running the epilogue; MV_REDUCE adds a row range's partials in range order, times the RMS scale of the stages with
-a norm, and runs the epilogue (`store_output`).
+running the epilogue; MV_REDUCE adds a row range's partials in range order, times the RMS scale of GATE_UP, and
+runs the epilogue (`store_output`); QKV's partials are summed by the attention that reads them
+(split_k.qkv_reduce_folded).
 """
 
 from __future__ import annotations
@@ -149,7 +150,8 @@ def reference(ins: Instruction, ctx: StageContext) -> None:
     lo, hi = ins.a0, ins.a0 + ins.a1
     eps = c.rms_norm_eps
     if ins.k_parts > 1:
-        # a K range's partial: the input times the norm weight, without the row's RMS scale (MV_REDUCE's)
+        # a K range's partial: the input times the norm weight, without the row's RMS scale (applied where the
+        # ranges are summed)
         if op == Opcode.O_PROJ and ins.a3 > 0:
             inp = merge_splits(b.attn_part_lse[l], b.attn_part_o[l]).reshape(b.h.shape[1], -1)
         else:

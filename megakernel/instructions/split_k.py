@@ -4,17 +4,18 @@ Past SPLIT_BATCH a tile over the whole of K stages B x K of input for few rows (
 input bytes grow with the batch, the weight bytes do not), so `k_splits` may split QKV, O_PROJ, GATE_UP and DOWN
 into E ranges of K: each tile multiplies E times the rows of an unsplit one over 1/E of the columns and stores a
 float32 partial (matvec_stages: part_<stage>[l, e]). The E ranges' tiles of a layer's stage signal the stage's
-*_PARTS counter; MV_REDUCE instructions wait for all of them and run the stage's epilogue on rows
-[a0, a0 + a1):
+*_PARTS counter; for O_PROJ, GATE_UP and DOWN, MV_REDUCE instructions wait for all of them and run the stage's
+epilogue on rows [a0, a0 + a1):
 
     y = (partial[0] + partial[1] + ... + partial[E - 1]) * rms_scale      (in range order, whatever order the
-                                                                        tiles ran in; the scale: QKV, GATE_UP)
+                                                                        tiles ran in; the scale: GATE_UP)
 
-so the result is the same bits every run. (The RMS scale of a row needs all of its K; on the device MV_REDUCE
-takes it from the sums of squares per 8 columns that the input's producing stage wrote beside it, StepBuffers.x_ssq
-and h_ssq, added in column order.) Operands: a0 = first row, a1 = row count, a2 = the split stage's opcode,
-a3 = E. LM_HEAD is never split (its (max, argmax) per tile needs whole logits), and batches up to SPLIT_BATCH are
-not either.
+so the result is the same bits every run. (The RMS scale of a row needs all of its K; on the device it is taken
+from the sums of squares per 8 columns that the input's producing stage wrote beside it, StepBuffers.x_ssq and
+h_ssq, added in column order.) Operands: a0 = first row, a1 = row count, a2 = the split stage's opcode,
+a3 = E. QKV's partials are summed by the attention that reads them (qkv_reduce_folded), with the same additions.
+LM_HEAD is never split (its (max, argmax) per tile needs whole logits), and batches up to SPLIT_BATCH are not
+either.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ import math
 
 from .context import StageContext
 from .layout import ROW_GROUP, SPLIT_BATCH, tile_rows
-from .matvec_stages import (PART_BUFFERS, norm_input, output_regions, part_regions, per_batch, residual_reads,
-                            rms_scale, store_output, weight_rows)
+from .matvec_stages import (PART_BUFFERS, output_regions, part_regions, per_batch, residual_reads, rms_scale,
+                            store_output, weight_rows)
 from .opcodes import Opcode, Stage
 from .record import Instruction
 
 OPCODE = Opcode.MV_REDUCE
 SPLIT_STAGES = tuple(PART_BUFFERS)
+REDUCED_STAGES = (Opcode.O_PROJ, Opcode.GATE_UP, Opcode.DOWN)   # the split stages MV_REDUCE closes
 PARTS_STAGE = {Opcode.QKV: Stage.QKV_PARTS, Opcode.O_PROJ: Stage.O_PROJ_PARTS, Opcode.GATE_UP: Stage.GATE_UP_PARTS,
                Opcode.DOWN: Stage.DOWN_PARTS}
 SPLIT_COLUMNS = 256        # K ranges are whole multiples of the kernel's 256-column unit
@@ -75,19 +77,19 @@ def k_splits(layout, op: Opcode) -> int:
 
 
 def qkv_reduce_folded(layout) -> bool:
-    """Whether QKV's MV_REDUCE is folded into the attention (StepLayout.fold_qkv_reduce, where QKV is split over
-    K): no MV_REDUCE/QKV instructions; each ATTN_PARTIAL waits for every QKV K-range tile of its layer and sums its
-    own q, k and v rows' partials in range order, times its sequence's RMS scale (the same additions as
-    MV_REDUCE's), instead of reading qkv. A reduce stage and a global hop fewer per layer: at batch 64 on the H200
-    1.697 -> 1.606 ms per step on llama-3.2-1b, 2.036 -> 1.833 on qwen3-0.6b (profiles/RESULTS.md, 2026-12-04)."""
-    return bool(layout.fold_qkv_reduce) and k_splits(layout, Opcode.QKV) > 1
+    """Whether QKV is split over K, and so its reduce folded into the attention: QKV has no MV_REDUCE; each
+    ATTN_PARTIAL waits for every QKV K-range tile of its layer and sums its own q, k and v rows' partials in range
+    order, times its sequence's RMS scale (the additions an MV_REDUCE would make), instead of reading qkv. A reduce
+    stage and a global hop fewer per layer than closing QKV with MV_REDUCE: at batch 64 on the H200 1.697 -> 1.606 ms
+    per step on llama-3.2-1b, 2.036 -> 1.833 on qwen3-0.6b (profiles/RESULTS.md, 2026-12-04)."""
+    return k_splits(layout, Opcode.QKV) > 1
 
 
 def _stage(ins: Instruction) -> Opcode:
     op = Opcode(ins.a2)
-    if op not in PARTS_STAGE:
-        raise ValueError(f"MV_REDUCE #{ins.index} a2={ins.a2} names no stage that splits over K "
-                         f"({', '.join(o.name for o in SPLIT_STAGES)})")
+    if op not in REDUCED_STAGES:
+        raise ValueError(f"MV_REDUCE #{ins.index} a2={ins.a2} names no stage that it closes "
+                         f"({', '.join(o.name for o in REDUCED_STAGES)})")
     return op
 
 
@@ -96,11 +98,9 @@ def reads(ins: Instruction, layout) -> list:
     out = []
     for e in range(ins.a3):
         out += part_regions(op, ins.layer, e, lo, hi, layout)
-    if op == Opcode.QKV and ins.layer == 0 and layout.embed_folded:
-        out.append(("tokens", 0, 0, layout.batch))          # (the RMS scale of embed[token])
-    elif op in (Opcode.QKV, Opcode.GATE_UP):
+    if op == Opcode.GATE_UP:
         _, k = weight_rows(op, layout)
-        out += per_batch("x" if op == Opcode.QKV else "h", ins.layer, 0, k, layout.batch, k)
+        out += per_batch("h", ins.layer, 0, k, layout.batch, k)       # (the RMS scale of h[l])
     return out + residual_reads(op, ins.layer, lo, hi, layout)
 
 
@@ -120,7 +120,6 @@ def sum_ranges(parts, layer: int, num_ranges: int, seqs: slice, rows: slice):
 def reference(ins: Instruction, ctx: StageContext) -> None:
     op, l, lo, hi = _stage(ins), ins.layer, ins.a0, ins.a0 + ins.a1
     y = sum_ranges(getattr(ctx.bufs, PART_BUFFERS[op]), l, ins.a3, slice(None), slice(lo, hi))
-    if op in (Opcode.QKV, Opcode.GATE_UP):
-        inp, _ = norm_input(op, l, op == Opcode.QKV and l == 0 and ctx.layout.embed_folded, ctx)
-        y = y * rms_scale(inp, ctx.layout.config.rms_norm_eps)
+    if op == Opcode.GATE_UP:
+        y = y * rms_scale(ctx.bufs.h[l], ctx.layout.config.rms_norm_eps)
     store_output(op, l, lo, hi, 0, y, ctx)

@@ -102,7 +102,7 @@ class AttentionStage(SoftmaxPass):
         """This lane's E elements of the new token's query head hh < G of the kv head's group, its k (hh == G) or
         its v (G + 1), from the qkv row, into vals[at:]; where QKV's reduce is folded into the attention
         (qkv_folded), `row` is the sequence's row of QKV's first K range's partials, and each element is the sum of
-        its ranges' partials in range order, times `scale` (qkv_scale), as MV_REDUCE would have stored it."""
+        its ranges' partials in range order, times `scale` (qkv_scale)."""
         D, E, G = self.D, self.E, self.G
         off = Int32(0)
         if hh < G:

@@ -23,7 +23,8 @@ of a few rows, each staging the input again. Here (docs/batch_path.md):
   - at the chunk's end each warp runs the epilogue of its own rows from its registers: the stage's store and its
     pre-staged copy for the next stage, or, for a tile of a K range of a stage split over K (split_k.py), the
     float32 partial into part_<stage>;
-  - MV_REDUCE adds a row range's partials in range order, times the RMS scale, and runs the stage's epilogue.
+  - MV_REDUCE adds a row range's partials in range order, times the RMS scale, and runs the stage's epilogue
+    (O_PROJ, GATE_UP, DOWN; QKV's partials are summed by the attention that reads them).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from cutlass.cute.nvgpu import warpgroup
 from ..instructions.layout import ROW_GROUP, wide_x_byte
 from ..instructions.matvec_stages import weight_rows
 from ..instructions.opcodes import Opcode
-from ..instructions.split_k import k_splits
+from ..instructions.split_k import REDUCED_STAGES, k_splits
 from .matvec import silu
 from .ptx import (bulk_copy_g2s, globaltimer_lo, ld_bf16, ld_f32, load_f32x4, load_shared_raw, mbarrier_arrive,
                   mbarrier_arrive_expect_tx, policy_evict_last, rsqrt, st_bf16, st_f32, st_i32, warp_max_index,
@@ -490,39 +491,36 @@ class WideMatvec:
 
     @cute.jit
     def mv_reduce(self, tidx: Int32, layer: Int32, a0: Int32, a1: Int32, op: Int32, E: Int32, p, s, rec: Int64):
-        """MV_REDUCE: rows a0 .. a0 + a1 of split stage `op`, its E ranges' partials added in range order, times
-        the RMS scale (QKV, GATE_UP: from the sums of squares of the input, rstd_from_ssq), then the stage's
-        epilogue with the pre-staged copy of its output (wide_output) and, for O_PROJ and DOWN, the sums of squares
-        of every 8 rows (a shuffle sum over 8 lanes); one thread per output, consecutive threads on consecutive
-        rows of a sequence. Every load of a round first (up to EM ranges, the most any stage here splits into,
-        for U outputs a thread, with the residual rows of O_PROJ and DOWN and the next stage's norm weight), then
-        the sums in range order and the stores: one memory round trip a round, where a load per range and output
-        took one each and a residual loaded after the previous output's stores another (the same bits: the same
-        additions in the same order). A warp's lanes take every round together (the shuffles need the whole
+        """MV_REDUCE: rows a0 .. a0 + a1 of split stage `op` (O_PROJ, GATE_UP or DOWN), its E ranges' partials
+        added in range order, times the RMS scale (GATE_UP: from the sums of squares of h, rstd_from_ssq), then the
+        stage's epilogue with the pre-staged copy of its output (wide_output) and, for O_PROJ and DOWN, the sums of
+        squares of every 8 rows (a shuffle sum over 8 lanes); one thread per output, consecutive threads on
+        consecutive rows of a sequence. Every load of a round first (up to EM ranges, the most any stage it closes
+        splits into, for U outputs a thread, with the residual rows of O_PROJ and DOWN and the next stage's norm
+        weight), then the sums in range order and the stores: one memory round trip a round, where a load per range
+        and output took one each and a residual loaded after the previous output's stores another (the same bits:
+        the same additions in the same order). A warp's lanes take every round together (the shuffles need the whole
         warp). With KernelOptions.trace: when the RMS scale is ready (TR_STAGED) and the last round's stores are
         issued (TR_CONSUMED) in its trace record (rec)."""
         B, H = self.B, self.H
-        EM = max(k_splits(self.layout, Opcode(code)) for code in self.split_widths)
+        EM = max(k_splits(self.layout, code) for code in REDUCED_STAGES)
         U = max(1, 16 // EM)
         l64 = Int64(layer)
         part_addr, part_rows, _ = self.part_buffer(op, p)
-        has_norm = op == OP_QKV or op == OP_GATE_UP
         is_gate_up = op == OP_GATE_UP
         res_addr = Int64(0)                               # O_PROJ, DOWN: the residual (x[l], h[l])
         if op == OP_O_PROJ:
             res_addr = p.x
         if op == OP_DOWN:
             res_addr = p.h
-        if has_norm:
-            src, ssq = self.wide_source(op, layer, p)
-            self.rstd_from_ssq(tidx, ssq, s)
+        if is_gate_up:
+            self.rstd_from_ssq(tidx, p.h_ssq + l64 * self.ssq_bytes(), s)
             self.consumer_sync()
         if cutlass.const_expr(self.options.trace):
             if tidx == 0:
                 st_i32(rec + TR_STAGED * 4, globaltimer_lo())
         s_rstd = s.rstd
         wout, gamma, ssq_out = self.wide_output(op, layer, p)
-        pre = wout != Int64(0)
         has_ssq = ssq_out != Int64(0)
         n_out = a1
         if is_gate_up:
@@ -548,7 +546,7 @@ class WideMatvec:
                     row = a0 + j
                     if is_gate_up:
                         row = a0 + pr * (2 * ROW_GROUP) + (j - pr * ROW_GROUP)
-                    elif pre:
+                    else:
                         nw[u] = ld_bf16(gamma + Int64(a0 + j) * 2)
                         rv[u] = ld_f32(res_addr + ((l64 * B + Int64(b)) * H + Int64(a0 + j)) * 4)
                     at = part_addr + ((l64 * E * B + Int64(b)) * part_rows + Int64(row)) * 4
@@ -564,9 +562,6 @@ class WideMatvec:
                 if i < n:
                     b = i // n_out
                     j = i - b * n_out
-                    scale = Float32(1.0)
-                    if has_norm:
-                        scale = s_rstd[b]
                     y = Float32(0.0)
                     up = Float32(0.0)
                     for e in cutlass.range_constexpr(EM):
@@ -574,26 +569,20 @@ class WideMatvec:
                             y = y + gv[u * EM + e]
                             up = up + uv[u * EM + e]
                     if is_gate_up:
+                        scale = s_rstd[b]
                         v = silu(y * scale) * (up * scale)
                         st_f32(p.act + ((l64 * B + Int64(b)) * self.F + Int64(a0 // 2 + j)) * 4, v)
                         st_bf16(wout + Int64(wide_x_byte(b, a0 // 2 + j, B)), v)
                     else:
                         r = a0 + j
-                        y = y * scale
-                        if op == OP_QKV:
-                            st_f32(p.qkv + ((l64 * B + Int64(b)) * self.QKV + Int64(r)) * 4, y)
+                        hrow = (l64 * B + Int64(b)) * H + Int64(r)
+                        v = rv[u] + y
                         if op == OP_O_PROJ:
-                            hrow = (l64 * B + Int64(b)) * H + Int64(r)
-                            v = rv[u] + y
                             st_f32(p.h + hrow * 4, v)
-                            st_bf16(wout + Int64(wide_x_byte(b, r, B)), v * nw[u])
-                            sq[u] = v * v
                         if op == OP_DOWN:
-                            hrow = (l64 * B + Int64(b)) * H + Int64(r)
-                            v = rv[u] + y
                             st_f32(p.x + (hrow + Int64(B * H)) * 4, v)
-                            st_bf16(wout + Int64(wide_x_byte(b, r, B)), v * nw[u])
-                            sq[u] = v * v
+                        st_bf16(wout + Int64(wide_x_byte(b, r, B)), v * nw[u])
+                        sq[u] = v * v
             if has_ssq:
                 # the sums of squares of every 8 rows: 8 consecutive lanes (n_out and a0 are multiples of 8)
                 for u in cutlass.range_constexpr(U):

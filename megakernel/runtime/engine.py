@@ -98,8 +98,7 @@ class MegakernelEngine:
                  num_blocks: int | None = None, num_sms: int | None = None, policy: str = "balanced",
                  kv_splits: int | None = None, options: KernelOptions = KernelOptions(),
                  fuse_attn_reduce: bool | None = None, slab_staging: bool = True, fold_embed: bool = True,
-                 fold_qkv_reduce: bool = True, scratch_block: int = -1,
-                 device: str | torch.device = "cuda",
+                 scratch_block: int = -1, device: str | torch.device = "cuda",
                  own_kv_cache: bool = True, packed_weights: PackedWeights | None = None, lm_head: bool = True):
         config = weights.config
         require_kernel_batch(batch)
@@ -127,7 +126,7 @@ class MegakernelEngine:
                                  kv_splits=kv_splits or default_kv_splits(config, batch, num_sms, blocks_per_seq * block_size),
                                  block_size=block_size, max_blocks_per_seq=blocks_per_seq, num_sms=num_sms,
                                  fuse_attn_reduce=fuse_attn_reduce, slab_staging=slab_staging, fold_embed=fold_embed,
-                                 fold_qkv_reduce=fold_qkv_reduce, scratch_block=scratch_block)
+                                 scratch_block=scratch_block)
         self.layout.validate()
         self.program = build_program(self.layout, lm_head=lm_head)
         self.queues = assign(self.program, policy)
@@ -438,7 +437,7 @@ def decode_trace(t: torch.Tensor, lengths: list[int]) -> list[dict]:
 
 # MegakernelEngine keywords that parse_engine_options accepts beside the KernelOptions fields
 LAYOUT_OPTIONS = {"fold_embed": bool, "kv_splits": int, "slab_staging": bool,
-                  "fuse_attn_reduce": bool, "fold_qkv_reduce": bool, "policy": str, "num_sms": int}
+                  "fuse_attn_reduce": bool, "policy": str, "num_sms": int}
 
 
 def parse_engine_options(spec: str) -> dict:

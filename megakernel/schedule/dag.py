@@ -8,7 +8,8 @@ l-1, two stages before the ATTN_REDUCE it waits for). Where the layout stages ma
 memory, O_PROJ waits on ATTN_PARTIAL directly and merges the splits itself (`StepLayout.fused_reduce`). Past
 SPLIT_BATCH, where attention.warp_attention says, an ATTN_PARTIAL takes several sequences (sequence_groups).
 Past the megakernel's batch, a matvec stage may be split over K (instructions/split_k.py): its K ranges' tiles
-signal the stage's *_PARTS counter, and MV_REDUCE tiles, which wait for all of them, signal the stage's counter.
+signal the stage's *_PARTS counter, and MV_REDUCE tiles, which wait for all of them, signal the stage's counter;
+QKV's have no MV_REDUCE: the ATTN_PARTIALs wait for them and sum the partials themselves (qkv_reduce_folded).
 
 `build_program(layout, lm_head=False)` is the same program without its last two stages (LM_HEAD,
 ARGMAX): the step ends when the last layer's DOWN has written x[L], and nothing advances tokens or
@@ -69,8 +70,7 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
     def add(**kw) -> None:
         out.append(Instruction(index=len(out), **kw))
 
-    def matvec_stage(op: Opcode, layer: int, wait: tuple[int, int], signal: int, a3: int = 0,
-                     reduce: bool = True) -> int:
+    def matvec_stage(op: Opcode, layer: int, wait: tuple[int, int], signal: int, a3: int = 0) -> int:
         rows, k = weight_rows(op, layout)
         e = k_splits(layout, op)
         if e == 1:
@@ -79,7 +79,8 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
                 add(opcode=op, layer=layer, a0=lo, a1=n, a2=t, a3=a3, wait_id=wait[0], wait_count=wait[1],
                     signal_id=signal, cost=n * k * elem + FIXED_COST_BYTES)
             return len(tiles)
-        # split over K (split_k.py): E ranges' tiles of partials, then MV_REDUCE tiles that close the stage
+        # split over K (split_k.py): E ranges' tiles of partials, then MV_REDUCE tiles that close the stage (QKV:
+        # none, the attention sums the partials)
         parts = counter_id(layer, PARTS_STAGE[op])
         tiles = _tiles(rows, split_tile_rows(layout, op, e))
         for part in range(e):
@@ -87,7 +88,7 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
                 add(opcode=op, layer=layer, a0=lo, a1=n, a2=t, a3=a3, wait_id=wait[0], wait_count=wait[1],
                     signal_id=parts, k_part=part, k_parts=e,
                     cost=n * (k // e) * elem + n * B * 4 + FIXED_COST_BYTES)
-        if not reduce:
+        if op == Opcode.QKV:
             return e * len(tiles)         # (the signals on the stage's *_PARTS counter)
         reduces = _tiles(rows, split_tile_rows(layout, op, 1))
         for lo, n in reduces:
@@ -105,13 +106,13 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
     prev = (embed_counter(L), len(embeds))
     kv_bytes_per_split = 2 * c.head_dim * elem * max(1, layout.max_seq_len // S)
     groups = sequence_groups(layout)        # (first sequence, sequences) of the ATTN_PARTIALs of a kv head
-    qkv_folded = qkv_reduce_folded(layout)  # ATTN_PARTIAL sums QKV's K-range partials: no MV_REDUCE/QKV
+    qkv_folded = qkv_reduce_folded(layout)  # ATTN_PARTIAL sums QKV's K-range partials
     for l in range(L):
         if folded and l == 0:
             # layer 0's QKV stages embed[token] itself: no wait; a3 = 1 marks the embedding input
             n = matvec_stage(Opcode.QKV, l, (NO_COUNTER, 0), counter_id(l, Stage.QKV), a3=1) + 1
         else:
-            n = matvec_stage(Opcode.QKV, l, prev, counter_id(l, Stage.QKV), reduce=not qkv_folded)
+            n = matvec_stage(Opcode.QKV, l, prev, counter_id(l, Stage.QKV))
         qkv_done = counter_id(l, PARTS_STAGE[Opcode.QKV] if qkv_folded else Stage.QKV)
         for b, seqs in groups:
             for kvh in range(c.num_kv_heads):

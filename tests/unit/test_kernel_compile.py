@@ -38,12 +38,11 @@ REAL_CASES = [(name, batch) for name in REAL_PRESETS for batch in BATCHES]
 def compiled(name: str, batch: int, slab_staging: bool = True, split_seq_len: int = 4096,
              options: KernelOptions = KernelOptions()) -> dict:
     """PTX, SASS and resource usage of the kernel for a preset at a batch size (compiled once per module), its KV
-    splits those the engine picks for a cache of split_seq_len positions, QKV's reduce folded into the attention
-    where QKV splits over K (the engine's default)."""
+    splits those the engine picks for a cache of split_seq_len positions."""
     config = get_preset(name)
     layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, NUM_SMS, split_seq_len),
                         block_size=BLOCK_SIZE, max_blocks_per_seq=MAX_SEQ_LEN // BLOCK_SIZE, num_sms=NUM_SMS,
-                        slab_staging=slab_staging, fold_qkv_reduce=True)
+                        slab_staging=slab_staging)
     program = build_program(layout)
     table, _ = serialize(assign(program, "balanced"))
     # the engine's own cache geometry: one contiguous block range per sequence, default strides

@@ -1,7 +1,7 @@
 """Matvec stages split over K past the megakernel's batch (megakernel/instructions/split_k.py): the rule that picks
-the number of K ranges, the program it gives (race- and deadlock-free, every range's tiles closed by MV_REDUCE),
-and the verifier catching a reduce that starts before all of its ranges. The VM against the reference decoder on
-split programs is in test_vm.py."""
+the number of K ranges, the program it gives (race- and deadlock-free, every range's tiles closed by MV_REDUCE, QKV's
+by the attention), and the verifier catching a reduce or an attention that starts before all of its ranges. The VM
+against the reference decoder on split programs is in test_vm.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from megakernel.instructions.layout import MAX_BATCH, SPLIT_BATCH, StepLayout, default_kv_splits
 from megakernel.instructions.matvec_stages import MATVEC_OPCODES, weight_rows
 from megakernel.instructions.opcodes import Opcode
-from megakernel.instructions.split_k import SPLIT_COLUMNS, SPLIT_STAGES, k_splits
+from megakernel.instructions.split_k import REDUCED_STAGES, SPLIT_COLUMNS, SPLIT_STAGES, k_splits
 from megakernel.model.presets import get_preset
 from megakernel.schedule import assign, build_program, find_races, simulate
 from megakernel.schedule.dag import StepProgram
@@ -47,17 +47,20 @@ def test_short_wide_matrices_split_at_large_batches(batch):
         assert k_splits(layout, op) > 1, f"llama-3.2-1b batch {batch} {op.name} is not split"
 
 
-def _wide_program(batch: int, num_sms: int = 132, fold_qkv_reduce: bool = False, **kw) -> StepProgram:
+def _wide_program(batch: int, num_sms: int = 132, **kw) -> StepProgram:
     config = dataclasses.replace(get_preset("tiny-qwen3"), **WIDE)
-    return build_program(_layout(config, batch, num_sms, fold_qkv_reduce=fold_qkv_reduce), **kw)
+    return build_program(_layout(config, batch, num_sms), **kw)
 
 
 @pytest.mark.parametrize("batch", (16, MAX_BATCH))
 @pytest.mark.parametrize("lm_head", (True, False))
 def test_split_programs_are_race_and_deadlock_free(batch, lm_head):
+    """Every layer matvec split over K; MV_REDUCE closes all but QKV, whose partials the attention sums."""
     program = _wide_program(batch, lm_head=lm_head)
-    split = {Opcode(i.a2) for i in program.instructions if i.opcode == Opcode.MV_REDUCE}
+    split = {i.opcode for i in program.instructions if i.k_parts > 1}
+    reduced = {Opcode(i.a2) for i in program.instructions if i.opcode == Opcode.MV_REDUCE}
     assert split == set(SPLIT_STAGES), f"batch {batch}: split stages {sorted(o.name for o in split)}"
+    assert reduced == set(REDUCED_STAGES), f"batch {batch}: reduces of {sorted(o.name for o in reduced)}"
     assert find_races(program) == [], f"batch {batch}"
     for policy in ("balanced", "round-robin"):
         queues = assign(program, policy)
@@ -66,15 +69,10 @@ def test_split_programs_are_race_and_deadlock_free(batch, lm_head):
 
 
 @pytest.mark.parametrize("batch", (16, MAX_BATCH))
-def test_qkv_reduce_folded_into_the_attention_is_race_and_deadlock_free(batch):
-    """fold_qkv_reduce: no MV_REDUCE/QKV; every ATTN_PARTIAL waits for all of its layer's QKV K-range tiles (the
-    race check knows it reads their partials and x[l]), and a wait one tile short is a race."""
-    program = _wide_program(batch, fold_qkv_reduce=True)
-    split = {Opcode(i.a2) for i in program.instructions if i.opcode == Opcode.MV_REDUCE}
-    assert split == set(SPLIT_STAGES) - {Opcode.QKV}, f"batch {batch}: reduces of {sorted(o.name for o in split)}"
-    assert find_races(program) == [], f"batch {batch}"
-    for policy in ("balanced", "round-robin"):
-        assert len(simulate(assign(program, policy), program.num_counters)) == len(program.instructions)
+def test_attention_waits_for_every_qkv_k_range_tile(batch):
+    """Every ATTN_PARTIAL waits for all of its layer's QKV K-range tiles (the race check knows it reads their
+    partials and x[l]), and a wait one tile short is a race."""
+    program = _wide_program(batch)
     attn = next(i for i in program.instructions if i.opcode == Opcode.ATTN_PARTIAL and i.layer == 1)
     tiles = [i for i in program.instructions if i.opcode == Opcode.QKV and i.layer == 1]
     assert attn.wait_id == tiles[0].signal_id and attn.wait_count == len(tiles), attn
@@ -85,20 +83,24 @@ def test_qkv_reduce_folded_into_the_attention_is_race_and_deadlock_free(batch):
 
 
 def test_every_k_range_is_closed_by_the_reduce_of_its_rows():
-    """Per layer and split stage: every K range tiles all rows once, and the MV_REDUCE tiles cover all rows once
-    and wait for every range's tiles."""
+    """Per layer and split stage: every K range tiles all rows once, and (but for QKV) the MV_REDUCE tiles cover
+    all rows once and wait for every range's tiles."""
     program = _wide_program(16)
     for layer in range(program.layout.config.num_layers):
         for op in SPLIT_STAGES:
             rows, _ = weight_rows(op, program.layout)
             parts = [i for i in program.instructions if i.opcode == op and i.layer == layer]
-            reduces = [i for i in program.instructions
-                       if i.opcode == Opcode.MV_REDUCE and i.layer == layer and i.a2 == int(op)]
-            e = reduces[0].a3
+            e = k_splits(program.layout, op)
+            assert {(i.k_part, i.k_parts) for i in parts} == {(part, e) for part in range(e)}, f"{op.name}: {e}"
             for part in range(e):
-                mine = sorted((i.a0, i.a0 + i.a1) for i in parts if i.k_part == part and i.k_parts == e)
+                mine = sorted((i.a0, i.a0 + i.a1) for i in parts if i.k_part == part)
                 assert mine[0][0] == 0 and mine[-1][1] == rows and all(
                     a[1] == b[0] for a, b in zip(mine, mine[1:])), f"layer {layer} {op.name} range {part}: {mine}"
+            if op == Opcode.QKV:
+                continue                  # (summed by the attention: test_attention_waits_for_every_qkv_k_range_tile)
+            reduces = [i for i in program.instructions
+                       if i.opcode == Opcode.MV_REDUCE and i.layer == layer and i.a2 == int(op)]
+            assert {i.a3 for i in reduces} == {e}, f"layer {layer} {op.name}: reduces of {e} ranges"
             covered = sorted((i.a0, i.a0 + i.a1) for i in reduces)
             assert covered[0][0] == 0 and covered[-1][1] == rows, f"layer {layer} {op.name} reduces: {covered}"
             assert all(i.wait_count == len(parts) and i.wait_id == parts[0].signal_id for i in reduces), \

@@ -8,7 +8,8 @@ which is also compared with the stage reference run on a CPU copy of the same bu
 
 What the float64 side computes, per stage:
     EMBED         x[0] = embed[tokens]
-    QKV           qkv[l][:, rows] = W_qkv[rows] @ rms_norm(x[l])
+    QKV           qkv[l][:, rows] = W_qkv[rows] @ rms_norm(x[l]) (where it splits over K, the sum of its K ranges'
+                  partials times the RMS scale, checked with the attention that sums them)
     ATTN_*        attn_out = paged_attention_decode over the cache + the new token's k, v (QK-norm, RoPE), and
                   each split's (lse, o) over its documented range; the new k, v land in the cache at pos
     O_PROJ        h[l][:, rows] = x[l][:, rows] + W_o[rows] @ attn_out[l], or @ the splits' merge of attn_part[l]
@@ -38,6 +39,7 @@ from megakernel.instructions.layout import (SPLIT_BATCH, StepBuffers, StepLayout
                                            pack_weights, wide_input, wide_input_index)
 from megakernel.instructions.opcodes import Opcode
 from megakernel.instructions.record import Instruction
+from megakernel.instructions.split_k import k_splits, qkv_reduce_folded
 from megakernel.kernel.stream import X_WHOLE_BYTES
 from megakernel.model import ops
 from megakernel.model.config import ModelConfig, RopeScaling
@@ -94,10 +96,10 @@ class Bench:
         return s
 
 
-def _layout(case: StageCase, num_sms: int, **kw) -> StepLayout:
+def _layout(case: StageCase, num_sms: int) -> StepLayout:
     s = case.shape
     return StepLayout(config=case.to_config(), batch=s.batch, kv_splits=case.kv_splits, block_size=s.block_size,
-                      max_blocks_per_seq=s.blocks_per_seq, num_sms=num_sms, **kw)
+                      max_blocks_per_seq=s.blocks_per_seq, num_sms=num_sms)
 
 
 def _num_blocks(case: StageCase) -> int:
@@ -111,8 +113,8 @@ def _cpu_context(layout: StepLayout, program: StepProgram, packed, num_blocks: i
     return StageContext(layout, packed, bufs, torch.full(shape, NAN, dtype=BF16), torch.full(shape, NAN, dtype=BF16))
 
 
-def cpu_bench(case: StageCase, num_sms: int, **layout_kw) -> Bench:
-    layout = _layout(case, num_sms, **layout_kw)
+def cpu_bench(case: StageCase, num_sms: int) -> Bench:
+    layout = _layout(case, num_sms)
     program = build_program(layout)
     weights = random_weights(layout.config, seed=case.seed, dtype=BF16)
     packed = pack_weights(weights, layout.max_seq_len)
@@ -193,6 +195,15 @@ def poison_outputs(ctx: StageContext, op: Opcode) -> None:
         getattr(ctx.bufs, name).fill_(-1)
 
 
+def poison_run(ctx: StageContext, op: Opcode, instructions: list[Instruction]) -> None:
+    """poison_outputs of the stage, and where its run starts with QKV's K-range tiles (folded_run) their partials
+    and qkv, which the attention must not read."""
+    poison_outputs(ctx, op)
+    if is_folded_run(op, instructions):
+        for name in ("part_qkv", "qkv"):
+            getattr(ctx.bufs, name).fill_(NAN)
+
+
 def run_reference(ctx: StageContext, instructions: list[Instruction]) -> None:
     for ins in instructions:
         STAGE_MODULES[ins.opcode].reference(ins, ctx)
@@ -237,6 +248,19 @@ def split_group(bench: Bench, op: Opcode) -> list[Instruction]:
     return sorted(parts, key=lambda i: (i.k_part, i.a0)) + [red]
 
 
+def folded_run(bench: Bench) -> list[Instruction]:
+    """Where QKV splits over K: every QKV K-range tile of the case's layer, then one kv head's attention group,
+    which sums its q, k and v rows' partials."""
+    tiles = [i for i in bench.program.instructions if i.opcode == Opcode.QKV and i.layer == bench.case.layer]
+    assert len({i.k_part for i in tiles}) > 1, f"{bench.what()}: QKV is not split over K"
+    return sorted(tiles, key=lambda i: (i.k_part, i.a0)) + attention_group(bench)
+
+
+def is_folded_run(op: Opcode, instructions: list[Instruction]) -> bool:
+    """Whether a stage's run is QKV's K-range tiles and the attention that sums them (folded_run)."""
+    return op == Opcode.ATTN_PARTIAL and instructions[0].opcode == Opcode.QKV
+
+
 def checked_instruction(instructions: list[Instruction]) -> Instruction:
     """The instruction whose rows a run's check covers: its first, or where a split stage's MV_REDUCE closes the
     run, the first range tile with the reduce's rows (the stage's output exists for those alone)."""
@@ -250,9 +274,13 @@ def runs_for(bench: Bench, op: Opcode) -> list[list[Instruction]]:
     """The instruction sequences one stage test runs, each on fresh inputs. An O_PROJ that merges the
     attention splits (a3 = splits) is run in that form and, up to SPLIT_BATCH, in the attn_out-reading form
     (a3 = 0; past it O_PROJ reads its pre-staged input, whose producer the layout fixes); a stage split over K as
-    its range tiles and the MV_REDUCE that closes them (split_group)."""
+    its range tiles and the MV_REDUCE that closes them (split_group); where QKV splits over K, its range tiles
+    run with the attention that sums their partials (folded_run), as ATTN_PARTIAL's run."""
+    folded = qkv_reduce_folded(bench.layout)
     if op == Opcode.ATTN_PARTIAL:
-        return [attention_group(bench)]
+        return [folded_run(bench) if folded else attention_group(bench)]
+    if op == Opcode.QKV and folded:
+        return []
     ins = pick(bench, op)
     both = op == Opcode.O_PROJ and ins.a3 > 0 and bench.layout.batch <= SPLIT_BATCH
     if ins.k_parts > 1:
@@ -453,6 +481,25 @@ def check_attention(bench, group, before, after, what):
     assert_region(after.bufs.attn_part_o, (l, rows, heads), o_exp, F32, f"{what} partial o")
 
 
+def check_folded(bench: Bench, instructions, before: StageContext, after: StageContext, what: str) -> None:
+    """The QKV partials against float64 (their sum over the K ranges times the RMS scale is rms_norm(x) @ W_qkv^T,
+    at the bf16 tolerance), qkv never written, and the attention (check_attention) against float64 on the q, k, v
+    rows the partials give."""
+    c, l = bench.config, bench.case.layer
+    lw = bench.weights.layers[l]
+    x = f64(before.bufs.x[l])
+    expected = ops.rms_norm(x, f64(lw.attn_norm), c.rms_norm_eps) @ f64(lw.qkv).T        # [B, qkv_rows]
+    parts = f64(after.bufs.part_qkv[l, :k_splits(bench.layout, Opcode.QKV)])
+    assert not torch.isnan(parts).any(), f"{what}: QKV partials left unwritten"
+    folded = parts.sum(0) * torch.rsqrt(x.square().mean(-1, keepdim=True) + c.rms_norm_eps)
+    assert_close(folded, expected, BF16, context=f"{what}: QKV partials summed, times the RMS scale")
+    assert torch.isnan(after.bufs.qkv).all(), f"{what}: qkv written (the attention reads the partials)"
+    rows = clone_ctx(before)
+    rows.bufs.qkv[l] = folded.float()
+    check_attention(bench, [i for i in instructions if i.opcode in (Opcode.ATTN_PARTIAL, Opcode.ATTN_REDUCE)], rows,
+                    after, what)
+
+
 def check_attn_reduce(bench, ins, before, after, what):
     c = bench.config
     g, d = c.gqa_group, c.head_dim
@@ -475,7 +522,9 @@ CHECKS = {
 
 def check(bench: Bench, op: Opcode, instructions, before, after, where: str) -> None:
     what = f"{where}: {bench.what(instructions[-1])}"
-    if op == Opcode.ATTN_PARTIAL:
+    if is_folded_run(op, instructions):
+        check_folded(bench, instructions, before, after, what)
+    elif op == Opcode.ATTN_PARTIAL:
         check_attention(bench, instructions, before, after, what)
     else:
         CHECKS[op](bench, checked_instruction(instructions), before, after, what)
@@ -487,9 +536,11 @@ def run_cpu_case(case: StageCase, num_sms: int, op: Opcode) -> None:
     bench = cpu_bench(case, num_sms)
     for instructions in runs_for(bench, op):
         fill_inputs(bench, with_cache=op == Opcode.ATTN_PARTIAL)
-        poison_outputs(bench.ctx, op)
+        poison_run(bench.ctx, op, instructions)
         before = clone_ctx(bench.ctx)
         run_reference(bench.ctx, instructions)
+        if is_folded_run(op, instructions):
+            bench.ctx.bufs.qkv.fill_(NAN)      # (the folded reference keeps its q, k, v rows there for its readers)
         check(bench, op, instructions, before, bench.ctx, "stage reference (CPU) vs float64")
 
 
@@ -553,14 +604,14 @@ def test_attention_of_several_sequences_an_instruction(case, num_sms):
     assert warp_attention(bench.layout) == expected, bench.what()
     if not expected:         # CTA-wide items (an SM per pair at most, or long caches): ATTN_PARTIAL's own checks
         return
-    assert [i.opcode for i in group] == [Opcode.ATTN_PARTIAL], bench.what()
+    assert [i.opcode for i in group if i.opcode != Opcode.QKV] == [Opcode.ATTN_PARTIAL], bench.what()
     assert max(i.seqs for i in bench.program.instructions) == min(8, -(-pairs // num_sms)) > 1, bench.what()
     run_cpu_case(case, num_sms, Opcode.ATTN_PARTIAL)
 
 
 # ---- shapes outside the kernel's limits ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("op", [Opcode.QKV, Opcode.O_PROJ, Opcode.GATE_UP, Opcode.DOWN])
+@pytest.mark.parametrize("op", [Opcode.O_PROJ, Opcode.GATE_UP, Opcode.DOWN])
 def test_stages_split_over_k_close_with_their_reduce(op):
     """Past SPLIT_BATCH on real widths the layer stages split over K: a stage test runs every K range's tile of
     one MV_REDUCE's rows and that reduce (split_group), and checks the reduce's rows (the first drawn GPU example
@@ -647,10 +698,8 @@ def _gpu_bench(case: StageCase, **engine_kw):
     config = case.to_config()
     weights = random_weights(config, seed=case.seed, dtype=BF16, device=GPU, rng_device=GPU)
     # each stage in its plain form: layer 0's QKV reading x[0] (not the folded embedding), the LM head in
-    # static tiles (tests/unit/test_engine_options.py checks the folded and pooled layouts end to end), QKV closed by
-    # its MV_REDUCE where it splits over K (the reduce folded into the attention: test_qkv_folded_into_the_attention*)
+    # static tiles (tests/unit/test_engine_options.py checks the folded and pooled layouts end to end)
     engine_kw.setdefault("fold_embed", False)
-    engine_kw.setdefault("fold_qkv_reduce", False)
     engine = MegakernelEngine(weights, s.batch, s.max_seq_len, block_size=s.block_size,
                               num_blocks=_num_blocks(case), kv_splits=case.kv_splits, device=GPU, **engine_kw)
     packed = engine.weights.to("cpu")
@@ -816,7 +865,7 @@ def test_stages_on_gpu_match_reference_past_split_batch_on_drawn_shapes(case):
     run_gpu_stages(case)
 
 
-# Where QKV splits over K its reduce is folded into the attention (split_k.qkv_reduce_folded, the engine's default):
+# Where QKV splits over K its reduce is folded into the attention (split_k.qkv_reduce_folded):
 # every QKV K-range tile of the layer writes its partials, then one kv head's attention sums its q, k and v rows'
 # partials, times the RMS scale. The case above (QKV in 2 K ranges at batch 21), a Qwen3 one (QK-norm after the
 # fold) at batch 64, both on the CTA-wide attention items (4 KV splits), and the Qwen3 one with a single split, where
@@ -829,53 +878,10 @@ FOLDED_CASES = [FAILED_PAST_SPLIT_BATCH, _QWEN3_B64, dataclasses.replace(_QWEN3_
 FOLDED_IDS = ["llama-b21", "qwen3-b64", "qwen3-b64-several-sequences"]
 
 
-def folded_run(bench: Bench) -> list[Instruction]:
-    """Every QKV K-range tile of the case's layer, then one kv head's attention group."""
-    tiles = [i for i in bench.program.instructions if i.opcode == Opcode.QKV and i.layer == bench.case.layer]
-    assert len({i.k_part for i in tiles}) > 1, f"{bench.what()}: QKV is not split over K"
-    assert not any(i.opcode == Opcode.MV_REDUCE and i.a2 == int(Opcode.QKV) for i in bench.program.instructions), \
-        f"{bench.what()}: an MV_REDUCE/QKV beside the folded attention"
-    return sorted(tiles, key=lambda i: (i.k_part, i.a0)) + attention_group(bench)
-
-
-def check_folded(bench: Bench, instructions, before: StageContext, after: StageContext, what: str) -> None:
-    """The QKV partials against float64 (their sum over the K ranges times the RMS scale is rms_norm(x) @ W_qkv^T,
-    at the bf16 tolerance), qkv never written, and the attention (check_attention) against float64 on the q, k, v
-    rows the partials give."""
-    from megakernel.instructions.split_k import k_splits
-
-    c, l = bench.config, bench.case.layer
-    lw = bench.weights.layers[l]
-    x = f64(before.bufs.x[l])
-    expected = ops.rms_norm(x, f64(lw.attn_norm), c.rms_norm_eps) @ f64(lw.qkv).T        # [B, qkv_rows]
-    parts = f64(after.bufs.part_qkv[l, :k_splits(bench.layout, Opcode.QKV)])
-    assert not torch.isnan(parts).any(), f"{what}: QKV partials left unwritten"
-    folded = parts.sum(0) * torch.rsqrt(x.square().mean(-1, keepdim=True) + c.rms_norm_eps)
-    assert_close(folded, expected, BF16, context=f"{what}: QKV partials summed, times the RMS scale")
-    assert torch.isnan(after.bufs.qkv).all(), f"{what}: qkv written (the attention reads the partials)"
-    rows = clone_ctx(before)
-    rows.bufs.qkv[l] = folded.float()
-    check_attention(bench, [i for i in instructions if i.opcode in (Opcode.ATTN_PARTIAL, Opcode.ATTN_REDUCE)], rows,
-                    after, what)
-
-
-def _poison_folded(ctx: StageContext) -> None:
-    poison_outputs(ctx, Opcode.ATTN_PARTIAL)
-    for name in ("part_qkv", "qkv"):
-        getattr(ctx.bufs, name).fill_(NAN)
-
-
 @pytest.mark.parametrize("case", FOLDED_CASES, ids=FOLDED_IDS)
 def test_qkv_folded_into_the_attention_reference(case):
-    """The stage references of the folded form (the VM's) against float64."""
-    bench = cpu_bench(case, 132, fold_qkv_reduce=True)
-    instructions = folded_run(bench)
-    fill_inputs(bench)
-    _poison_folded(bench.ctx)
-    before = clone_ctx(bench.ctx)
-    run_reference(bench.ctx, instructions)
-    bench.ctx.bufs.qkv.fill_(NAN)              # (the reference keeps the folded rows there for its own readers)
-    check_folded(bench, instructions, before, bench.ctx, "stage reference (CPU) vs float64")
+    """The stage references of QKV's K-range tiles and the attention that sums them against float64."""
+    run_cpu_case(case, 132, Opcode.ATTN_PARTIAL)
 
 
 @pytest.mark.gpu
@@ -883,12 +889,12 @@ def test_qkv_folded_into_the_attention_reference(case):
 @pytest.mark.parametrize("case", FOLDED_CASES, ids=FOLDED_IDS)
 def test_qkv_folded_into_the_attention_on_gpu(case):
     """The kernel's QKV tiles and folded attention against float64 and against the stage references."""
-    bench, engine = _gpu_bench(case, fold_qkv_reduce=True)
+    bench, engine = _gpu_bench(case)
     try:
         instructions = folded_run(bench)
         fill_inputs(bench)
         fill_wide_inputs(bench.ctx.bufs, bench.ctx.weights, bench.layout)
-        _poison_folded(bench.ctx)
+        poison_run(bench.ctx, Opcode.ATTN_PARTIAL, instructions)
         for name in WIDE_OUTPUTS[Opcode.ATTN_PARTIAL]:
             getattr(bench.ctx.bufs, name).fill_(NAN)
         before = clone_ctx(bench.ctx)
@@ -1003,7 +1009,7 @@ def run_gpu_stages(case: StageCase, expect_slabs: bool = False, **engine_kw) -> 
         for op, instructions in [(op, run) for op in GPU_OPCODES for run in runs_for(bench, op)]:
             fill_inputs(bench, with_cache=op == Opcode.ATTN_PARTIAL)
             fill_wide_inputs(bench.ctx.bufs, bench.ctx.weights, bench.layout)    # (derived from the inputs)
-            poison_outputs(bench.ctx, op)
+            poison_run(bench.ctx, op, instructions)
             for name in WIDE_OUTPUTS.get(op, ()):
                 getattr(bench.ctx.bufs, name).fill_(NAN)
             before = clone_ctx(bench.ctx)

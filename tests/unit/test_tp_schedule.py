@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megakernel.instructions.layout import ROW_GROUP, StepLayout, pack_weights
+from megakernel.instructions.layout import ROW_GROUP, SPLIT_BATCH, StepLayout, pack_weights
 from megakernel.instructions.opcodes import Opcode, Stage, counter_id
 from megakernel.instructions.record import NO_COUNTER, W_SIGNAL_ID, Instruction, deserialize
 from megakernel.instructions.tensor_parallel import EXCHANGE_OPCODES, reduce
@@ -127,6 +127,14 @@ def test_shard_sizes_that_are_not_whole_row_groups_are_refused():
                                     num_sms=7), 8)
     with pytest.raises(ValueError, match="intermediate_size=100 .* world_size=8"):
         check_world_size(dataclasses.replace(TP_CONFIGS["tiny-qwen3-kv8"], intermediate_size=100), 8)
+
+
+def test_a_batch_past_split_batch_is_refused():
+    """Past SPLIT_BATCH the attention sums QKV's K-range partials wherever QKV splits over K (split_k.py); the
+    tensor-parallel program does not split QKV, so it takes batches up to SPLIT_BATCH."""
+    build_tp_program(_layout("tiny-llama", SPLIT_BATCH, 7), 2)
+    with pytest.raises(ValueError, match=f"batch={SPLIT_BATCH + 1}: tensor parallel runs batches up to"):
+        build_tp_program(_layout("tiny-llama", SPLIT_BATCH + 1, 7), 2)
 
 
 # ---- the program, written out independently of the builder ------------------------------------------------

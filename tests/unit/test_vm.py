@@ -88,15 +88,13 @@ def test_vm_equals_reference_at_large_batch_buckets(batch):
 
 
 # A shape whose four layer matvecs all split over K past the megakernel's batch (instructions/split_k.py: QKV and
-# O_PROJ into 4 ranges, GATE_UP 2, DOWN 8 on 132 SMs), the sequences' partials summed by MV_REDUCE
+# O_PROJ into 4 ranges, GATE_UP 2, DOWN 8 on 132 SMs), the sequences' partials summed by MV_REDUCE (QKV's by the
+# attention)
 WIDE = dict(hidden_size=1024, intermediate_size=2048, num_heads=8, num_kv_heads=2, head_dim=128)
 
 
-@pytest.mark.parametrize("preset,order,fold", [("tiny-llama", "round-robin", True), ("tiny-llama", "reverse", False),
-                                               ("tiny-qwen3", "round-robin", False), ("tiny-qwen3", "reverse", True)])
-def test_vm_with_every_layer_matvec_split_over_k_equals_reference(preset, order, fold):
-    """fold: QKV's reduce folded into the attention (StepLayout.fold_qkv_reduce, the engine's default), or QKV
-    closed by its MV_REDUCE."""
+@pytest.mark.parametrize("preset,order", [("tiny-llama", "round-robin"), ("tiny-qwen3", "reverse")])
+def test_vm_with_every_layer_matvec_split_over_k_equals_reference(preset, order):
     from megakernel.instructions.layout import StepLayout
     from megakernel.instructions.split_k import SPLIT_STAGES, k_splits
 
@@ -106,12 +104,11 @@ def test_vm_with_every_layer_matvec_split_over_k_equals_reference(preset, order,
     splits = {op.name: k_splits(layout, op) for op in SPLIT_STAGES}
     assert min(splits.values()) > 1, f"the wide shape at batch 16 no longer splits every stage: {splits}"
     _check_vm_against_reference(config, "balanced", order, 132, None, 16, True, seed=77,
-                                label=f"wide {preset} batch 16 split {splits} fold_qkv_reduce={fold}",
-                                prompt_lens=lens, fold_qkv_reduce=fold)
+                                label=f"wide {preset} batch 16 split {splits}", prompt_lens=lens)
 
 
 def _check_vm_against_reference(config, policy, order, num_sms, kv_splits, block_size, shuffled, seed, label,
-                                prompt_lens=PROMPT_LENS, fold_qkv_reduce=True):
+                                prompt_lens=PROMPT_LENS):
     """Prompts of `prompt_lens` tokens fed through the VM and the float32 reference decoder, then NEW_TOKENS
     greedy steps: logits within float32 tolerance every step, the same tokens (near-tie rule), the same KV cache
     slots written with the same values, ARGMAX advancing the step inputs in place."""
@@ -124,7 +121,7 @@ def _check_vm_against_reference(config, policy, order, num_sms, kv_splits, block
     num_blocks = batch * per_seq + (5 if shuffled else 0)
 
     vm = VMDecoder(weights, batch, max_seq_len, block_size=block_size, num_sms=num_sms, policy=policy,
-                   kv_splits=kv_splits, num_blocks=num_blocks, fold_qkv_reduce=fold_qkv_reduce)
+                   kv_splits=kv_splits, num_blocks=num_blocks)
     table = _block_table(batch, max_seq_len, block_size, num_blocks, shuffled, gen)
     assert tuple(table.shape) == (batch, vm.layout.max_blocks_per_seq)
     ref = ReferenceDecoder(weights)

@@ -12,7 +12,7 @@ import torch
 from ...model.config import ModelConfig
 from ...model.tensor_parallel import shard_config
 from ..context import StageContext
-from ..layout import ROW_GROUP, StepBuffers, StepLayout, allocate_buffers
+from ..layout import ROW_GROUP, SPLIT_BATCH, StepBuffers, StepLayout, allocate_buffers
 
 
 @dataclass(frozen=True)
@@ -46,11 +46,16 @@ class ShardLayout(StepLayout):
         return self.rank * self.config.vocab_size
 
     def validate(self) -> None:
-        """ValueError for a step the ranks cannot run: what StepLayout.validate refuses for the whole model,
-        a rank out of range, or a shard whose rows are no whole number of ROW_GROUP-row groups. (The device
-        code, still to be written, will also need the shard's matvec inputs q_size/W and F/W in whole column
-        passes, as StepLayout.validate asks of the whole model; the CPU schedule does not depend on it.)"""
+        """ValueError for a step the ranks cannot run: what StepLayout.validate refuses for the whole model, a
+        batch past SPLIT_BATCH, a rank out of range, or a shard whose rows are no whole number of ROW_GROUP-row
+        groups. (The device code, still to be written, will also need the shard's matvec inputs q_size/W and F/W
+        in whole column passes, as StepLayout.validate asks of the whole model; the CPU schedule does not depend
+        on it.)"""
         self.full.validate()
+        if self.batch > SPLIT_BATCH:
+            raise ValueError(f"batch={self.batch}: tensor parallel runs batches up to {SPLIT_BATCH} (past it the "
+                             f"attention sums QKV's K-range partials, which the tensor-parallel program does not "
+                             f"split into)")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank={self.rank} is outside 0..{self.world_size - 1}")
         c, full = self.config, self.full_config
