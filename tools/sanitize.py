@@ -24,6 +24,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 
 TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
@@ -85,43 +86,63 @@ def sanitizer_path() -> str | None:
     return None
 
 
-def workload(steps: int, batches: tuple[int, ...]) -> None:
-    """A few checked decode steps of each tiny preset at each batch (the engine raises on an error word); past
+def workload_plan(batches: tuple[int, ...]) -> list[tuple[str, int, int | None]]:
+    """(preset, batch, SMs or None for all) of every engine the workload runs: each tiny preset at each batch; past
     SPLIT_BATCH, for the first preset, also on a quarter as many SMs as (sequence, kv head) pairs, where an
     attention instruction takes several sequences (at 16: 4, two consumer warps each; at 41: 5, one each), since
     the tiny presets' pairs fit the GPU's SMs, where the attention runs CTA-wide items only."""
+    from megakernel.instructions.layout import SPLIT_BATCH
+    from megakernel.model.presets import get_preset
+
+    plan = []
+    for name in PRESETS:
+        for batch in batches:
+            plan.append((name, batch, None))
+            if batch > SPLIT_BATCH and name == PRESETS[0]:
+                plan.append((name, batch, max(1, batch * get_preset(name).num_kv_heads // 4)))
+    return plan
+
+
+def workload(steps: int, batches: tuple[int, ...]) -> None:
+    """A few checked decode steps of every engine of workload_plan (the engine raises on an error word), each
+    announced before it is built and reported with its tokens after its steps."""
     import torch
 
-    from megakernel.instructions.layout import SPLIT_BATCH
     from megakernel.kernel.interpreter import KernelOptions
     from megakernel.model.presets import get_preset
     from megakernel.model.weights import random_weights
     from megakernel.runtime.engine import MegakernelEngine
 
-    for name in PRESETS:
-        config = get_preset(name)
-        weights = random_weights(config, seed=5, dtype=torch.bfloat16, device="cuda")
-        for batch in batches:
-            narrow = batch > SPLIT_BATCH and name == PRESETS[0]
-            sms = [None] + ([max(1, batch * config.num_kv_heads // 4)] if narrow else [])
-            for num_sms in sms:
-                eng = MegakernelEngine(weights, batch, 64, num_sms=num_sms,
-                                       options=KernelOptions(timeout_ns=WAIT_BOUND_NS))
-                tokens = torch.arange(batch, dtype=torch.int32, device="cuda") + 1
-                for t in range(steps):
-                    tokens = eng.step(tokens, torch.full((batch,), t, dtype=torch.int32, device="cuda")).clone()
-                where = "" if num_sms is None else f" on {num_sms} SMs"
-                print(f"workload: {name} batch {batch}{where}: {steps} steps, tokens {tokens.tolist()}", flush=True)
+    weights = {}
+    for name, batch, num_sms in workload_plan(batches):
+        if name not in weights:
+            weights[name] = random_weights(get_preset(name), seed=5, dtype=torch.bfloat16, device="cuda")
+        where = "" if num_sms is None else f" on {num_sms} SMs"
+        print(f"workload: {name} batch {batch}{where}: building the engine", flush=True)
+        eng = MegakernelEngine(weights[name], batch, 64, num_sms=num_sms, options=KernelOptions(timeout_ns=WAIT_BOUND_NS))
+        tokens = torch.arange(batch, dtype=torch.int32, device="cuda") + 1
+        for t in range(steps):
+            tokens = eng.step(tokens, torch.full((batch,), t, dtype=torch.int32, device="cuda")).clone()
+        print(f"workload: {name} batch {batch}{where}: {steps} steps, tokens {tokens.tolist()}", flush=True)
+        del eng
 
 
 def run_tool(tool: str, steps: int, batches: tuple[int, ...], sanitizer: str) -> tuple[SanitizerReport, int, str]:
-    """One compute-sanitizer tool over the workload: (its report, the exit status, the output)."""
+    """One compute-sanitizer tool over the workload: (its report, the exit status, the output). The workload's
+    progress lines are echoed as they come, with the tool and the seconds since it started (a tool takes minutes:
+    a run cut short still shows how far each got)."""
     options = ["--racecheck-report", "hazard"] if tool == "racecheck" else []
     cmd = [sanitizer, "--tool", tool, *options, "--print-limit", "100", sys.executable, os.path.abspath(__file__),
            "--workload", f"--steps={steps}", "--batches=" + ",".join(map(str, batches))]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    out = done.stdout + done.stderr
-    return report_errors(out), done.returncode, out
+    t0 = time.monotonic()
+    lines = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("workload:"):
+                print(f"  [{tool} {time.monotonic() - t0:5.0f} s] {line.rstrip()}", flush=True)
+    out = "".join(lines)
+    return report_errors(out), proc.returncode, out
 
 
 def usage_error(why: str) -> None:
@@ -160,16 +181,20 @@ def main() -> None:
         print("sanitize.py: compute-sanitizer not found (on PATH, in $CUDA_HOME/bin or /usr/local/cuda/bin)",
               file=sys.stderr)
         sys.exit(2)
-    failed = False
-    print(f"{'tool':10s} {'summary':>8s} {'kernel':>7s}  host API errors (by call)")
+    engines = len(workload_plan(batches))
+    rows, details = [], []
     for tool in chosen:
         rep, rc, out = run_tool(tool, steps, batches, sanitizer)
-        bad = rep.kernel_errors or rep.summary is None or "workload:" not in out
-        failed = failed or bool(bad)
+        finished = len(re.findall(r"^workload: .* steps, tokens ", out, re.MULTILINE))
+        bad = rep.kernel_errors or rep.summary is None or finished < engines
         api = ", ".join(f"{k} x{v}" for k, v in sorted(rep.api_errors.items())) or "-"
-        print(f"{tool:10s} {str(rep.summary):>8s} {len(rep.kernel_errors):7d}  {api}", flush=True)
+        rows.append(f"{tool:10s} {str(rep.summary):>8s} {len(rep.kernel_errors):7d}  {api}")
+        print(f"  [{tool}] done: {finished} of {engines} workloads, {len(rep.kernel_errors)} kernel errors", flush=True)
         if bad:
-            print("\n".join(f"    {line}" for line in rep.kernel_errors[:20]) or out[-4000:], flush=True)
+            details.append(f"{tool}:\n" + ("\n".join(f"    {line}" for line in rep.kernel_errors[:20]) or out[-4000:]))
+    print(f"{'tool':10s} {'summary':>8s} {'kernel':>7s}  host API errors (by call)")
+    print("\n".join(rows + details), flush=True)
+    failed = bool(details)
     sys.exit(1 if failed else 0)
 
 

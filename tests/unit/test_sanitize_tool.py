@@ -97,6 +97,38 @@ def test_bad_arguments_exit_2_before_any_gpu_work():
         assert "usage: sanitize.py" in done.stderr, (argv, done.stderr)
 
 
+FAKE_SANITIZER = """#!/bin/sh
+# stands in for compute-sanitizer: the workload's lines for the first $FAKE_FINISHED of tiny-llama's batch 1 and
+# tiny-qwen3's batch 1 (each announced, then reported), and a clean summary
+echo "========= COMPUTE-SANITIZER"
+n=0
+for preset in tiny-llama tiny-qwen3; do
+  echo "workload: $preset batch 1: building the engine"
+  n=$((n + 1))
+  [ "$n" -le "$FAKE_FINISHED" ] && echo "workload: $preset batch 1: 3 steps, tokens [7]"
+done
+echo "========= ERROR SUMMARY: 0 errors"
+"""
+
+
+@pytest.mark.parametrize("finished", [2, 1])
+def test_progress_is_echoed_per_tool_and_an_unfinished_workload_fails(tmp_path, finished):
+    """A tool's workload lines come out as they arrive, tagged with the tool and its seconds; the run passes only
+    where every engine of the workload reported its tokens (a workload that died after one of two fails, even with
+    a clean summary)."""
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(FAKE_SANITIZER)
+    fake.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "FAKE_FINISHED": str(finished), "HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "sanitize.py"), "--tools=memcheck", "--batches=1"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    progress = [l for l in done.stdout.splitlines() if l.startswith("  [memcheck ")]
+    assert len(progress) == 2 + finished and "building the engine" in progress[0], done.stdout + done.stderr
+    assert all(" s] workload: " in l for l in progress), done.stdout
+    assert f"done: {finished} of 2 workloads, 0 kernel errors" in done.stdout, done.stdout
+    assert done.returncode == (0 if finished == 2 else 1), done.stdout + done.stderr
+
+
 @pytest.mark.gpu
 @pytest.mark.hopper
 @pytest.mark.sanitizer
