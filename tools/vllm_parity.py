@@ -851,10 +851,20 @@ def parse_batches(text: str) -> tuple[int, ...]:
     return got
 
 
+def out_dir(text: str) -> str:
+    """--out: a folder (made if missing), never a file: every run writes several files into it."""
+    if os.path.isfile(text) or text.endswith((".json", ".gz", ".log")):
+        raise argparse.ArgumentTypeError(f"{text!r} names a file; --out takes the folder the JSON, logs and traces "
+                                         f"go into")
+    return text
+
+
 def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="llama-3.2-1b", help="megakernel model preset (shape of the random model)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    p.add_argument("--out", type=out_dir, default=os.environ.get("OUT", "/tmp/out"), metavar="DIR",
+                   help="folder for the results JSON, each worker's log and the profiler traces (made if missing; "
+                        "default $OUT, else /tmp/out)")
     p.add_argument("--models", default="/tmp/mk_vllm_models",
                    help="where model directories (and each worker's JSON) are kept on the host")
     p.add_argument("--paths", default=",".join(PATHS))

@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import subprocess
 import sys
 import types
 from argparse import Namespace
@@ -449,6 +450,19 @@ def test_vllm_bench_batches(text, want):
             tool.parse_batches(text)
     else:
         assert tool.parse_batches(text) == want
+
+
+@pytest.mark.parametrize("script", ["vllm_bench.py", "vllm_parity.py"])
+def test_out_takes_a_folder_and_refuses_a_file_before_any_work(tmp_path, script):
+    """--out names the folder a run writes its JSON, logs and traces into: a path that names a file (an existing
+    file, or one ending in .json) exits 2 with usage before anything is built; a folder parses."""
+    taken = tmp_path / "taken"
+    taken.write_text("x")
+    for bad in (str(tmp_path / "bench.json"), str(taken)):
+        done = subprocess.run([sys.executable, str(REPO / "tools" / script), "--out", bad], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 2 and "--out takes the folder" in done.stderr, (bad, done.stderr[-2000:])
+    assert tool.out_dir(str(tmp_path / "results")) == str(tmp_path / "results")
 
 
 class _TokenLLM:
