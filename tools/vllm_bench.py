@@ -118,8 +118,12 @@ def main() -> int:
     p.add_argument("--batches", type=common.parse_batches, default=BATCHES,
                    help="decode batch sizes to time, comma-separated (default %(default)s); vLLM's max_num_seqs "
                         "becomes the largest")
-    p.add_argument("--near-tie-gap", type=float, default=common.NEAR_TIE_GAP)
-    p.add_argument("--logprob-atol", type=float, default=common.LOGPROB_ATOL)
+    p.add_argument("--near-tie-gap", type=float, default=common.NEAR_TIE_GAP,
+                   help="--parity: a greedy token may differ where stock's top-2 logprob gap is below this "
+                        "(default %(default)s)")
+    p.add_argument("--logprob-atol", type=float, default=common.LOGPROB_ATOL,
+                   help="--parity: largest difference allowed between the paths' logprobs of a token "
+                        "(default %(default)s)")
     p.set_defaults(engine_process="separate")
     args = p.parse_args()
     args.max_num_seqs = max(args.max_num_seqs, max(args.batches))

@@ -861,16 +861,23 @@ def out_dir(text: str) -> str:
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="llama-3.2-1b", help="megakernel model preset (shape of the random model)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts (default %(default)s)")
     p.add_argument("--out", type=out_dir, default=os.environ.get("OUT", "/tmp/out"), metavar="DIR",
                    help="folder for the results JSON, each worker's log and the profiler traces (made if missing; "
                         "default $OUT, else /tmp/out)")
     p.add_argument("--models", default="/tmp/mk_vllm_models",
                    help="where model directories (and each worker's JSON) are kept on the host")
-    p.add_argument("--paths", default=",".join(PATHS))
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    p.add_argument("--plugin-cudagraph-mode", default="FULL_DECODE_ONLY")
+    p.add_argument("--paths", default=",".join(PATHS),
+                   help="which paths to run, comma-separated: stock (vLLM's own layers), plugin (the megakernel) "
+                        "(default %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=2048,
+                   help="vLLM's max_model_len on both paths: the cache positions each sequence may hold "
+                        "(default %(default)s)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                   help="vLLM's gpu_memory_utilization on both paths (default %(default)s)")
+    p.add_argument("--plugin-cudagraph-mode", default="FULL_DECODE_ONLY",
+                   help="vLLM's cudagraph_mode on the plugin path (default %(default)s: the megakernel's decode "
+                        "steps in FULL graphs; the stock path keeps vLLM's default)")
     p.add_argument("--plugin-eager", action="store_true", help="plugin path with enforce_eager=True")
     p.add_argument("--plugin-switch", choices=("hf_overrides", "additional_config"), default="hf_overrides",
                    help="how the plugin path switches the megakernel on: hf_overrides to the Megakernel... "
@@ -905,8 +912,10 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common_args(p)
-    p.add_argument("--near-tie-gap", type=float, default=NEAR_TIE_GAP)
-    p.add_argument("--logprob-atol", type=float, default=LOGPROB_ATOL)
+    p.add_argument("--near-tie-gap", type=float, default=NEAR_TIE_GAP,
+                   help="a greedy token may differ where stock's top-2 logprob gap is below this (default %(default)s)")
+    p.add_argument("--logprob-atol", type=float, default=LOGPROB_ATOL,
+                   help="largest difference allowed between the paths' logprobs of a token (default %(default)s)")
     args = p.parse_args()
     if args.worker:
         args.parity = True
