@@ -185,8 +185,8 @@ class AttentionStage(SoftmaxPass):
         same bits; every lane gets lane 0's. 1 elsewhere."""
         scale = Float32(1.0)
         if cutlass.const_expr(self.qkv_folded):
-            NG = self.H // 8
-            row = p.x_ssq + (Int64(layer) * self.B * NG + Int64(b) * NG) * 4
+            _, ssq = self.wide_source(int(Opcode.QKV), layer, p)          # (x_ssq[layer]: f32 [B, H / 8])
+            row = ssq + Int64(b) * (self.H // 8 * 4)
             tot = cute.arch.shuffle_sync(self.ssq_sum(row, lane, lane < self.ssq_threads()), 0)
             scale = rsqrt(tot / Float32(self.H) + Float32(self.eps))
         return scale

@@ -514,7 +514,8 @@ class WideMatvec:
         if op == OP_DOWN:
             res_addr = p.h
         if is_gate_up:
-            self.rstd_from_ssq(tidx, p.h_ssq + l64 * self.ssq_bytes(), s)
+            _, ssq = self.wide_source(op, layer, p)
+            self.rstd_from_ssq(tidx, ssq, s)
             self.consumer_sync()
         if cutlass.const_expr(self.options.trace):
             if tidx == 0:

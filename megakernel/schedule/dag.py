@@ -27,7 +27,7 @@ from ..instructions.matvec_stages import weight_rows
 from ..instructions.opcodes import (Opcode, Stage, argmax_counter, counter_id, embed_counter,
                                     lm_head_counter, num_counters)
 from ..instructions.record import NO_COUNTER, Instruction
-from ..instructions.split_k import PARTS_STAGE, k_splits, qkv_reduce_folded, split_tile_rows
+from ..instructions.split_k import PARTS_STAGE, REDUCED_STAGES, k_splits, qkv_reduce_folded, split_tile_rows
 
 # Cost model: bytes a stage reads from HBM plus a fixed cost per instruction (in bytes of time).
 FIXED_COST_BYTES = 16 * 1024
@@ -88,7 +88,7 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
                 add(opcode=op, layer=layer, a0=lo, a1=n, a2=t, a3=a3, wait_id=wait[0], wait_count=wait[1],
                     signal_id=parts, k_part=part, k_parts=e,
                     cost=n * (k // e) * elem + n * B * 4 + FIXED_COST_BYTES)
-        if op == Opcode.QKV:
+        if op not in REDUCED_STAGES:
             return e * len(tiles)         # (the signals on the stage's *_PARTS counter)
         reduces = _tiles(rows, split_tile_rows(layout, op, 1))
         for lo, n in reduces:
