@@ -889,30 +889,7 @@ def test_qkv_folded_into_the_attention_reference(case):
 @pytest.mark.parametrize("case", FOLDED_CASES, ids=FOLDED_IDS)
 def test_qkv_folded_into_the_attention_on_gpu(case):
     """The kernel's QKV tiles and folded attention against float64 and against the stage references."""
-    bench, engine = _gpu_bench(case)
-    try:
-        instructions = folded_run(bench)
-        fill_inputs(bench)
-        fill_wide_inputs(bench.ctx.bufs, bench.ctx.weights, bench.layout)
-        poison_run(bench.ctx, Opcode.ATTN_PARTIAL, instructions)
-        for name in WIDE_OUTPUTS[Opcode.ATTN_PARTIAL]:
-            getattr(bench.ctx.bufs, name).fill_(NAN)
-        before = clone_ctx(bench.ctx)
-        push(before, engine)
-        for ins in instructions:
-            engine.run_instructions([ins])
-        gpu = pull(engine, before)
-        what = f"kernel (GPU) {bench.what(instructions[-1])}"
-        check_folded(bench, instructions, before, gpu, what)
-        ref = clone_ctx(before)
-        run_reference(ref, instructions)
-        _compare_with_reference(Opcode.ATTN_PARTIAL, instructions, gpu, ref, what)
-        e = len({i.k_part for i in instructions if i.opcode == Opcode.QKV})
-        l = bench.case.layer
-        assert_close(gpu.bufs.part_qkv[l, :e], ref.bufs.part_qkv[l, :e], BF16, context=f"{what}: QKV partials")
-    finally:
-        del engine
-        torch.cuda.empty_cache()
+    run_gpu_stages(case, ops=(Opcode.ATTN_PARTIAL,), expect_folded=True)
 
 
 # At the batches compiled with it (softmax_pass.STREAM_UNROLL), splits of more cached tokens than consumer warps take
@@ -996,9 +973,14 @@ def check_wide_outputs(bench: Bench, op: Opcode, instructions, gpu: StageContext
                                    msg=lambda m: f"{what}: {names[1]} against float64: {m}")
 
 
-def run_gpu_stages(case: StageCase, expect_slabs: bool = False, **engine_kw) -> None:
+def run_gpu_stages(case: StageCase, expect_slabs: bool = False, ops=GPU_OPCODES, expect_folded: bool = False,
+                   **engine_kw) -> None:
+    """Every run (runs_for) of the stages `ops` on the kernel, each checked against float64 and against the stage
+    references on the same inputs. expect_slabs: DOWN's input must be staged in column slabs; expect_folded: QKV
+    must split over K, so ATTN_PARTIAL's run is QKV's K-range tiles and the attention that sums them."""
     bench, engine = _gpu_bench(case, **engine_kw)
     print(f"[gpu stages] {bench.what()}", flush=True)     # (shown with -s: a fuzz run's progress, example by example)
+    assert qkv_reduce_folded(bench.layout) or not expect_folded, f"{bench.what()}: QKV is not split over K"
     if expect_slabs:
         from megakernel.kernel.stream import StreamPlan
 
@@ -1006,7 +988,7 @@ def run_gpu_stages(case: StageCase, expect_slabs: bool = False, **engine_kw) -> 
         assert not plan.geometry(bench.config.intermediate_size).x_whole, \
             f"{bench.what()}: DOWN's input is staged whole, not in column slabs"
     try:
-        for op, instructions in [(op, run) for op in GPU_OPCODES for run in runs_for(bench, op)]:
+        for op, instructions in [(op, run) for op in ops for run in runs_for(bench, op)]:
             fill_inputs(bench, with_cache=op == Opcode.ATTN_PARTIAL)
             fill_wide_inputs(bench.ctx.bufs, bench.ctx.weights, bench.layout)    # (derived from the inputs)
             poison_run(bench.ctx, op, instructions)
@@ -1026,6 +1008,9 @@ def run_gpu_stages(case: StageCase, expect_slabs: bool = False, **engine_kw) -> 
             run_reference(ref, instructions)
             check(bench, op, instructions, before, gpu, "kernel (GPU) vs float64")
             _compare_with_reference(op, instructions, gpu, ref, what, bench.matvec_dtype)
+            if is_folded_run(op, instructions):
+                e, l = k_splits(bench.layout, Opcode.QKV), bench.case.layer
+                assert_close(gpu.bufs.part_qkv[l, :e], ref.bufs.part_qkv[l, :e], BF16, context=f"{what}: QKV partials")
             check_wide_outputs(bench, instructions[-1].opcode if op == Opcode.ATTN_PARTIAL else op, instructions,
                                gpu, what)
     finally:
