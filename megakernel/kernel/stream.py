@@ -37,7 +37,8 @@ from .ptx import (atomic_cas, bulk_copy_g2s, globaltimer_lo, load_shared_volatil
 SLOT_BYTES = 16 * 1024      # one slot: 16 KiB of weights (16 rows x 512 columns: 32 fragment blocks of 512 bytes)
 MAX_SLOTS = 12              # ring depth cap: 192 KiB covers a ~6 us hop at the per-SM share of HBM
 MIN_SLOTS = 4
-PART_FLOATS = 4096          # partial dot products of one chunk kept in shared memory (more where one unit needs it)
+PART_FLOATS = 4096          # partial dot products of one chunk kept in shared memory (more where one unit needs it,
+                            # or where staging_budget gives more)
 X_WHOLE_BYTES = 64 * 1024   # a matvec input (all sequences, float32) staged whole up to this size, else as many
                             # slabs at a time as fit it
 
@@ -158,10 +159,27 @@ class SlotGeometry:
         return sum(self.chunk_slots(rows))
 
 
-def slot_geometry(k: int, batch: int, parts: int | None = None, groups: int = 1) -> SlotGeometry:
+def staging_budget(hidden: int, batch: int) -> tuple[int, int]:
+    """(partial floats, staged-input bytes) of the shared memory up to SPLIT_BATCH: PART_FLOATS and X_WHOLE_BYTES,
+    unless even the hidden-size inputs (QKV, GATE_UP, the LM head) are too wide to stage whole. Those are staged in
+    windows once per chunk of rows, and a chunk holds PART_FLOATS / (slabs x batch) rows: llama-3.1-8b at batch 8
+    staged the LM head's input 16 times a tile, GATE_UP's 4 and DOWN's 2. There four times the partials (and
+    windows of half the columns) leave one chunk a tile but the LM head's 4: 74.0% of the floor against 64.6%. The
+    same budget everywhere lost: llama-3.2-1b at 8 51.4% against 53.4%, qwen3-0.6b at 8 26.2 against 27.9,
+    llama-3.1-8b at 1 87.0 against 90.5 (one ring slot less, and inputs that fit whole staged in windows;
+    profiles/RESULTS.md, 2026-12-04, fourteenth session)."""
+    if not wide(batch) and batch * hidden * 4 > X_WHOLE_BYTES:
+        return 4 * PART_FLOATS, X_WHOLE_BYTES // 2
+    return PART_FLOATS, X_WHOLE_BYTES
+
+
+def slot_geometry(k: int, batch: int, parts: int | None = None, groups: int = 1,
+                  budget: tuple[int, int] = (PART_FLOATS, X_WHOLE_BYTES)) -> SlotGeometry:
     """The slot geometry of a K-column matrix at a batch size: the fewest slabs whose ITEM_ROWS rows fit a
     slot, slots as many rows as fit, `parts` work items across a slab (slot_parts(batch) unless given),
-    chunks as many rows as PART_FLOATS partials allow (past SPLIT_BATCH, `groups` row groups per consumer warp)."""
+    chunks as many rows as the budget's partials allow (past SPLIT_BATCH, `groups` row groups per consumer warp),
+    the input staged whole where it fits the budget's bytes (staging_budget)."""
+    part_floats, x_bytes = budget
     if k % COL_PASS:
         raise ValueError(f"K={k} must be a multiple of {COL_PASS}")
     ppr = k // COL_PASS
@@ -177,14 +195,13 @@ def slot_geometry(k: int, batch: int, parts: int | None = None, groups: int = 1)
     if slab % (32 * parts):
         raise ValueError(f"a slab of {slab} columns cannot be cut into {parts} work items of whole 32-column blocks")
     # (at least one slot of rows: the partial buffer grows past PART_FLOATS where one needs more)
-    chunk = max(rows_per_slot, PART_FLOATS // (n_slab * parts * batch) // rows_per_slot * rows_per_slot)
+    chunk = max(rows_per_slot, part_floats // (n_slab * parts * batch) // rows_per_slot * rows_per_slot)
     if wide(batch):
         # a slot is one row group of one slab, read by the warp that owns the row group in the chunk
         rows_per_slot, parts, chunk = ITEM_ROWS, 1, WIDE_WARPS * ITEM_ROWS * groups
     xb = x_col_bytes(batch)
     return SlotGeometry(k=k, slab_cols=slab, n_slab=n_slab, rows_per_slot=rows_per_slot, parts=parts,
-                        chunk_rows=chunk, x_slabs=n_slab if xb * k <= X_WHOLE_BYTES
-                        else max(1, X_WHOLE_BYTES // (xb * slab)))
+                        chunk_rows=chunk, x_slabs=n_slab if xb * k <= x_bytes else max(1, x_bytes // (xb * slab)))
 
 
 @dataclass(frozen=True)
@@ -201,7 +218,8 @@ class StreamPlan:
         """split_widths: the K ranges' widths of the stages split over K (split_k.k_splits), beside the whole
         widths."""
         ks = sorted({config.hidden_size, config.q_size, config.intermediate_size, *split_widths})
-        return cls(batch=batch, by_k={k: slot_geometry(k, batch, groups=groups) for k in ks})
+        budget = staging_budget(config.hidden_size, batch)
+        return cls(batch=batch, by_k={k: slot_geometry(k, batch, groups=groups, budget=budget) for k in ks})
 
     @property
     def parts(self) -> int:

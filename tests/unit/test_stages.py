@@ -791,6 +791,26 @@ def test_stages_on_gpu_match_reference_with_slab_staging(case):
     run_gpu_stages(case, slab_staging=True, expect_slabs=True)
 
 
+# Where even the hidden-size inputs are too wide to stage whole (batch x hidden x float32 > X_WHOLE_BYTES:
+# stream.staging_budget), the chunks are four times the rows and the windows half the columns: llama-3.1-8b's widths at
+# batch 8, one layer, sequences of different lengths.
+BIG_BUDGET_CASE = StageCase(
+    shape=DecodeShape(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336, batch=8,
+                      kv_lens=(33, 1, 17, 64, 5, 40, 2, 29), block_size=16, max_seq_len=512),
+    architecture="LlamaForCausalLM", num_layers=1, layer=0, vocab_size=4096, kv_splits=2, seed=21)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_stages_on_gpu_match_reference_with_the_larger_staging_budget():
+    from megakernel.kernel.stream import PART_FLOATS, StreamPlan
+
+    config = BIG_BUDGET_CASE.to_config()
+    plan = StreamPlan.for_config(config, BIG_BUDGET_CASE.shape.batch)
+    assert plan.part_floats > PART_FLOATS and not plan.geometry(config.hidden_size).x_whole, plan
+    run_gpu_stages(BIG_BUDGET_CASE)
+
+
 # Past SPLIT_BATCH: the wide consumers (row-group owners, wgmma with the batch as N), every stage of one tile against
 # float64 at the bf16 tolerance, and nothing written outside the tile (a warp that owns no rows of a small tile
 # writes nothing). Widths of 256 columns, so no stage splits over K (the picked tile is the stage's whole tile);

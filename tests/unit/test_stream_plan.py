@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from megakernel.instructions.layout import COL_PASS, ROW_GROUP
 from megakernel.kernel.stream import (ITEM_ROWS, PART_FLOATS, SLAB_COLS, SLOT_BYTES, X_PAD, X_WHOLE_BYTES,
-                                      StreamPlan, slot_geometry, slot_parts)
+                                      StreamPlan, slot_geometry, slot_parts, staging_budget)
 from megakernel.model.presets import get_preset
 
 
@@ -87,15 +87,21 @@ def test_slots_cover_every_weight_once_and_items_every_pass_once(passes, batch, 
 def test_preset_plans_fit_and_use_wide_slabs(name, batch):
     """Every width of a real model: as few slabs as a slot's width allows (an odd or prime K / 256, such as
     Llama-2-7B's 11008 = 43 x 256, too: wide slabs and a narrower last one, not 256-column slabs), and at
-    most a partial buffer of PART_FLOATS unless one chunk unit needs more."""
+    most a partial buffer of the staging budget's floats unless one chunk unit needs more."""
     config = get_preset(name)
     plan = StreamPlan.for_config(config, batch)
+    part_floats, x_bytes = staging_budget(config.hidden_size, batch)
+    # the larger budget exactly where even the hidden-size inputs are too wide to stage whole
+    assert (part_floats, x_bytes) == ((4 * PART_FLOATS, X_WHOLE_BYTES // 2)
+                                      if batch * config.hidden_size * 4 > X_WHOLE_BYTES
+                                      else (PART_FLOATS, X_WHOLE_BYTES))
     for k, g in plan.by_k.items():
         what = f"{name} batch={batch} K={k}: {g}"
         widest = SLOT_BYTES // (2 * ITEM_ROWS) // COL_PASS * COL_PASS
         assert g.n_slab == -(-k // widest), f"{what}: more slabs than a slot's width needs"
         assert g.slab_cols >= min(k, widest), f"{what}: narrow slabs"
-        assert g.chunk_rows * g.n_seg * batch <= max(PART_FLOATS, g.rows_per_slot * g.n_seg * batch), what
+        assert g.chunk_rows * g.n_seg * batch <= max(part_floats, g.rows_per_slot * g.n_seg * batch), what
+        assert g.x_whole == (batch * k * 4 <= x_bytes) and batch * g.x_cols * 4 <= x_bytes, what
     assert plan.part_floats == max(g.chunk_rows * g.n_seg * batch for g in plan.by_k.values())
     assert plan.x_floats == batch * max(g.x_stride for g in plan.by_k.values())
 
