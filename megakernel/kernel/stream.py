@@ -194,7 +194,7 @@ def slot_geometry(k: int, batch: int, parts: int | None = None, groups: int = 1,
     parts = parts or slot_parts(batch)
     if slab % (32 * parts):
         raise ValueError(f"a slab of {slab} columns cannot be cut into {parts} work items of whole 32-column blocks")
-    # (at least one slot of rows: the partial buffer grows past PART_FLOATS where one needs more)
+    # (at least one slot of rows: the partial buffer grows past the budget's floats where one needs more)
     chunk = max(rows_per_slot, part_floats // (n_slab * parts * batch) // rows_per_slot * rows_per_slot)
     if wide(batch):
         # a slot is one row group of one slab, read by the warp that owns the row group in the chunk

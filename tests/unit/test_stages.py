@@ -40,7 +40,7 @@ from megakernel.instructions.layout import (SPLIT_BATCH, StepBuffers, StepLayout
 from megakernel.instructions.opcodes import Opcode
 from megakernel.instructions.record import Instruction
 from megakernel.instructions.split_k import k_splits, qkv_reduce_folded
-from megakernel.kernel.stream import X_WHOLE_BYTES
+from megakernel.kernel.stream import PART_FLOATS, X_WHOLE_BYTES, StreamPlan
 from megakernel.model import ops
 from megakernel.model.config import ModelConfig, RopeScaling
 from megakernel.model.weights import ModelWeights, random_weights
@@ -803,8 +803,6 @@ BIG_BUDGET_CASE = StageCase(
 @pytest.mark.gpu
 @pytest.mark.hopper
 def test_stages_on_gpu_match_reference_with_the_larger_staging_budget():
-    from megakernel.kernel.stream import PART_FLOATS, StreamPlan
-
     config = BIG_BUDGET_CASE.to_config()
     plan = StreamPlan.for_config(config, BIG_BUDGET_CASE.shape.batch)
     assert plan.part_floats > PART_FLOATS and not plan.geometry(config.hidden_size).x_whole, plan
@@ -1002,8 +1000,6 @@ def run_gpu_stages(case: StageCase, expect_slabs: bool = False, ops=GPU_OPCODES,
     print(f"[gpu stages] {bench.what()}", flush=True)     # (shown with -s: a fuzz run's progress, example by example)
     assert qkv_reduce_folded(bench.layout) or not expect_folded, f"{bench.what()}: QKV is not split over K"
     if expect_slabs:
-        from megakernel.kernel.stream import StreamPlan
-
         plan = StreamPlan.for_config(bench.config, bench.layout.batch)
         assert not plan.geometry(bench.config.intermediate_size).x_whole, \
             f"{bench.what()}: DOWN's input is staged whole, not in column slabs"
