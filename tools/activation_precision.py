@@ -1,10 +1,10 @@
-"""What staging a matvec's input in bf16 would cost in accuracy, measured on the CPU through the instruction VM
-(issue "Tensor cores": the batch 16-64 path may stage its inputs as bf16 only, half the bytes of today's hi + lo).
+"""What staging a matvec's input in bf16 costs in accuracy, measured on the CPU through the instruction VM (the
+kernel stages bf16 inputs at every batch; up to batch 8 it split float32 into bf16 hi + lo until 2026-12-04).
 
 For each preset (seeded random weights, one random prompt per sequence), the VM decodes greedily with float32
 activations (the float32 reference the suite compares the kernel with), then twice more, teacher-forced on the
 same tokens: every matvec input rounded to bf16 (`bf16`: one MMA per weight tile, bf16 activations), and split
-into bf16 hi + lo as the kernel multiplies it (`hi+lo`). Per variant: the largest relative logit error over the
+into bf16 hi + lo, two MMAs per weight tile (`hi+lo`, the kernel's form up to batch 8 until 2026-12-04). Per variant: the largest relative logit error over the
 decoded steps (max |d logit| / max |logit|), the largest difference of the reference's top-5 log-probabilities,
 and the steps where greedy decoding would differ, each with the reference's top-2 gap there (a difference at a gap
 below the suite's bf16 near-tie rule, 0.05, is a tie, not an error).

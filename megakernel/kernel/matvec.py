@@ -8,8 +8,8 @@ The stage's record, operands and torch reference are in megakernel.instructions.
      megakernel.kernel.matvec_wide) each slot's P parts (whole slots at batch 2-8, halves at batch 1:
      stream.slot_parts) go to P consumer warps, each of which waits for
      the slot, multiplies its part on the tensor cores (m16n8k16 MMAs: the weights, fragment-packed at load
-     time, are A, read 16 bytes per lane; the batch, padded to 8, is B, its float32 input staged already
-     split into bf16 hi + lo, multiplied twice) into one float32 partial per (row, slab, part, sequence), and
+     time, are A, read 16 bytes per lane; the batch, padded to 8, is B, its input staged in bf16) into one
+     float32 partial per (row, slab, part, sequence), and
      frees its part;
   3. per chunk of rows, one thread per output adds its partials in a fixed order (the same bits every
      run) and runs the epilogue: store, residual add, SiLU-and-multiply, or logits + tile argmax.
@@ -25,8 +25,8 @@ from cutlass import Boolean, Float32, Int32, Int64
 
 from ..instructions.layout import ROW_GROUP
 from ..instructions.opcodes import Opcode
-from .ptx import (ex2, globaltimer_lo, ld_f32, load_shared_raw, max_index, mbarrier_arrive, mma_bf16_16816, rsqrt,
-                  st_f32, st_i32, warp_max_index, warp_sum)
+from .ptx import (ex2, globaltimer_lo, ld_f32, load_shared_b32x2, load_shared_raw, max_index, mbarrier_arrive,
+                  mma_bf16_16816, rsqrt, st_f32, st_i32, warp_max_index, warp_sum)
 from .ring_model import reader_warp
 from .stream import (ITEM_ROWS, SLAB_COLS, SLOT_BYTES, TR_CONSUMED, TR_LANDED_FIRST, TR_LANDED_LAST, TR_STAGED,
                      TR_WAIT_LANDED, X_PAD)
@@ -137,7 +137,7 @@ class MatvecStage:
             ss[b] = Float32(0.0)
         if whole:
             self.stage(tidx, layer, K, merge, from_embed, has_norm, in_addr, norm_addr, p, s, ss, Int32(0), K,
-                       K + X_PAD)
+                       K // 2 + X_PAD)
             if has_norm:
                 self.rms_statistic(tidx, warp, lane, K, ss, s)
             self.consumer_sync()
@@ -159,11 +159,11 @@ class MatvecStage:
                 width = K - sl * slab     # the slab's columns (the last slab may be narrower)
                 if width > slab:
                     width = slab
-                xw = K + X_PAD            # words between two sequences' staged rows
+                xw = K // 2 + X_PAD       # words between two sequences' staged rows
                 if not whole:
                     w0 = sl - sl % xsl            # the first slab of the staged window
                     col0 = (sl - w0) * slab
-                    xw = xsl * slab + X_PAD
+                    xw = xsl * slab // 2 + X_PAD
                     if sl == w0:
                         ww = K - w0 * slab
                         if ww > xsl * slab:
@@ -225,10 +225,10 @@ class MatvecStage:
 
         The slot holds, per 8-row block (slab * 16 bytes apart), 512-byte blocks of 32 columns in fragment
         order: lane l's 16 bytes of one are its A registers of two MMAs (k = 0..15 and 16..31) for those 8
-        rows. The input of sequence n = l // 4 (zero for n >= B) is staged at row stride xw, the slab's first
-        column at col0, already split into bf16 hi and lo in B-register order (store_staged_quad): one 16-byte
-        load per k-step gives lane (n, t) its B registers of the hi and the lo MMA. Columns past the slab's
-        width (a narrower last slab) load nothing and add nothing."""
+        rows. The input of sequence n = l // 4 (zero for n >= B) is staged at row stride xw (words), the slab's
+        first column at col0, in bf16 in B-register order (store_x_quad): one 8-byte load per k-step gives lane
+        (n, t) its two B registers. Columns past the slab's width (a narrower last slab) load nothing and add
+        nothing."""
         s_part = s.part
         B = self.B
         P = self.plan.parts
@@ -243,12 +243,12 @@ class MatvecStage:
         n = lane // 4
         t = lane - n * 4
         top = slot_addr + (2 * rg * kp_slab + kp0) * 512 + lane * 16
-        # four independent accumulator chains (hi and lo, even and odd 32-column blocks) of 16 MMAs each,
-        # summed at the end: one chain of 64 dependent MMAs would be the item's latency
-        c = cute.make_rmem_tensor((16,), Float32)
-        for i in cutlass.range_constexpr(16):
+        # two independent accumulator chains (even and odd 32-column blocks) of 16 MMAs each, summed at the end:
+        # one chain of 32 dependent MMAs would be the item's latency
+        c = cute.make_rmem_tensor((8,), Float32)
+        for i in cutlass.range_constexpr(8):
             c[i] = Float32(0.0)
-        xa = x_base + (n * xw + col0 + kp0 * 32 + 4 * t) * 4
+        xa = x_base + (n * xw + (col0 + kp0 * 32) // 2 + 2 * t) * 4
         # groups of LOAD_KP blocks (all of an item's weights would not fit the registers beside the rest):
         # each group's weight loads, then its MMAs
         LK = min(LOAD_KP, IKP)
@@ -259,22 +259,21 @@ class MatvecStage:
                 u = hf * LK + uu
                 if u < kp_w:
                     for kb in cutlass.range_constexpr(2):
-                        bw = cute.make_rmem_tensor((4,), Int32)    # [hi01, hi89, lo01, lo89] (store_staged_quad)
-                        for e in cutlass.range_constexpr(4):
+                        bw = cute.make_rmem_tensor((2,), Int32)    # columns [2t, 2t + 1], [2t + 8, 2t + 9]
+                        for e in cutlass.range_constexpr(2):
                             bw[e] = Int32(0)
                         if n < B:
-                            xq = load_shared_raw(xa + (u * 32 + kb * 16) * 4)
-                            for e in cutlass.range_constexpr(4):
+                            xq = load_shared_b32x2(xa + (u * 16 + kb * 8) * 4)
+                            for e in cutlass.range_constexpr(2):
                                 bw[e] = xq[e]
                         q = uu * 8 + kb * 2
-                        for half in cutlass.range_constexpr(2):       # the hi halves, then the lo halves
-                            ch = (half * 2 + u % 2) * 4
-                            d = mma_bf16_16816(a[q], a[q + 4], a[q + 1], a[q + 5], bw[2 * half], bw[2 * half + 1],
-                                               c[ch], c[ch + 1], c[ch + 2], c[ch + 3])
-                            for i in cutlass.range_constexpr(4):
-                                c[ch + i] = d[i]
+                        ch = (u % 2) * 4
+                        d = mma_bf16_16816(a[q], a[q + 4], a[q + 1], a[q + 5], bw[0], bw[1],
+                                           c[ch], c[ch + 1], c[ch + 2], c[ch + 3])
+                        for i in cutlass.range_constexpr(4):
+                            c[ch + i] = d[i]
         for i in cutlass.range_constexpr(4):
-            c[i] = (c[i] + c[4 + i]) + (c[8 + i] + c[12 + i])
+            c[i] = c[i] + c[4 + i]
         # C: rows n and n + 8 of the item, sequences 2t and 2t + 1
         row = g0 + rg * ITEM_ROWS + n
         seg = sl * P + part

@@ -1,7 +1,7 @@
 """Small device helpers over raw global and shared addresses, written as inline PTX where CuTe DSL has
 no wrapper: activation and embedding loads, bulk copies and mbarriers, the m16n8k16 MMA and the wgmma on
-registers loaded in the packed weight order (with the wgmma's shared-memory descriptor), the bf16 hi/lo split,
-the bf16 unpack, and the counter primitives of the step's dependency protocol."""
+registers loaded in the packed weight order (with the wgmma's shared-memory descriptor), the bf16 pack and
+unpack, and the counter primitives of the step's dependency protocol."""
 
 from __future__ import annotations
 
@@ -111,19 +111,6 @@ def pack_bf16x2(x0: Float32, x1: Float32) -> Int32:
 
 
 @cute.jit
-def split_bf16x2(x0: Float32, x1: Float32):
-    """Two float32 -> (hi, lo): packed bf16 pairs (x0 in the low half) with hi + lo = x to about 16
-    significant bits, so that two bf16 MMAs (hi, then lo) multiply by float32 activations."""
-    return cute.arch.inline_ptx(
-        "{ .reg .b32 h0, h1, r0, r1;\n"
-        "cvt.rn.bf16x2.f32 {$w0}, {$r1}, {$r0};\n"
-        "shl.b32 h0, {$w0}, 16; and.b32 h1, {$w0}, 0xffff0000;\n"
-        "sub.f32 r0, {$r0}, h0; sub.f32 r1, {$r1}, h1;\n"
-        "cvt.rn.bf16x2.f32 {$w1}, r1, r0; }",
-        write_only_types=[Int32] * 2, read_only_args=[x0, x1])
-
-
-@cute.jit
 def ld_shared_f32x4(addr: Int32):
     return cute.arch.inline_ptx("ld.shared.v4.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, [{$r0}];",
                                 write_only_types=[Float32] * 4, read_only_args=[addr])
@@ -208,6 +195,13 @@ def load_shared_b32(addr: Int32) -> Int32:
 @cute.jit
 def st_shared_b32(addr: Int32, v: Int32):
     cute.arch.inline_ptx("st.shared.b32 [{$r0}], {$r1};", read_only_args=[addr, v])
+
+
+@cute.jit
+def load_shared_b32x2(addr: Int32):
+    """8 bytes of shared memory at an 8-byte aligned address as 2 raw 32-bit words."""
+    return cute.arch.inline_ptx("ld.shared.v2.b32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Int32] * 2,
+                                read_only_args=[addr])
 
 
 @cute.jit

@@ -3,7 +3,10 @@ window of its columns) at once, before the weight slots are multiplied by it (me
 SPLIT_BATCH no consumer stages its input: the stage that produced it wrote it pre-staged, matvec_wide):
   - the input row x (times the norm weight, with sum(x^2) for the RMSNorm of the stages that have one), layer 0's
     embedding row where QKV stages it, or O_PROJ's merge of the attention splits;
-  - as float32 split into bf16 hi + lo pairs, in the B-register order of the consumers (store_staged_quad);
+  - rounded to bf16, in the B-register order of the consumers (store_x_quad): a bf16 input, as past SPLIT_BATCH,
+    is one MMA per weight fragment and half the staged bytes of float32 split into bf16 hi + lo, which measured
+    2-11% slower (profiles/RESULTS.md, 2026-12-04, fifteenth session) for ~1e-2 of relative logit error, inside the
+    suite's bf16 bounds (tools/activation_precision.py);
   - every load of a round first, so a round is one memory round trip.
 """
 
@@ -14,7 +17,7 @@ import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64
 
 from .attention import LOG2E
-from .ptx import (ex2, ld_f32, ld_i32, load_f32x4, load_nc_b32x2, load_weights_bf16x4, split_bf16x2,
+from .ptx import (ex2, ld_f32, ld_i32, load_f32x4, load_nc_b32x2, load_weights_bf16x4, pack_bf16x2,
                   st_shared_b32, unpack_bf16x2)
 
 X_LOADS = 8                # input quads (of all sequences) each thread loads per round when staging, at most
@@ -32,28 +35,17 @@ class InputStaging:
         return max(1, min(X_LOADS // self.B, -(-widest // (4 * self.cthreads))))
 
     @cute.jit
-    def store_staged_quad(self, s, w: Int32, y: cute.Tensor):
-        """Four consecutive input columns (float32 y[0..3]; word w of s.x, a sequence's row start plus a column
-        that is a multiple of 4) split into bf16 hi + lo pairs and stored where consume_item's lanes read their
-        B registers: per 32-column block and 16-column k-step, lane quad t's 16 bytes are the packed pairs
-        [hi(2t, 2t+1), hi(2t+8, 2t+9), lo(2t, 2t+1), lo(2t+8, 2t+9)]. A row keeps its word count (one word per
-        column), so one split per input element per instruction, instead of one per element per row group."""
-        r = w % 16                   # (rows start at a multiple of 16 words: the stride and the window are)
-        h = r // 8                   # columns 8..15 of the k-step: the second word of the pair
-        t0 = (r % 8) // 2            # the lane quad of the first pair (the second pair's is t0 + 1)
-        base = s.x_addr + (w - r + t0 * 4 + h) * 4
-        hi0, lo0 = split_bf16x2(y[0], y[1])
-        hi1, lo1 = split_bf16x2(y[2], y[3])
-        st_shared_b32(base, hi0)
-        st_shared_b32(base + 8, lo0)
-        st_shared_b32(base + 16, hi1)
-        st_shared_b32(base + 24, lo1)
-
-    @cute.jit
     def store_x_quad(self, s, b: Int32, c: Int32, stride: Int32, y: cute.Tensor):
         """Sequence b's input columns c .. c + 3 (float32 y; c a multiple of 4, counted from the staged window's
-        first) split into bf16 hi + lo at row stride `stride` (store_staged_quad)."""
-        self.store_staged_quad(s, b * stride + c, y)
+        first) rounded to bf16 and stored where consume_item's lanes read their B registers: per 16-column k-step
+        (8 words of the row, which starts `stride` words after the previous sequence's), lane quad t's 8 bytes are
+        the packed pairs [(2t, 2t + 1), (2t + 8, 2t + 9)]."""
+        r = c % 16
+        h = r // 8                   # columns 8..15 of the k-step: the second word of the pair
+        t0 = (r % 8) // 2            # the lane quad of the first pair (the second pair's is t0 + 1)
+        base = s.x_addr + (b * stride + (c - r) // 2 + 2 * t0 + h) * 4
+        st_shared_b32(base, pack_bf16x2(y[0], y[1]))
+        st_shared_b32(base + 8, pack_bf16x2(y[2], y[3]))
 
     @cute.jit
     def stage(self, tidx: Int32, layer: Int32, K: Int32, merge: Boolean, from_embed: Boolean, gather: Boolean,

@@ -39,7 +39,7 @@ MAX_SLOTS = 12              # ring depth cap: 192 KiB covers a ~6 us hop at the 
 MIN_SLOTS = 4
 PART_FLOATS = 4096          # partial dot products of one chunk kept in shared memory (more where one unit needs it,
                             # or where staging_budget gives more)
-X_WHOLE_BYTES = 64 * 1024   # a matvec input (all sequences, float32) staged whole up to this size, else as many
+X_WHOLE_BYTES = 64 * 1024   # a matvec input (all sequences, bf16) staged whole up to this size, else as many
                             # slabs at a time as fit it
 
 ERR_RING = 4                # error code: a weight-ring wait timed out
@@ -103,13 +103,14 @@ def wide(batch: int) -> bool:
 MAX_IN_FLIGHT = 3
 
 
-X_PAD = 16                  # words between the staged input rows of two sequences: rows start on a 16-word k-step
-                            # and two sequences' 64-byte k-steps fall in different banks (conflict-free B loads)
+X_PAD = 8                   # words after each sequence's staged input row up to SPLIT_BATCH: with rows of a whole
+                            # number of 128-byte lines plus 32 bytes, the 8-byte B loads of the four sequences of a
+                            # half-warp fall in different banks (conflict-free)
 def x_col_bytes(batch: int) -> int:
-    """Shared-memory bytes of one staged input column, all sequences: float32 (as bf16 hi and lo) per sequence up
-    to SPLIT_BATCH; past it bf16 per sequence of the padded m-tiles (wide_x_byte; each 16-column k-step's block is
-    WIDE_KS_PAD bytes more, which only the buffer's size counts)."""
-    return m_tiles(batch) * M_TILE * 2 if wide(batch) else batch * 4
+    """Shared-memory bytes of one staged input column, all sequences: bf16 per sequence up to SPLIT_BATCH; past it
+    bf16 per sequence of the padded m-tiles (wide_x_byte; each 16-column k-step's block is WIDE_KS_PAD bytes more,
+    which only the buffer's size counts)."""
+    return m_tiles(batch) * M_TILE * 2 if wide(batch) else batch * 2
 
 
 @dataclass(frozen=True)
@@ -146,8 +147,8 @@ class SlotGeometry:
 
     @property
     def x_stride(self) -> int:
-        """Floats from one sequence's staged input row to the next's."""
-        return self.x_cols + X_PAD
+        """32-bit words from one sequence's staged input row to the next's (two bf16 columns a word)."""
+        return self.x_cols // 2 + X_PAD
 
     def chunk_slots(self, rows: int) -> list[int]:
         """Slots of each chunk of a tile of `rows` rows, in the order producer and consumers take them."""
@@ -167,8 +168,10 @@ def staging_budget(hidden: int, batch: int) -> tuple[int, int]:
     windows of half the columns) leave one chunk a tile but the LM head's 4: 74.0% of the floor against 64.6%. The
     same budget everywhere lost: llama-3.2-1b at 8 51.4% against 53.4%, qwen3-0.6b at 8 26.2 against 27.9,
     llama-3.1-8b at 1 87.0 against 90.5 (one ring slot less, and inputs that fit whole staged in windows;
-    profiles/RESULTS.md, 2026-12-04, fourteenth session)."""
-    if not wide(batch) and batch * hidden * 4 > X_WHOLE_BYTES:
+    profiles/RESULTS.md, 2026-12-04, fourteenth session). Those inputs were float32 (as bf16 hi + lo); in bf16
+    the hidden-size inputs of the suite's shapes fit whole at every batch up to 8, and the rule is for wider
+    models (hidden over 4096 at batch 5-8)."""
+    if not wide(batch) and x_col_bytes(batch) * hidden > X_WHOLE_BYTES:
         return 4 * PART_FLOATS, X_WHOLE_BYTES // 2
     return PART_FLOATS, X_WHOLE_BYTES
 

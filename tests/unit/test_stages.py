@@ -84,8 +84,8 @@ class Bench:
     weights: ModelWeights          # unpacked, as the model ops see them (any device)
     ctx: StageContext              # CPU: packed weights, buffers, KV cache
     gen: torch.Generator
-    # the tolerance of the matvec stages' outputs: float32, but bf16 for the kernel past SPLIT_BATCH, which
-    # multiplies bf16 inputs (docs/batch_path.md; tools/activation_precision.py)
+    # the tolerance of the matvec stages' outputs: float32 for the VM, bf16 for the kernel, which multiplies bf16
+    # inputs (float32 accumulation; megakernel.kernel.staging, tools/activation_precision.py)
     matvec_dtype: torch.dtype = torch.float32
 
     def what(self, ins: Instruction | None = None) -> str:
@@ -705,7 +705,7 @@ def _gpu_bench(case: StageCase, **engine_kw):
     packed = engine.weights.to("cpu")
     ctx = _cpu_context(engine.layout, engine.program, packed, engine.num_blocks)
     bench = Bench(case, config, engine.layout, engine.program, weights, ctx,
-                  torch.Generator().manual_seed(case.seed), BF16 if s.batch > SPLIT_BATCH else F32)
+                  torch.Generator().manual_seed(case.seed), BF16)
     return bench, engine
 
 
@@ -791,12 +791,12 @@ def test_stages_on_gpu_match_reference_with_slab_staging(case):
     run_gpu_stages(case, slab_staging=True, expect_slabs=True)
 
 
-# Where even the hidden-size inputs are too wide to stage whole (batch x hidden x float32 > X_WHOLE_BYTES:
-# stream.staging_budget), the chunks are four times the rows and the windows half the columns: llama-3.1-8b's widths at
-# batch 8, one layer, sequences of different lengths.
+# Where even the hidden-size inputs are too wide to stage whole (batch x hidden x bf16 > X_WHOLE_BYTES:
+# stream.staging_budget), the chunks are four times the rows and the windows half the columns: Llama-3-70B's widths
+# at batch 6, one layer, sequences of different lengths.
 BIG_BUDGET_CASE = StageCase(
-    shape=DecodeShape(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336, batch=8,
-                      kv_lens=(33, 1, 17, 64, 5, 40, 2, 29), block_size=16, max_seq_len=512),
+    shape=DecodeShape(hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128, intermediate_size=28672, batch=6,
+                      kv_lens=(33, 1, 17, 64, 5, 40), block_size=16, max_seq_len=512),
     architecture="LlamaForCausalLM", num_layers=1, layer=0, vocab_size=4096, kv_splits=2, seed=21)
 
 

@@ -68,8 +68,10 @@ def test_slots_cover_every_weight_once_and_items_every_pass_once(passes, batch, 
     assert g.chunk_rows % g.rows_per_slot == 0, what
     assert g.parts == (parts or slot_parts(batch)) and g.n_seg == g.n_slab * g.parts, what
     assert g.slab_cols <= SLAB_COLS and g.slab_cols % (32 * g.parts) == 0, what
-    assert g.x_whole == (batch * k * 4 <= X_WHOLE_BYTES), what
-    assert g.x_stride == g.x_cols + X_PAD and (g.x_stride * 4) % 128 == 64, what   # conflict-free B loads
+    assert g.x_whole == (batch * k * 2 <= X_WHOLE_BYTES), what       # bf16 inputs
+    # two bf16 columns a word; rows 32 bytes past a 128-byte line apart: the four sequences of a half-warp's 8-byte
+    # B loads in different banks
+    assert g.x_stride == g.x_cols // 2 + X_PAD and (g.x_stride * 4) % 128 == 32, what
     slots, copied, consumed, partials = walk(g, rows, batch)
     every = {(r, col) for r in range(rows) for col in range(0, k, COL_PASS)}
     items = {(r, col) for r in range(rows) for col in range(0, k, g.slab_cols // g.parts)}
@@ -93,7 +95,7 @@ def test_preset_plans_fit_and_use_wide_slabs(name, batch):
     part_floats, x_bytes = staging_budget(config.hidden_size, batch)
     # the larger budget exactly where even the hidden-size inputs are too wide to stage whole
     assert (part_floats, x_bytes) == ((4 * PART_FLOATS, X_WHOLE_BYTES // 2)
-                                      if batch * config.hidden_size * 4 > X_WHOLE_BYTES
+                                      if batch * config.hidden_size * 2 > X_WHOLE_BYTES
                                       else (PART_FLOATS, X_WHOLE_BYTES))
     for k, g in plan.by_k.items():
         what = f"{name} batch={batch} K={k}: {g}"
@@ -101,7 +103,7 @@ def test_preset_plans_fit_and_use_wide_slabs(name, batch):
         assert g.n_slab == -(-k // widest), f"{what}: more slabs than a slot's width needs"
         assert g.slab_cols >= min(k, widest), f"{what}: narrow slabs"
         assert g.chunk_rows * g.n_seg * batch <= max(part_floats, g.rows_per_slot * g.n_seg * batch), what
-        assert g.x_whole == (batch * k * 4 <= x_bytes) and batch * g.x_cols * 4 <= x_bytes, what
+        assert g.x_whole == (batch * k * 2 <= x_bytes) and batch * g.x_cols * 2 <= x_bytes, what
     assert plan.part_floats == max(g.chunk_rows * g.n_seg * batch for g in plan.by_k.values())
     assert plan.x_floats == batch * max(g.x_stride for g in plan.by_k.values())
 

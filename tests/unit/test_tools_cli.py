@@ -104,7 +104,8 @@ def test_gpu_experiment_applies_a_parked_patch_and_lists_its_sweeps(tmp_path):
 
 def test_activation_precision_measures_the_hi_lo_split_closer_than_bf16():
     """tools/activation_precision.py on tiny-llama: teacher-forced on the float32 run's tokens, inputs rounded to
-    bf16 move the logits more than the kernel's hi + lo split, and neither is zero (the rounding took effect)."""
+    bf16 move the logits more than a float32 input split into bf16 hi + lo, and neither is zero (the rounding took
+    effect)."""
     import importlib.util
     spec = importlib.util.spec_from_file_location("tools_activation_precision",
                                                   REPO / "tools" / "activation_precision.py")

@@ -162,9 +162,9 @@ def test_staged_input_stores_spread_over_the_banks(batch):
 
 
 def test_wide_geometry_stages_bf16_m_tiles():
-    """Past SPLIT_BATCH the staged input is bf16 over whole m-tiles: at batch 64 a 512-column window is 64 KiB,
-    half of what float32 hi/lo words took."""
-    assert x_col_bytes(64) == 128 and x_col_bytes(17) == 64 and x_col_bytes(8) == 32
+    """Past SPLIT_BATCH the staged input is bf16 over whole m-tiles (up to it bf16 per sequence): at batch 64 a
+    512-column window is 64 KiB."""
+    assert x_col_bytes(64) == 128 and x_col_bytes(17) == 64 and x_col_bytes(8) == 16
     g = slot_geometry(2048, 64)
     assert g.x_slabs * g.slab_cols * x_col_bytes(64) == 64 * 1024 and not g.x_whole
     assert slot_geometry(512, 64).x_whole and slot_geometry(2048, 16).x_whole
