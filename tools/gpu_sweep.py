@@ -10,7 +10,10 @@ dependency chain and the consumers alone; `nostage:diag_no_stage=1` without the 
 against the first variant's, and one step captured in a CUDA graph; then the graphs are timed in
 interleaved rounds (each round replays every variant STEPS times), so that clock or thermal drift
 during the sweep falls on all variants alike. Per variant: the median of all its replays, and the
-spread of its round medians (what a difference between two variants must exceed to mean anything)."""
+spread of its round medians (what a difference between two variants must exceed to mean anything).
+The trace's lines per stage: the mean wait and work, the layer span, "hop" (from the end stamp of the last producer
+of the counter an instruction waited on to its ready stamp: the release's travel, the poll and the barrier after
+it), and a matvec's stream and epilogue (thread 0's epilogue body, then the signal's barrier and release)."""
 import collections, os, statistics, sys
 import torch
 from megakernel.instructions.layout import pack_weights
@@ -104,6 +107,23 @@ def one_step_logits(eng, start=32):
     eng.launch(); torch.cuda.synchronize(); eng.check()
     return eng.logits.clone()
 
+def hop_waits(recs, instructions):
+    """opcode -> mean over its instructions that waited on a counter of (ready - the end stamp of the last
+    instruction that signalled that counter): the hop from the last producer's release to the consumer's
+    barrier after its poll. Instructions whose counter was complete before they began are left out (they did
+    not wait for the hop). A trace holds one step, so each counter has one set of producers."""
+    last_end = {}
+    for r in recs:
+        sig = instructions[r["index"]].signal_id
+        if sig >= 0:
+            last_end[sig] = max(last_end.get(sig, r["end"]), r["end"])
+    hops = collections.defaultdict(list)
+    for r in recs:
+        w = instructions[r["index"]].wait_id
+        if w >= 0 and w in last_end and r["begin"] < last_end[w]:
+            hops[r["opcode"]].append(r["ready"] - last_end[w])
+    return {op: statistics.mean(v) for op, v in hops.items()}
+
 def trace(eng, start=32):
     prepare(eng, start)
     for _ in range(3): eng.launch()
@@ -118,6 +138,7 @@ def trace(eng, start=32):
             op += "/" + Opcode(eng.program.instructions[r["index"]].a2).name
         by[op].append(r)
     print(f"  trace: step span {span/1e3:.1f} us")
+    hops = hop_waits(recs, eng.program.instructions)
     layers = eng.layout.config.num_layers
     for op, rs in by.items():
         wait = sum(r["ready"] - r["begin"] for r in rs) / len(rs)
@@ -156,7 +177,13 @@ def trace(eng, start=32):
             if sd:
                 slots = statistics.mean(r["streamed"] - r["ready"] for r in sd)
                 tail = statistics.mean(r["end"] - r["streamed"] for r in sd)
-                stream += f"  (ready->last slot {slots/1e3:6.2f} us, epilogue {tail/1e3:5.2f} us)"
+                stream += f"  (ready->last slot {slots/1e3:6.2f} us, epilogue {tail/1e3:5.2f} us"
+                ep = [r for r in sd if "epilogue_done" in r]
+                if ep:
+                    # thread 0 past its epilogue, then the signal's barrier and release
+                    body = statistics.mean(r["epilogue_done"] - r["streamed"] for r in ep)
+                    stream += f": body {body/1e3:5.2f}, barrier + release {(tail - body)/1e3:5.2f} us"
+                stream += ")"
             ld = [r for r in rs if "landed_last" in r]
             if ld:
                 first = statistics.mean(r["landed_first"] - r["ready"] for r in ld)
@@ -169,7 +196,8 @@ def trace(eng, start=32):
                 free, cap, landed = (statistics.mean(r[k] for r in wr) / 1e3
                                      for k in ("wait_free", "wait_in_flight", "wait_landed"))
                 stream += f"  (ring waits: free slot {free:6.2f}, in flight {cap:6.2f}, landed {landed:6.2f} us)"
-        print(f"    {op:17s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us{phase}{stream}")
+        hop = f"  hop {hops[op]/1e3:5.2f} us" if op in hops else ""
+        print(f"    {op:17s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us{phase}{hop}{stream}")
 
 def main():
     usage = ("gpu_sweep.py MODEL BATCH [name:key=val,...] ... [--no-trace] [--trace=NAME,...] [--rounds=N] "

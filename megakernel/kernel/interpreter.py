@@ -56,8 +56,8 @@ from .ptx import (atomic_add_acq_rel, atomic_cas, cp_async_wait_all, globaltimer
                   store_system_nonzero)
 from .stream import (ERR_RING, SLOT_BYTES, TRACE_WORDS, WIDE_WARPS, StreamPlan, WeightStream, is_matvec,  # noqa: F401
                      wide, wide_groups)
-from .stream import (TR_BEGIN, TR_CONSUMED, TR_END, TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY, TR_STAGED,
-                     TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED)
+from .stream import (TR_BEGIN, TR_CONSUMED, TR_END, TR_EPILOGUE, TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY,
+                     TR_STAGED, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED)
 from .tokens import ERR_TOKEN, TokenStages  # noqa: F401
 
 # Error codes written to error[0] (the first error wins): 1 a counter wait timed out, 2 a position past the
@@ -452,7 +452,8 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                         if op != OP_MV_REDUCE and (op != OP_ATTN_PARTIAL or not self.wide):
                             st_i32(rec + TR_STAGED * 4, Int32(0))
                             st_i32(rec + TR_CONSUMED * 4, Int32(0))
-                        for w in (TR_LANDED_FIRST, TR_LANDED_LAST, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED):
+                        for w in (TR_LANDED_FIRST, TR_LANDED_LAST, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED,
+                                  TR_EPILOGUE):
                             st_i32(rec + w * 4, Int32(0))
             i = i + 1
         # no K/V copy is left in flight when the CTA exits: an instruction that aborted after its copies

@@ -28,8 +28,8 @@ from ..instructions.opcodes import Opcode
 from .ptx import (ex2, globaltimer_lo, ld_f32, load_shared_b32x2, load_shared_raw, max_index, mbarrier_arrive,
                   mma_bf16_16816, rsqrt, st_f32, st_i32, warp_max_index, warp_sum)
 from .ring_model import reader_warp
-from .stream import (ITEM_ROWS, SLAB_COLS, SLOT_BYTES, TR_CONSUMED, TR_LANDED_FIRST, TR_LANDED_LAST, TR_STAGED,
-                     TR_WAIT_LANDED, X_PAD)
+from .stream import (ITEM_ROWS, SLAB_COLS, SLOT_BYTES, TR_CONSUMED, TR_EPILOGUE, TR_LANDED_FIRST, TR_LANDED_LAST,
+                     TR_STAGED, TR_WAIT_LANDED, X_PAD)
 
 LOAD_KP = 4                # 32-column blocks whose weight loads are in flight at once (8 x 16 bytes per lane)
 
@@ -214,6 +214,9 @@ class MatvecStage:
                           res_addr, res0, out_addr, out_w, s)
         if is_lm:
             self.store_tile_maximum(tidx, tile, p, s)
+        if cutlass.const_expr(self.options.trace):
+            if tidx == 0:
+                st_i32(rec + TR_EPILOGUE * 4, globaltimer_lo())         # thread 0 past the last epilogue
         return k_slot
 
     @cute.jit

@@ -45,9 +45,9 @@ from ..instructions.layout import (KERNEL_CAPABILITY, KERNEL_MAX_BATCH, PackedWe
 from ..instructions.opcodes import Opcode
 from ..instructions.record import serialize
 from ..kernel.interpreter import ARG_NAMES, ERR_ALIAS, ERR_POSITION, ERR_RING, ERR_TIMEOUT, ERR_TOKEN, KernelOptions
-from ..kernel.stream import (TR_BEGIN, TR_CONSUMED, TR_END, TR_ISSUED_FIRST, TR_ISSUED_LAST, TR_LANDED_FIRST,
-                             TR_LANDED_LAST, TR_OP, TR_READY, TR_STAGED, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT,
-                             TR_WAIT_LANDED, TRACE_WORDS)
+from ..kernel.stream import (TR_BEGIN, TR_CONSUMED, TR_END, TR_EPILOGUE, TR_ISSUED_FIRST, TR_ISSUED_LAST,
+                             TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY, TR_STAGED, TR_WAIT_FREE,
+                             TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED, TRACE_WORDS)
 from ..model.kv_cache import contiguous_block_table
 from ..model.weights import ModelWeights
 from ..schedule import assign, build_program, simulate
@@ -415,7 +415,9 @@ def decode_trace(t: torch.Tensor, lengths: list[int]) -> list[dict]:
               # consumer warp 0 past the wait for its first and last slots
               {"landed_first": TR_LANDED_FIRST, "landed_last": TR_LANDED_LAST},
               # the producer warp: when it began and finished issuing the slots
-              {"stream_begin": TR_ISSUED_FIRST, "stream_end": TR_ISSUED_LAST}]
+              {"stream_begin": TR_ISSUED_FIRST, "stream_end": TR_ISSUED_LAST},
+              # thread 0 past its last epilogue (up to SPLIT_BATCH), before the signal's barrier and release
+              {"epilogue_done": TR_EPILOGUE}]
     out = []
     for sm, n in enumerate(lengths):
         for i in range(n):

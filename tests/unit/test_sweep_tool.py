@@ -82,3 +82,18 @@ def test_the_cache_holds_every_timed_replay(sweep, context, rounds):
     # whole cache blocks: the engine rounds max_seq_len up to them, and the weights are packed once for n
     # positions (at 8192 tokens an unrounded n left the rounded engine 11 positions short)
     assert n % sweep.BLOCK == 0
+
+
+def test_hop_waits_measure_from_the_last_producers_end_to_each_waiting_consumers_ready(sweep):
+    from types import SimpleNamespace as I
+    # instructions 0-2 signal counter 5 (ends 100, 400, 250); 3 and 4 wait on it (3 began before the last end:
+    # a hop of 460 - 400; 4 began after it and is left out); 5 waits on counter 6, signalled by 3 alone
+    ins = [I(wait_id=-1, signal_id=5), I(wait_id=-1, signal_id=5), I(wait_id=-1, signal_id=5),
+           I(wait_id=5, signal_id=6), I(wait_id=5, signal_id=-1), I(wait_id=6, signal_id=-1)]
+    recs = [dict(index=0, opcode="QKV", begin=0, ready=0, end=100),
+            dict(index=1, opcode="QKV", begin=0, ready=0, end=400),
+            dict(index=2, opcode="QKV", begin=0, ready=0, end=250),
+            dict(index=3, opcode="ATTN_PARTIAL", begin=50, ready=460, end=900),
+            dict(index=4, opcode="ATTN_PARTIAL", begin=420, ready=430, end=950),
+            dict(index=5, opcode="O_PROJ", begin=300, ready=1_000, end=2_000)]
+    assert sweep.hop_waits(recs, ins) == {"ATTN_PARTIAL": 60, "O_PROJ": 100}

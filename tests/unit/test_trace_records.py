@@ -10,9 +10,9 @@ import random
 import torch
 
 from megakernel.instructions.opcodes import Opcode
-from megakernel.kernel.stream import (TR_BEGIN, TR_CONSUMED, TR_END, TR_ISSUED_FIRST, TR_ISSUED_LAST, TR_LANDED_FIRST,
-                                      TR_LANDED_LAST, TR_OP, TR_READY, TR_STAGED, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT,
-                                      TR_WAIT_LANDED, TRACE_WORDS)
+from megakernel.kernel.stream import (TR_BEGIN, TR_CONSUMED, TR_END, TR_EPILOGUE, TR_ISSUED_FIRST, TR_ISSUED_LAST,
+                                      TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY, TR_STAGED, TR_WAIT_FREE,
+                                      TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED, TRACE_WORDS)
 from megakernel.runtime.engine import decode_trace
 
 
@@ -39,10 +39,10 @@ def test_decode_trace_gives_signed_distances_from_the_earliest_begin_across_the_
                     # a matvec: the producer began issuing its slots before any consumer stamp of the step
                     rel.update(staged=begin + 1_200, streamed=begin + 8_000, landed_first=begin + 1_500,
                                landed_last=begin + 7_900, stream_begin=-4_000 - rng.randrange(900),
-                               stream_end=begin + 7_000)
+                               stream_end=begin + 7_000, epilogue_done=begin + 8_600)
                 words = {"begin": TR_BEGIN, "ready": TR_READY, "end": TR_END, "staged": TR_STAGED,
                          "streamed": TR_CONSUMED, "landed_first": TR_LANDED_FIRST, "landed_last": TR_LANDED_LAST,
-                         "stream_begin": TR_ISSUED_FIRST, "stream_end": TR_ISSUED_LAST}
+                         "stream_begin": TR_ISSUED_FIRST, "stream_end": TR_ISSUED_LAST, "epilogue_done": TR_EPILOGUE}
                 t[sm, i, TR_OP] = (10 * sm + i) * 256 + int(op)
                 for name, ns in rel.items():
                     t[sm, i, words[name]] = as_int32(start + ns)
