@@ -51,13 +51,14 @@ from .attention import ERR_ALIAS, ERR_POSITION, LOG2E, AttentionStage  # noqa: F
 from .matvec import MatvecStage
 from .matvec_wide import WideMatvec
 from .staging import InputStaging
-from .ptx import (atomic_add_acq_rel, atomic_cas, cp_async_wait_all, globaltimer_lo, ld_i32, load_acquire,
-                  load_relaxed, mbarrier_init, mbarrier_init_fence, red_release_add, st_i32, store_relaxed,
-                  store_system_nonzero)
-from .stream import (ERR_RING, SLOT_BYTES, TRACE_WORDS, WIDE_WARPS, StreamPlan, WeightStream, is_matvec,  # noqa: F401
-                     wide, wide_groups)
+from .ptx import (atomic_add_acq_rel, atomic_cas, cp_async_wait_all, globaltimer_lo, ld_i32, ld_i64, load_acquire,
+                  load_relaxed, mbarrier_init, mbarrier_init_fence, red_release_add, red_release_add_sys, st_i32,
+                  store_relaxed, store_system_nonzero)
+from .stream import (ERR_RING, OP_TP_REDUCE, PEER_COUNTERS, PEER_WORDS, SLOT_BYTES, TRACE_WORDS,  # noqa: F401
+                     WIDE_WARPS, StreamPlan, WeightStream, dense_opcode, is_matvec, wide, wide_groups)
 from .stream import (TR_BEGIN, TR_CONSUMED, TR_END, TR_EPILOGUE, TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY,
                      TR_STAGED, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED)
+from .tensor_parallel import ExchangeStages
 from .tokens import ERR_TOKEN, TokenStages  # noqa: F401
 
 # Error codes written to error[0] (the first error wins): 1 a counter wait timed out, 2 a position past the
@@ -76,7 +77,7 @@ ARG_NAMES = (
     "logits", "lm_max", "lm_idx", "out_tokens",
     "part_qkv", "part_o", "part_gate_up", "part_down",
     "x_wide", "h_wide", "attn_wide", "act_wide", "x_ssq", "h_ssq",
-    "counters", "sync", "error", "kv_table", "trace", "host_error",
+    "counters", "sync", "error", "kv_table", "trace", "host_error", "peers",
 )
 
 
@@ -121,7 +122,8 @@ class Fields:
         self.__dict__.update(values)
 
 
-class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, AttentionStage, TokenStages):
+class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, AttentionStage, TokenStages,
+                   ExchangeStages):
     """Compiled once per (StepLayout, options): model shape, batch bucket, KV splits and cache geometry are
     compile-time constants; every address is a runtime argument."""
 
@@ -135,6 +137,8 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
         self.max_queue_len = max_queue_len
         self.L, self.B, self.H = c.num_layers, layout.batch, c.hidden_size
         self.F, self.V = c.intermediate_size, c.vocab_size
+        # the token ids the embedding takes: the whole vocabulary (a tensor-parallel rank's LM head has V / W rows)
+        self.vocab = (getattr(layout, "full_config", None) or c).vocab_size
         self.Hq, self.Hkv, self.D, self.G = c.num_heads, c.num_kv_heads, c.head_dim, c.gqa_group
         self.Q, self.KV, self.QKV = c.q_size, c.kv_size, c.qkv_rows
         self.S = layout.kv_splits
@@ -144,7 +148,10 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
         self.kv_sb, self.kv_st, self.kv_sh = kv_strides or (self.bs * self.Hkv * self.D, self.Hkv * self.D, self.D)
         self.max_seq_len = layout.max_seq_len
         self.scratch_block = layout.scratch_block   # -1: none (appends there skip the aliasing check)
-        self.T = lm_tiles
+        self.T = lm_tiles                         # LM head tiles' argmax slots (of every rank, tensor parallel)
+        # tensor parallel (a ShardLayout): this rank and the world size; 1 rank otherwise
+        self.W = getattr(layout, "world_size", 1)
+        self.rank = getattr(layout, "rank", 0)
         self.num_counters = num_counters
         self.eps = float(c.rms_norm_eps)
         self.qk_norm = bool(c.qk_norm)
@@ -211,17 +218,22 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                  part_o: Int64, part_gate_up: Int64, part_down: Int64, x_wide: Int64, h_wide: Int64,
                  attn_wide: Int64, act_wide: Int64, x_ssq: Int64, h_ssq: Int64, counters: Int64,
                  sync: Int64, error: Int64, kv_table: Int64, trace: Int64, host_error: Int64,
-                 stream):
+                 peers: Int64, stream):
         self.kernel(queue, lengths, w_embed, w_qkv, w_o, w_gate_up, w_down, w_lm_head, attn_norm, mlp_norm,
                     final_norm, ones, q_norm, k_norm, rope_cos, rope_sin, tokens, positions, block_table,
                     x, h, qkv, attn_part_o, attn_part_lse, attn_out, act, logits, lm_max, lm_idx, out_tokens,
                     part_qkv, part_o, part_gate_up, part_down, x_wide, h_wide, attn_wide, act_wide, x_ssq, h_ssq,
-                    counters, sync, error, kv_table, trace, host_error).launch(
+                    counters, sync, error, kv_table, trace, host_error, peers).launch(
             grid=[self.num_sms, 1, 1], block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1,
             # every CTA resident at once, or the launch is refused: the CTAs spin on each other's counters
             cooperative=True)
 
     # ------------------------------------------------------------------ device: shared helpers
+    @cute.jit
+    def peer_address(self, p, r: int, word: Int32) -> Int64:
+        """Rank r's buffer `word` (stream.PEER_RECV_O ...) from the peer table (tensor parallel)."""
+        return ld_i64(p.peers + (Int64(r * PEER_WORDS) + Int64(word)) * 8)
+
     @cute.jit
     def consumer_sync(self):
         """Barrier of the consumer warps alone (named barrier 1; the producer warp never waits on it)."""
@@ -262,7 +274,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                logits: Int64, lm_max: Int64, lm_idx: Int64, out_tokens: Int64, part_qkv: Int64,
                part_o: Int64, part_gate_up: Int64, part_down: Int64, x_wide: Int64, h_wide: Int64,
                attn_wide: Int64, act_wide: Int64, x_ssq: Int64, h_ssq: Int64, counters: Int64,
-               sync: Int64, error: Int64, kv_table: Int64, trace: Int64, host_error: Int64):
+               sync: Int64, error: Int64, kv_table: Int64, trace: Int64, host_error: Int64, peers: Int64):
         tidx, _, _ = cute.arch.thread_idx()
         sm, _, _ = cute.arch.block_idx()
         warp = tidx // 32
@@ -275,7 +287,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                    lm_idx=lm_idx, out_tokens=out_tokens, part_qkv=part_qkv, part_o=part_o,
                    part_gate_up=part_gate_up, part_down=part_down, x_wide=x_wide, h_wide=h_wide,
                    attn_wide=attn_wide, act_wide=act_wide, x_ssq=x_ssq, h_ssq=h_ssq, error=error,
-                   kv_table=kv_table)
+                   kv_table=kv_table, peers=peers)
 
         smem = cutlass.utils.SmemAllocator()
         types = {"wi": Int32, "ired": Int32, "ctrl": Int32, "xbar": Int32, "alias": Int32, "queue": Int32}
@@ -368,6 +380,9 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
         while i < s_ctrl[2] and s_ctrl[3] == 0:
             ins = i * WORDS
             op = s_queue[ins + W_OPCODE]
+            xch = Int32(0)            # a tensor-parallel exchange stage (its stores and signal go to every rank)
+            if cutlass.const_expr(self.W > 1):
+                op, xch = dense_opcode(op)
             layer = s_queue[ins + W_LAYER]
             a0 = s_queue[ins + W_A0]
             a1 = s_queue[ins + W_A1]
@@ -418,7 +433,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                 if cutlass.const_expr(self.options.trace):
                     rec = self.trace_record(trace, sm, i)
                 if is_matvec(op):
-                    k_slot = self.matvec(tidx, warp, lane, op, layer, a0, a1, a2, a3, s_queue[ins + W_K_PART],
+                    k_slot = self.matvec(tidx, warp, lane, op, xch, layer, a0, a1, a2, a3, s_queue[ins + W_K_PART],
                                          s_queue[ins + W_K_PARTS], k_slot, ring, full, empty, p, s, rec)
                 else:
                     if op == OP_EMBED:
@@ -430,6 +445,9 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                         self.attn_reduce(tidx, layer, a0, a1, a3, p)
                     if op == OP_ARGMAX:
                         self.argmax(warp, lane, a0, p)
+                    if cutlass.const_expr(self.W > 1):
+                        if op == OP_TP_REDUCE:
+                            self.tp_reduce(tidx, layer, a0, a1, a3, p)
                     if cutlass.const_expr(len(self.split_widths) > 0):
                         if op == OP_MV_REDUCE:
                             self.mv_reduce(tidx, layer, a0, a1, a2, a3, p, s, rec)
@@ -438,7 +456,16 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
             self.consumer_sync()
             signal_id = s_queue[ins + W_SIGNAL_ID]
             if tidx == 0 and s_ctrl[1] == 0 and signal_id >= 0:
-                red_release_add(counters + Int64(signal_id) * 4, Int32(1))
+                if cutlass.const_expr(self.W > 1):
+                    if xch != 0:
+                        # an exchange stage's signal lands on that counter of every rank, itself included
+                        for r in cutlass.range_constexpr(self.W):
+                            red_release_add_sys(self.peer_address(p, r, Int32(PEER_COUNTERS)) + Int64(signal_id) * 4,
+                                                Int32(1))
+                    else:
+                        red_release_add(counters + Int64(signal_id) * 4, Int32(1))
+                else:
+                    red_release_add(counters + Int64(signal_id) * 4, Int32(1))
             if cutlass.const_expr(self.options.trace):
                 if tidx == 0:
                     rec = self.trace_record(trace, sm, i)

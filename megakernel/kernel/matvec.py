@@ -28,8 +28,8 @@ from ..instructions.opcodes import Opcode
 from .ptx import (ex2, globaltimer_lo, ld_f32, load_shared_b32x2, load_shared_raw, max_index, mbarrier_arrive,
                   mma_bf16_16816, rsqrt, st_f32, st_i32, warp_max_index, warp_sum)
 from .ring_model import reader_warp
-from .stream import (ITEM_ROWS, SLAB_COLS, SLOT_BYTES, TR_CONSUMED, TR_EPILOGUE, TR_LANDED_FIRST, TR_LANDED_LAST,
-                     TR_STAGED, TR_WAIT_LANDED, X_PAD)
+from .stream import (ITEM_ROWS, PEER_LM_IDX, PEER_LM_MAX, PEER_RECV_DOWN, PEER_RECV_O, SLAB_COLS, SLOT_BYTES,
+                     TR_CONSUMED, TR_EPILOGUE, TR_LANDED_FIRST, TR_LANDED_LAST, TR_STAGED, TR_WAIT_LANDED, X_PAD)
 
 LOAD_KP = 4                # 32-column blocks whose weight loads are in flight at once (8 x 16 bytes per lane)
 
@@ -48,12 +48,14 @@ class MatvecStage:
     """Consumer-side matvec (a mixin of the interpreter)."""
 
     @cute.jit
-    def matvec(self, tidx: Int32, warp: Int32, lane: Int32, op: Int32, layer: Int32, a0: Int32, a1: Int32,
-               tile: Int32, a3: Int32, kpart: Int32, kparts: Int32, k_slot: Int32, ring: Int32, full: Int32,
-               empty: Int32, p, s, rec: Int64) -> Int32:
+    def matvec(self, tidx: Int32, warp: Int32, lane: Int32, op: Int32, xch: Int32, layer: Int32, a0: Int32,
+               a1: Int32, tile: Int32, a3: Int32, kpart: Int32, kparts: Int32, k_slot: Int32, ring: Int32,
+               full: Int32, empty: Int32, p, s, rec: Int64) -> Int32:
         """One tile (rows a0 .. a0 + a1 - 1; columns of K range kpart of kparts) of a matvec stage; k_slot is
         the CTA's slot count before it, returned advanced by the tile's slots. `p` holds the step's global
-        addresses (StepArgs), `s` the shared-memory scratch (SharedScratch)."""
+        addresses (StepArgs), `s` the shared-memory scratch (SharedScratch). xch != 0: a tensor-parallel
+        exchange stage (stream.dense_opcode), whose partial sums (TP_O_PROJ, TP_DOWN; no residual) or tile maximum
+        (TP_LM_HEAD, in slot rank x tiles per rank + tile) go to every rank (megakernel.kernel.tensor_parallel)."""
         B, H = self.B, self.H
         l64 = Int64(layer)
         _, k_row = self.weight_tile(op, layer, a0, p.w_qkv, p.w_o, p.w_gate_up, p.w_down, p.w_lm_head)
@@ -98,6 +100,14 @@ class MatvecStage:
             has_norm = Boolean(True)
             out_addr = p.logits + Int64(a0) * 4
             out_w = Int32(self.V)
+        if cutlass.const_expr(self.W > 1):
+            if xch != 0:
+                if op == OP_LM_HEAD:
+                    tile = tile + self.rank * a3              # the rank's argmax slots follow the lower ranks'
+                else:
+                    # slot `rank` of every rank's receive buffer [L, W, B, H]: an offset from each rank's base
+                    out_addr = ((l64 * self.W + self.rank) * (B * H) + Int64(a0)) * 4
+                    has_res = Boolean(False)
         merge = op == OP_O_PROJ and a3 > 0      # O_PROJ's input is the merge of the attention splits
         from_embed = op == OP_QKV and a3 == 1   # layer 0's QKV reads embed[token] (embed_folded layouts)
         if cutlass.const_expr(self.wide):
@@ -105,14 +115,14 @@ class MatvecStage:
                                       chunk, xsl, has_norm, has_res, out_addr, out_w, res_addr, k_slot, ring, full,
                                       empty, p, s, rec)
         else:
-            k_slot = self.matvec_narrow(tidx, warp, lane, op, layer, a0, a1, tile, K, slab, n_slab, rps, chunk, xsl,
-                                        merge, from_embed, has_norm, has_res, in_addr, norm_addr, out_addr, out_w,
-                                        res_addr, k_slot, ring, full, empty, p, s, rec)
+            k_slot = self.matvec_narrow(tidx, warp, lane, op, xch, layer, a0, a1, tile, K, slab, n_slab, rps, chunk,
+                                        xsl, merge, from_embed, has_norm, has_res, in_addr, norm_addr, out_addr,
+                                        out_w, res_addr, k_slot, ring, full, empty, p, s, rec)
         return k_slot
 
     @cute.jit
-    def matvec_narrow(self, tidx: Int32, warp: Int32, lane: Int32, op: Int32, layer: Int32, a0: Int32, a1: Int32,
-                      tile: Int32, K: Int32, slab: Int32, n_slab: Int32, rps: Int32, chunk: Int32, xsl: Int32,
+    def matvec_narrow(self, tidx: Int32, warp: Int32, lane: Int32, op: Int32, xch: Int32, layer: Int32, a0: Int32,
+                      a1: Int32, tile: Int32, K: Int32, slab: Int32, n_slab: Int32, rps: Int32, chunk: Int32, xsl: Int32,
                       merge: Boolean, from_embed: Boolean, has_norm: Boolean, has_res: Boolean, in_addr: Int64,
                       norm_addr: Int64, out_addr: Int64, out_w: Int32, res_addr: Int64, k_slot: Int32, ring: Int32,
                       full: Int32, empty: Int32, p, s, rec: Int64) -> Int32:
@@ -211,9 +221,9 @@ class MatvecStage:
                     st_i32(rec + TR_CONSUMED * 4, globaltimer_lo())     # every warp past the chunk's last slot
                     st_i32(rec + TR_WAIT_LANDED * 4, t_landed)          # warp 0's waits for its slots (so far)
             self.epilogue(tidx, warp, lane, c0, rows, n_seg, a0, tile, is_gate_up, is_lm, has_norm, has_res,
-                          res_addr, res0, out_addr, out_w, s)
+                          res_addr, res0, out_addr, out_w, xch, op == OP_DOWN, p, s)
         if is_lm:
-            self.store_tile_maximum(tidx, tile, p, s)
+            self.store_tile_maximum(tidx, tile, xch, p, s)
         if cutlass.const_expr(self.options.trace):
             if tidx == 0:
                 st_i32(rec + TR_EPILOGUE * 4, globaltimer_lo())         # thread 0 past the last epilogue
@@ -310,11 +320,14 @@ class MatvecStage:
     @cute.jit
     def epilogue(self, tidx: Int32, warp: Int32, lane: Int32, c0: Int32, rows: Int32, n_seg: Int32, a0: Int32,
                  tile: Int32, is_gate_up: Boolean, is_lm: Boolean, has_norm: Boolean, has_res: Boolean,
-                 res_addr: Int64, res0: Float32, out_addr: Int64, out_w: Int32, s):
+                 res_addr: Int64, res0: Float32, out_addr: Int64, out_w: Int32, xch: Int32, is_down: Boolean, p,
+                 s):
         """One chunk's outputs, one thread per (row, sequence): the row's partials summed in segment order,
         times the RMSNorm scale, then the stage's store; the LM head also reduces the chunk's (max, argmax)
         into the tile's per sequence (ties -> lowest row). No barrier at the end: the next chunk begins
-        with one, and the instruction's signal follows one."""
+        with one, and the instruction's signal follows one. A tensor-parallel exchange (xch != 0, not the LM
+        head) stores into its slot of every rank's receive buffer (out_addr an offset from each one's base;
+        is_down: recv_down, else recv_o)."""
         s_part, s_rstd, s_wi, s_wv = s.part, s.rstd, s.wi, s.wv
         B, H = self.B, self.H
         n_out = rows * B
@@ -350,7 +363,17 @@ class MatvecStage:
                         y = y + res0
                     else:
                         y = y + ld_f32(res_addr + (Int64(b) * Int64(H) + Int64(c0 + r)) * 4)
-                st_f32(ob + Int64(c0 + r) * 4, y)
+                if cutlass.const_expr(self.W > 1):
+                    if xch != 0 and not is_lm:
+                        word = Int32(PEER_RECV_O)
+                        if is_down:
+                            word = Int32(PEER_RECV_DOWN)
+                        for rk in cutlass.range_constexpr(self.W):
+                            st_f32(self.peer_address(p, rk, word) + ob + Int64(c0 + r) * 4, y)
+                    else:
+                        st_f32(ob + Int64(c0 + r) * 4, y)
+                else:
+                    st_f32(ob + Int64(c0 + r) * 4, y)
                 if is_lm:
                     s_part[(r * n_seg) * B + b] = y          # keep the logit for the argmax below
         if is_lm:
@@ -362,7 +385,8 @@ class MatvecStage:
                     v = s_part[(r * n_seg) * B + b]
                     if v > bv:
                         bv = v
-                        bi = a0 + c0 + r
+                        bi = a0 + c0 + r + self.rank * self.V     # a vocabulary id (tensor parallel: the rank's
+                                                                   # rows follow the lower ranks')
                 bv, bi = warp_max_index(bv, bi)
                 if lane == 0:
                     s_wv[warp * B + b] = bv
@@ -392,11 +416,22 @@ class MatvecStage:
             s_ired[tidx] = bi
 
     @cute.jit
-    def store_tile_maximum(self, tidx: Int32, tile: Int32, p, s):
-        """The LM head tile's (max, index) of every sequence into lm_max / lm_idx [B, T], slot `tile`."""
+    def store_tile_maximum(self, tidx: Int32, tile: Int32, xch: Int32, p, s):
+        """The LM head tile's (max, index) of every sequence into lm_max / lm_idx [B, T], slot `tile`; a
+        tensor-parallel TP_LM_HEAD (xch != 0) into that slot of every rank's."""
         if tidx < self.B:
-            st_f32(p.lm_max + (Int64(tidx) * self.T + Int64(tile)) * 4, s.red[tidx])
-            st_i32(p.lm_idx + (Int64(tidx) * self.T + Int64(tile)) * 4, s.ired[tidx])
+            off = (Int64(tidx) * self.T + Int64(tile)) * 4
+            if cutlass.const_expr(self.W > 1):
+                if xch != 0:
+                    for rk in cutlass.range_constexpr(self.W):
+                        st_f32(self.peer_address(p, rk, Int32(PEER_LM_MAX)) + off, s.red[tidx])
+                        st_i32(self.peer_address(p, rk, Int32(PEER_LM_IDX)) + off, s.ired[tidx])
+                else:
+                    st_f32(p.lm_max + off, s.red[tidx])
+                    st_i32(p.lm_idx + off, s.ired[tidx])
+            else:
+                st_f32(p.lm_max + off, s.red[tidx])
+                st_i32(p.lm_idx + off, s.ired[tidx])
 
     @cute.jit
     def rms_statistic(self, tidx: Int32, warp: Int32, lane: Int32, K: Int32, ss: cute.Tensor, s):

@@ -161,7 +161,7 @@ class WideMatvec:
             if is_lm:
                 self.merge_chunk_maxima(tidx, s)
         if is_lm:
-            self.store_tile_maximum(tidx, tile, p, s)
+            self.store_tile_maximum(tidx, tile, Int32(0), p, s)
         return k_slot
 
     @cute.jit

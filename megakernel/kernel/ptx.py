@@ -224,6 +224,12 @@ def red_release_add(addr: Int64, value: Int32):
 
 
 @cute.jit
+def red_release_add_sys(addr: Int64, value: Int32):
+    """red.release at system scope: a counter that another GPU's CTAs wait on (tensor parallel's exchanges)."""
+    cute.arch.inline_ptx("red.release.sys.global.add.s32 [{$r0}], {$r1};", read_only_args=[addr, value])
+
+
+@cute.jit
 def atomic_add_acq_rel(addr: Int64, value: Int32) -> Int32:
     return cute.arch.inline_ptx("atom.acq_rel.gpu.global.add.s32 {$w0}, [{$r0}], {$r1};",
                                 write_only_types=[Int32], read_only_args=[addr, value])

@@ -88,7 +88,7 @@ class InputStaging:
             if cutlass.const_expr(self.layout.embed_folded):
                 if from_embed:
                     tok = ld_i32(p.tokens + Int64(bb) * 4)
-                    if tok < 0 or tok >= self.V:
+                    if tok < 0 or tok >= self.vocab:
                         tok = Int32(0)            # EMBED reports it in the error word
                     rows[bb] = p.w_embed + Int64(tok) * (self.H * 2)
         # every load of the round first (raw words: nothing uses a value before the last load is out), so the

@@ -56,6 +56,31 @@ OP_QKV, OP_O_PROJ, OP_DOWN, OP_LM_HEAD = int(Opcode.QKV), int(Opcode.O_PROJ), in
 OP_ATTN_PARTIAL, OP_ATTN_REDUCE = int(Opcode.ATTN_PARTIAL), int(Opcode.ATTN_REDUCE)
 
 
+OP_TP_O_PROJ, OP_TP_DOWN = int(Opcode.TP_O_PROJ), int(Opcode.TP_DOWN)
+OP_TP_REDUCE, OP_TP_LM_HEAD = int(Opcode.TP_REDUCE), int(Opcode.TP_LM_HEAD)
+# the peer table of a tensor-parallel rank (int64 [world_size, PEER_WORDS], rank order): each rank's receive
+# buffers, argmax slots and counters, where the exchange stages store and signal
+PEER_RECV_O, PEER_RECV_DOWN, PEER_LM_MAX, PEER_LM_IDX, PEER_COUNTERS, PEER_WORDS = range(6)
+
+
+@cute.jit
+def dense_opcode(op: Int32):
+    """(the dense stage a record runs as, 1 if it is an exchange stage else 0): TP_O_PROJ, TP_DOWN and TP_LM_HEAD
+    stream and multiply as O_PROJ, DOWN and LM_HEAD over the rank's shard; only their stores and signal differ."""
+    xch = Int32(0)
+    base = op
+    if op == OP_TP_O_PROJ:
+        base = Int32(OP_O_PROJ)
+        xch = Int32(1)
+    if op == OP_TP_DOWN:
+        base = Int32(OP_DOWN)
+        xch = Int32(1)
+    if op == OP_TP_LM_HEAD:
+        base = Int32(OP_LM_HEAD)
+        xch = Int32(1)
+    return base, xch
+
+
 @cute.jit
 def is_matvec(op: Int32) -> Boolean:
     """QKV, O_PROJ, GATE_UP, DOWN and LM_HEAD: the opcodes that stream a weight tile."""
@@ -308,6 +333,8 @@ class WeightStream:
         for i in range(n):
             ins = i * WORDS
             op = s_queue[ins + W_OPCODE]
+            if cutlass.const_expr(self.W > 1):
+                op, _ = dense_opcode(op)
             if stop == 0:
                 stop = cute.arch.shuffle_sync(load_shared_volatile(abort_addr), 0)
             if is_matvec(op) and stop == 0:

@@ -56,7 +56,7 @@ class TokenStages:
                     bt = t // n8
                     k = (t - bt * n8) * 8
                     tok = toks[v]
-                    if tok < 0 or tok >= self.V:
+                    if tok < 0 or tok >= self.vocab:
                         if k == 0:
                             if atomic_cas(p.error, Int32(0), Int32(ERR_TOKEN)) == 0:
                                 store_relaxed(p.error + 4, index)

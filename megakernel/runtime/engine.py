@@ -45,7 +45,7 @@ from ..instructions.layout import (KERNEL_CAPABILITY, KERNEL_MAX_BATCH, PackedWe
 from ..instructions.opcodes import Opcode
 from ..instructions.record import serialize
 from ..kernel.interpreter import ARG_NAMES, ERR_ALIAS, ERR_POSITION, ERR_RING, ERR_TIMEOUT, ERR_TOKEN, KernelOptions
-from ..kernel.stream import (TR_BEGIN, TR_CONSUMED, TR_END, TR_EPILOGUE, TR_ISSUED_FIRST, TR_ISSUED_LAST,
+from ..kernel.stream import (PEER_WORDS, TR_BEGIN, TR_CONSUMED, TR_END, TR_EPILOGUE, TR_ISSUED_FIRST, TR_ISSUED_LAST,
                              TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY, TR_STAGED, TR_WAIT_FREE,
                              TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED, TRACE_WORDS)
 from ..model.kv_cache import contiguous_block_table
@@ -155,6 +155,8 @@ class MegakernelEngine:
         # the error code's copy in mapped (pinned) host memory: the launch after a failed step writes it, so a
         # loop that never syncs (graph replays, vLLM) reads it with error_flag()
         self.host_error = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        # tensor parallel's peer table (megakernel.kernel.tensor_parallel); a one-GPU step never reads it
+        self.peers = torch.zeros(1, PEER_WORDS, dtype=torch.int64, device=self.device)
         self.options = options
         self.steps = 0
         self.compiled = None
@@ -258,7 +260,7 @@ class MegakernelEngine:
             "h_wide": b.h_wide, "attn_wide": b.attn_wide, "act_wide": b.act_wide, "x_ssq": b.x_ssq, "h_ssq": b.h_ssq,
             "counters": b.counters,
             "sync": b.sync, "error": b.error, "kv_table": self.kv_table, "trace": self.trace_buf,
-            "host_error": self.host_error,
+            "host_error": self.host_error, "peers": self.peers,
         }
 
     # ---------------------------------------------------------------- hot path

@@ -254,3 +254,23 @@ def test_wide_batches_stream_and_multiply(name, batch):
     assert re.search(r"\bFENCE\.VIEW\.ASYNC\.S\b", art["sass"]), f"{what}: no proxy fence in the SASS"
     assert len(re.findall(r"cp\.async\.bulk\.shared::cluster\.global", art["ptx"])) >= 2, \
         f"{what}: the weights' bulk copies and no input copy"
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tensor_parallel_rank_compiles_with_its_exchanges(rank, batch):
+    """A rank of llama-3.2-1b split two ways (schedule.tensor_parallel's program, the rank's shard): no spills,
+    and its exchange stages signal with a system-scope release (a peer GPU's counter); the one-GPU kernel has none."""
+    from megakernel.schedule.tensor_parallel import build_tp_program
+    lay = StepLayout(config=get_preset("llama-3.2-1b"), batch=batch, kv_splits=1, block_size=16,
+                     max_blocks_per_seq=32, num_sms=66)
+    prog = build_tp_program(lay, 2)
+    table, _ = serialize(assign(prog, "balanced"))
+    key = KernelKey(layout=prog.rank_layout(rank), lm_tiles=2 * prog.lm_tiles, num_counters=prog.num_counters,
+                    max_queue_len=table.shape[1], kv_strides=None, options=KernelOptions())
+    kernel = compile_decode_kernel(key, keep_artifacts=True)
+    text = sass(kernel.__cubin__)
+    what = f"llama-3.2-1b TP=2 rank {rank} batch={batch}"
+    assert spill_instructions(text) == 0, f"{what}: local-memory loads/stores in the SASS"
+    assert "red.release.sys.global.add.s32" in kernel.__ptx__, f"{what}: no system-scope release"
+    assert "red.release.sys" not in compiled("llama-3.2-1b", batch)["ptx"], "the one-GPU kernel signals a peer"

@@ -48,9 +48,8 @@ class ShardLayout(StepLayout):
     def validate(self) -> None:
         """ValueError for a step the ranks cannot run: what StepLayout.validate refuses for the whole model, a
         batch past SPLIT_BATCH, a rank out of range, or a shard whose rows are no whole number of ROW_GROUP-row
-        groups. (The device code, still to be written, will also need the shard's matvec inputs q_size/W and F/W
-        in whole column passes, as StepLayout.validate asks of the whole model; the CPU schedule does not depend
-        on it.)"""
+        groups. (The device code also needs the shard's matvec inputs q_size/W and F/W in whole column passes,
+        which runtime.tensor_parallel.TensorParallelEngine checks; the CPU schedule does not depend on it.)"""
         self.full.validate()
         if self.batch > SPLIT_BATCH:
             raise ValueError(f"batch={self.batch}: tensor parallel runs batches up to {SPLIT_BATCH} (past it the "

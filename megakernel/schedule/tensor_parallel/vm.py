@@ -136,7 +136,7 @@ class TPVMDecoder:
     """A tensor-parallel decode step on the CPU: world_size ranks, each with its shard of the weights
     (model.tensor_parallel.shard_weights, packed as its kernel streams them), the KV cache of its own kv heads
     (`k_caches[rank]`, NaN-filled), its buffers and its serialized queues, all run by one TPInstructionVM.
-    The CPU twin of one megakernel per GPU with the exchanges between them (which do not exist on the GPU yet).
+    The CPU twin of one megakernel per GPU with the exchanges between them (runtime.tensor_parallel).
     Every rank gets the same step inputs."""
 
     def __init__(self, weights, world_size: int, batch: int, max_seq_len: int, block_size: int = 16,
