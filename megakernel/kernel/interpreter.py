@@ -52,8 +52,8 @@ from .matvec import MatvecStage
 from .matvec_wide import WideMatvec
 from .staging import InputStaging
 from .ptx import (atomic_add_acq_rel, atomic_cas, cp_async_wait_all, globaltimer_lo, ld_i32, ld_i64, load_acquire,
-                  load_relaxed, mbarrier_init, mbarrier_init_fence, red_release_add, red_release_add_sys, st_i32,
-                  store_relaxed, store_system_nonzero)
+                  load_acquire_sys, load_relaxed, mbarrier_init, mbarrier_init_fence, red_release_add,
+                  red_release_add_sys, st_i32, store_relaxed, store_system_nonzero)
 from .stream import (ERR_RING, OP_TP_REDUCE, PEER_COUNTERS, PEER_WORDS, SLOT_BYTES, TRACE_WORDS,  # noqa: F401
                      WIDE_WARPS, StreamPlan, WeightStream, dense_opcode, is_matvec, wide, wide_groups)
 from .stream import (TR_BEGIN, TR_CONSUMED, TR_END, TR_EPILOGUE, TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY,
@@ -235,6 +235,14 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
         return ld_i64(p.peers + (Int64(r * PEER_WORDS) + Int64(word)) * 8)
 
     @cute.jit
+    def wait_load(self, caddr: Int64) -> Int32:
+        """A counter wait's acquire load: at system scope for a tensor-parallel rank, whose exchange counters
+        other GPUs signal (the peers' stores into this rank's buffers are then visible), else at GPU scope."""
+        if cutlass.const_expr(self.W > 1):
+            return load_acquire_sys(caddr)
+        return load_acquire(caddr)
+
+    @cute.jit
     def consumer_sync(self):
         """Barrier of the consumer warps alone (named barrier 1; the producer warp never waits on it)."""
         cute.arch.barrier(barrier_id=1, number_of_threads=self.cthreads)
@@ -401,12 +409,12 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
             if tidx == 0 and wait_id >= 0:
                 target = (s_ctrl[0] + 1) * s_queue[ins + W_WAIT_COUNT]
                 caddr = counters + Int64(wait_id) * 4
-                seen = load_acquire(caddr)
+                seen = self.wait_load(caddr)
                 t0 = cute.arch.globaltimer()
                 ok = Boolean(True)
                 spins = Int32(0)
                 while seen - target < 0 and ok:
-                    seen = load_acquire(caddr)
+                    seen = self.wait_load(caddr)
                     spins = spins + 1
                     if spins % ERROR_POLL == 0:
                         # another CTA failed (its signal may never come): abort now, not at the timeout

@@ -219,6 +219,13 @@ def load_acquire(addr: Int64) -> Int32:
 
 
 @cute.jit
+def load_acquire_sys(addr: Int64) -> Int32:
+    """ld.acquire at system scope: a counter that another GPU's CTAs signal (tensor parallel)."""
+    return cute.arch.inline_ptx("ld.acquire.sys.global.b32 {$w0}, [{$r0}];",
+                                write_only_types=[Int32], read_only_args=[addr])
+
+
+@cute.jit
 def red_release_add(addr: Int64, value: Int32):
     cute.arch.inline_ptx("red.release.gpu.global.add.s32 [{$r0}], {$r1};", read_only_args=[addr, value])
 
