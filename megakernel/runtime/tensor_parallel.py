@@ -146,16 +146,18 @@ class TensorParallelEngine:
                 b.block_table.copy_(torch.as_tensor(block_table).to(torch.int32))
             b.tokens.copy_(torch.as_tensor(tokens).to(device=rk.device, dtype=torch.int32))
             b.positions.copy_(torch.as_tensor(positions).to(device=rk.device, dtype=torch.int32))
-            rk.stream.wait_stream(torch.cuda.current_stream(rk.device))
         self.launch()
         if check:
             self.check()
         return self.ranks[0].bufs.out_tokens
 
     def launch(self, ranks: list[int] | None = None) -> None:
-        """Launch the given ranks' kernels (all by default), every one before waiting for any."""
+        """Launch the given ranks' kernels (all by default), every one before waiting for any, each on its own
+        stream after what its device's current stream has queued (the inputs' copies)."""
         for r in (range(self.world_size) if ranks is None else ranks):
-            self.ranks[r].launch()
+            rk = self.ranks[r]
+            rk.stream.wait_stream(torch.cuda.current_stream(rk.device))
+            rk.launch()
 
     def check(self) -> None:
         """Wait for every rank; MegakernelError naming the first rank that reported an error (after every rank's
