@@ -108,21 +108,21 @@ def one_step_logits(eng, start=32):
     return eng.logits.clone()
 
 def hop_waits(recs, instructions):
-    """opcode -> mean over its instructions that waited on a counter of (ready - the end stamp of the last
-    instruction that signalled that counter): the hop from the last producer's release to the consumer's
-    barrier after its poll. Instructions whose counter was complete before they began are left out (they did
-    not wait for the hop). A trace holds one step, so each counter has one set of producers."""
+    """instruction index -> ready - the end stamp of the last instruction that signalled the counter it waited
+    on: the hop from the last producer's release to the consumer's barrier after its poll. Instructions whose
+    counter was complete before they began are left out (they did not wait for the hop). A trace holds one
+    step, so each counter has one set of producers."""
     last_end = {}
     for r in recs:
         sig = instructions[r["index"]].signal_id
         if sig >= 0:
             last_end[sig] = max(last_end.get(sig, r["end"]), r["end"])
-    hops = collections.defaultdict(list)
+    hops = {}
     for r in recs:
         w = instructions[r["index"]].wait_id
         if w >= 0 and w in last_end and r["begin"] < last_end[w]:
-            hops[r["opcode"]].append(r["ready"] - last_end[w])
-    return {op: statistics.mean(v) for op, v in hops.items()}
+            hops[r["index"]] = r["ready"] - last_end[w]
+    return hops
 
 def trace(eng, start=32):
     prepare(eng, start)
@@ -182,7 +182,8 @@ def trace(eng, start=32):
                 if ep:
                     # thread 0 past its epilogue, then the signal's barrier and release
                     body = statistics.mean(r["epilogue_done"] - r["streamed"] for r in ep)
-                    stream += f": body {body/1e3:5.2f}, barrier + release {(tail - body)/1e3:5.2f} us"
+                    signal = statistics.mean(r["end"] - r["epilogue_done"] for r in ep)
+                    stream += f": body {body/1e3:5.2f}, barrier + release {signal/1e3:5.2f} us"
                 stream += ")"
             ld = [r for r in rs if "landed_last" in r]
             if ld:
@@ -196,7 +197,8 @@ def trace(eng, start=32):
                 free, cap, landed = (statistics.mean(r[k] for r in wr) / 1e3
                                      for k in ("wait_free", "wait_in_flight", "wait_landed"))
                 stream += f"  (ring waits: free slot {free:6.2f}, in flight {cap:6.2f}, landed {landed:6.2f} us)"
-        hop = f"  hop {hops[op]/1e3:5.2f} us" if op in hops else ""
+        hv = [hops[r["index"]] for r in rs if r["index"] in hops]
+        hop = f"  hop {statistics.mean(hv)/1e3:5.2f} us" if hv else ""
         print(f"    {op:17s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us{phase}{hop}{stream}")
 
 def main():

@@ -464,14 +464,11 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
             self.consumer_sync()
             signal_id = s_queue[ins + W_SIGNAL_ID]
             if tidx == 0 and s_ctrl[1] == 0 and signal_id >= 0:
-                if cutlass.const_expr(self.W > 1):
-                    if xch != 0:
-                        # an exchange stage's signal lands on that counter of every rank, itself included
-                        for r in cutlass.range_constexpr(self.W):
-                            red_release_add_sys(self.peer_address(p, r, Int32(PEER_COUNTERS)) + Int64(signal_id) * 4,
-                                                Int32(1))
-                    else:
-                        red_release_add(counters + Int64(signal_id) * 4, Int32(1))
+                if xch != 0:
+                    # an exchange stage's signal lands on that counter of every rank, itself included
+                    for r in cutlass.range_constexpr(self.W):
+                        red_release_add_sys(self.peer_address(p, r, Int32(PEER_COUNTERS)) + Int64(signal_id) * 4,
+                                            Int32(1))
                 else:
                     red_release_add(counters + Int64(signal_id) * 4, Int32(1))
             if cutlass.const_expr(self.options.trace):

@@ -330,6 +330,9 @@ class MatvecStage:
         is_down: recv_down, else recv_o)."""
         s_part, s_rstd, s_wi, s_wv = s.part, s.rstd, s.wi, s.wv
         B, H = self.B, self.H
+        word = Int32(PEER_RECV_O)         # (an exchange: the receive buffer it stores into)
+        if is_down:
+            word = Int32(PEER_RECV_DOWN)
         n_out = rows * B
         if is_gate_up:
             n_out = (rows // 2) * B
@@ -363,15 +366,9 @@ class MatvecStage:
                         y = y + res0
                     else:
                         y = y + ld_f32(res_addr + (Int64(b) * Int64(H) + Int64(c0 + r)) * 4)
-                if cutlass.const_expr(self.W > 1):
-                    if xch != 0 and not is_lm:
-                        word = Int32(PEER_RECV_O)
-                        if is_down:
-                            word = Int32(PEER_RECV_DOWN)
-                        for rk in cutlass.range_constexpr(self.W):
-                            st_f32(self.peer_address(p, rk, word) + ob + Int64(c0 + r) * 4, y)
-                    else:
-                        st_f32(ob + Int64(c0 + r) * 4, y)
+                if xch != 0 and not is_lm:
+                    for rk in cutlass.range_constexpr(self.W):
+                        st_f32(self.peer_address(p, rk, word) + ob + Int64(c0 + r) * 4, y)
                 else:
                     st_f32(ob + Int64(c0 + r) * 4, y)
                 if is_lm:
@@ -421,14 +418,10 @@ class MatvecStage:
         tensor-parallel TP_LM_HEAD (xch != 0) into that slot of every rank's."""
         if tidx < self.B:
             off = (Int64(tidx) * self.T + Int64(tile)) * 4
-            if cutlass.const_expr(self.W > 1):
-                if xch != 0:
-                    for rk in cutlass.range_constexpr(self.W):
-                        st_f32(self.peer_address(p, rk, Int32(PEER_LM_MAX)) + off, s.red[tidx])
-                        st_i32(self.peer_address(p, rk, Int32(PEER_LM_IDX)) + off, s.ired[tidx])
-                else:
-                    st_f32(p.lm_max + off, s.red[tidx])
-                    st_i32(p.lm_idx + off, s.ired[tidx])
+            if xch != 0:
+                for rk in cutlass.range_constexpr(self.W):
+                    st_f32(self.peer_address(p, rk, Int32(PEER_LM_MAX)) + off, s.red[tidx])
+                    st_i32(self.peer_address(p, rk, Int32(PEER_LM_IDX)) + off, s.ired[tidx])
             else:
                 st_f32(p.lm_max + off, s.red[tidx])
                 st_i32(p.lm_idx + off, s.ired[tidx])

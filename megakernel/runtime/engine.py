@@ -85,6 +85,27 @@ class ErrorWord:
         return f"unknown error code {self.code} at {what}"
 
 
+def kernel_arg_tensors(weights: PackedWeights, bufs, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The kernel's arguments by name (interpreter.ARG_NAMES): the engine's `own` tensors (queue, lengths, ones,
+    kv_table, trace, host_error, peers), the packed weights' and, for the other names, the step buffers'."""
+    w = weights
+    streamed = {"w_embed": w.embed, "w_qkv": w.qkv, "w_o": w.o_proj, "w_gate_up": w.gate_up, "w_down": w.down,
+                "w_lm_head": w.lm_head, "attn_norm": w.attn_norm, "mlp_norm": w.mlp_norm,
+                "final_norm": w.final_norm, "q_norm": w.q_norm, "k_norm": w.k_norm, "rope_cos": w.rope_cos,
+                "rope_sin": w.rope_sin}
+    return {name: own[name] if name in own else streamed[name] if name in streamed else getattr(bufs, name)
+            for name in ARG_NAMES}
+
+
+def reset_sync(bufs, device: torch.device, host_error: torch.Tensor) -> None:
+    """Zero an engine's counters, epoch and error word, and the error's host copy."""
+    bufs.counters.zero_()
+    bufs.sync.zero_()
+    bufs.error.zero_()
+    torch.cuda.synchronize(device)      # no launch still in flight writes the host copy afterwards
+    host_error.zero_()
+
+
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -246,22 +267,9 @@ class MegakernelEngine:
             self._compile(self.queue_table.shape[1])
 
     def _arg_tensors(self) -> dict[str, torch.Tensor]:
-        w, b = self.weights, self.bufs
-        return {
-            "queue": self.queue_table, "lengths": self.queue_lengths,
-            "w_embed": w.embed, "w_qkv": w.qkv, "w_o": w.o_proj, "w_gate_up": w.gate_up, "w_down": w.down,
-            "w_lm_head": w.lm_head, "attn_norm": w.attn_norm, "mlp_norm": w.mlp_norm,
-            "final_norm": w.final_norm, "ones": self.ones, "q_norm": w.q_norm, "k_norm": w.k_norm,
-            "rope_cos": w.rope_cos, "rope_sin": w.rope_sin, "tokens": b.tokens, "positions": b.positions,
-            "block_table": b.block_table, "x": b.x, "h": b.h, "qkv": b.qkv, "attn_part_o": b.attn_part_o,
-            "attn_part_lse": b.attn_part_lse, "attn_out": b.attn_out, "act": b.act, "logits": b.logits,
-            "lm_max": b.lm_max, "lm_idx": b.lm_idx, "out_tokens": b.out_tokens, "part_qkv": b.part_qkv,
-            "part_o": b.part_o, "part_gate_up": b.part_gate_up, "part_down": b.part_down, "x_wide": b.x_wide,
-            "h_wide": b.h_wide, "attn_wide": b.attn_wide, "act_wide": b.act_wide, "x_ssq": b.x_ssq, "h_ssq": b.h_ssq,
-            "counters": b.counters,
-            "sync": b.sync, "error": b.error, "kv_table": self.kv_table, "trace": self.trace_buf,
-            "host_error": self.host_error, "peers": self.peers,
-        }
+        return kernel_arg_tensors(self.weights, self.bufs, {
+            "queue": self.queue_table, "lengths": self.queue_lengths, "ones": self.ones, "kv_table": self.kv_table,
+            "trace": self.trace_buf, "host_error": self.host_error, "peers": self.peers})
 
     # ---------------------------------------------------------------- hot path
     def launch(self, stream: torch.cuda.Stream | None = None) -> None:
@@ -311,11 +319,7 @@ class MegakernelEngine:
 
     def reset_sync(self) -> None:
         """Zero counters, epoch and error word, and its host copy (after an error, or to start over)."""
-        self.bufs.counters.zero_()
-        self.bufs.sync.zero_()
-        self.bufs.error.zero_()
-        torch.cuda.synchronize(self.device)      # no launch still in flight writes the host copy afterwards
-        self.host_error.zero_()
+        reset_sync(self.bufs, self.device, self.host_error)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor | None = None,
              check: bool = True) -> torch.Tensor:

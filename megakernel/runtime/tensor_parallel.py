@@ -15,8 +15,8 @@ from collections import Counter
 
 import torch
 
-from ..instructions.layout import (KERNEL_CAPABILITY, StepLayout, default_kv_splits, pack_weights, require_kernel_batch,
-                                   validate_step_inputs)
+from ..instructions.layout import (COL_PASS, KERNEL_CAPABILITY, StepLayout, default_kv_splits, pack_weights,
+                                   require_kernel_batch, validate_step_inputs)
 from ..instructions.record import deserialize
 from ..instructions.tensor_parallel.layout import allocate_tp_buffers
 from ..kernel.interpreter import ARG_NAMES, KernelOptions
@@ -26,9 +26,7 @@ from ..model.kv_cache import contiguous_block_table
 from ..model.tensor_parallel import shard_config, shard_weights
 from ..model.weights import ModelWeights
 from ..schedule.tensor_parallel import build_tp_program, rank_tables, simulate_ranks
-from .engine import ErrorWord, MegakernelError, _sm_count
-
-COL_PASS = 256      # a matvec input's columns come in whole passes of this many (stream.slot_geometry)
+from .engine import ErrorWord, MegakernelError, _sm_count, kernel_arg_tensors, reset_sync
 
 
 class _Rank:
@@ -73,16 +71,10 @@ class _Rank:
         key = KernelKey(self.layout, program.world_size * program.lm_tiles, program.num_counters,
                         self.queue_table.shape[1], tuple(self.k_cache.stride()[1:4]), options)
         self.compiled = compile_decode_kernel(key)
-        w, b = self.weights, self.bufs
-        tensors = {
-            "queue": self.queue_table, "lengths": self.queue_lengths,
-            "w_embed": w.embed, "w_qkv": w.qkv, "w_o": w.o_proj, "w_gate_up": w.gate_up, "w_down": w.down,
-            "w_lm_head": w.lm_head, "attn_norm": w.attn_norm, "mlp_norm": w.mlp_norm, "final_norm": w.final_norm,
-            "ones": self.ones, "q_norm": w.q_norm, "k_norm": w.k_norm, "rope_cos": w.rope_cos,
-            "rope_sin": w.rope_sin, "kv_table": self.kv_table, "trace": self.trace_buf,
-            "host_error": self.host_error, "peers": self.peers}
-        self.args = [Int64((tensors[name] if name in tensors else getattr(b, name)).data_ptr())
-                     for name in ARG_NAMES]
+        tensors = kernel_arg_tensors(self.weights, self.bufs, {
+            "queue": self.queue_table, "lengths": self.queue_lengths, "ones": self.ones, "kv_table": self.kv_table,
+            "trace": self.trace_buf, "host_error": self.host_error, "peers": self.peers})
+        self.args = [Int64(tensors[name].data_ptr()) for name in ARG_NAMES]
 
     def launch(self) -> None:
         import cuda.bindings.driver as cuda
@@ -167,11 +159,7 @@ class TensorParallelEngine:
         failed = [(rk.rank, ErrorWord(*rk.bufs.error.tolist())) for rk in self.ranks if int(rk.bufs.error[0])]
         if failed:
             for rk in self.ranks:
-                rk.bufs.counters.zero_()
-                rk.bufs.sync.zero_()
-                rk.bufs.error.zero_()
-                torch.cuda.synchronize(rk.device)
-                rk.host_error.zero_()
+                reset_sync(rk.bufs, rk.device, rk.host_error)
             rank, err = failed[0]
             raise MegakernelError(f"rank {rank} of {self.world_size}: {err.describe(self.program)}")
 

@@ -96,4 +96,4 @@ def test_hop_waits_measure_from_the_last_producers_end_to_each_waiting_consumers
             dict(index=3, opcode="ATTN_PARTIAL", begin=50, ready=460, end=900),
             dict(index=4, opcode="ATTN_PARTIAL", begin=420, ready=430, end=950),
             dict(index=5, opcode="O_PROJ", begin=300, ready=1_000, end=2_000)]
-    assert sweep.hop_waits(recs, ins) == {"ATTN_PARTIAL": 60, "O_PROJ": 100}
+    assert sweep.hop_waits(recs, ins) == {3: 60, 5: 100}
