@@ -1,9 +1,11 @@
 """Time kernel variants on one set of weights, then trace the first variant: per-stage wait and work
 times. Usage: gpu_sweep.py MODEL BATCH 'name:key=val,key=val' ... [--no-trace] [--trace=NAME,...] [--rounds=N]
-[--context=N] [--cache=N] (the trace is of the first variant, or of each variant named; the timed steps start at
+[--context=N] [--cache=N] [--calibrate] (the trace is of the first variant, or of each variant named; the timed steps start at
 position --context, 32 by default, each replay one position further, over a cache of random history, and the floor
 counts the KV bytes at --context; --cache sets the positions each sequence's cache holds, at least what the timed
-steps need: a serving engine's caches hold max_model_len positions whatever the context)
+steps need: a serving engine's caches hold max_model_len positions whatever the context; --calibrate measures each
+CTA's streaming speed in two traced steps of the first variant, prints it, and adds the variant "speeds": the first
+with its tiles sized by those speeds, MegakernelEngine(sm_speeds=...))
 
 Any KernelOptions field is a variant key (`nocopy:diag_no_copy=1` times the step without weight copies: the
 dependency chain and the consumers alone; `nostage:diag_no_stage=1` without the consumers' input staging). Every variant is built first (one packed copy of the weights shared by all), its logits checked
@@ -13,7 +15,8 @@ during the sweep falls on all variants alike. Per variant: the median of all its
 spread of its round medians (what a difference between two variants must exceed to mean anything).
 The trace's lines per stage: the mean wait and work, the layer span, "hop" (from the end stamp of the last producer
 of the counter an instruction waited on to its ready stamp: the release's travel, the poll and the barrier after
-it), and a matvec's stream and epilogue (thread 0's epilogue body, then the signal's barrier and release)."""
+it), "tail" (a layer's last instruction's end after its median one's), and a matvec's stream and epilogue (thread
+0's epilogue body, then the signal's barrier and release)."""
 import collections, os, statistics, sys
 import torch
 from megakernel.instructions.layout import pack_weights
@@ -23,6 +26,7 @@ from megakernel.kernel.interpreter import KernelOptions
 from megakernel.model.presets import get_preset
 from megakernel.model.weights import random_weights
 from megakernel.runtime.engine import MegakernelEngine, split_engine_options
+from megakernel.runtime.sm_speeds import measure_sm_speeds
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from toolargs import int_flag, positional  # noqa: E402
 
@@ -151,7 +155,11 @@ def trace(eng, start=32):
             per = len(rs) // layers
             spans = [max(r["end"] for r in rs[i:i + per]) - min(r["ready"] for r in rs[i:i + per])
                      for i in range(0, len(rs), per)]
-            phase = f"  layer span {statistics.mean(spans)/1e3:6.2f} us"
+            # its tail: the last instruction's end after the median one's (what the stage's waiters wait for beyond
+            # a typical SM)
+            tails = [max(r["end"] for r in rs[i:i + per]) - statistics.median(r["end"] for r in rs[i:i + per])
+                     for i in range(0, len(rs), per)]
+            phase = f"  layer span {statistics.mean(spans)/1e3:6.2f} us, tail {statistics.mean(tails)/1e3:5.2f} us"
         # the weight stream (core 2): how long before the counter was ready its last slot had been issued
         # (positive: the weights were on their way through the hop), and how long issuing took
         stream = ""
@@ -201,9 +209,31 @@ def trace(eng, start=32):
         hop = f"  hop {statistics.mean(hv)/1e3:5.2f} us" if hv else ""
         print(f"    {op:17s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us{phase}{hop}{stream}")
 
+def calibrate(eng, start=32, runs=2):
+    """Each CTA's relative streaming speed from `runs` traced steps of a trace-mode engine (runtime.sm_speeds), their
+    mean; prints how much they differ, whether two runs agree (a static difference between SMs, which a schedule
+    can follow, or noise), and whether each CTA ran on the same physical SM every time."""
+    speeds, smids = [], []
+    for _ in range(runs):
+        prepare(eng, start)
+        for _ in range(3): eng.launch()
+        torch.cuda.synchronize(); eng.check()
+        recs = eng.trace_records()
+        speeds.append(measure_sm_speeds(recs, eng.program, eng.layout.num_sms))
+        smids.append({r["sm"]: r["smid"] for r in recs})
+    mean = [statistics.fmean(v) for v in zip(*speeds)]
+    a, b = torch.tensor(speeds[0]), torch.tensor(speeds[-1])
+    corr = torch.corrcoef(torch.stack([a, b]))[0, 1].item()
+    same = all(m == smids[0] for m in smids[1:])
+    print(f"  SM speeds (LM head, {runs} traced steps): min {min(mean):.3f} max {max(mean):.3f} "
+          f"(sd {statistics.pstdev(mean):.3f}); run-to-run correlation {corr:.2f}; CTA -> SM map "
+          f"{'the same' if same else 'DIFFERENT'} in every run")
+    print("  by CTA (CTA:smid:speed): " + " ".join(f"{sm}:{smids[0].get(sm, -1)}:{v:.3f}" for sm, v in enumerate(mean)))
+    return tuple(mean)
+
 def main():
     usage = ("gpu_sweep.py MODEL BATCH [name:key=val,...] ... [--no-trace] [--trace=NAME,...] [--rounds=N] "
-             "[--context=N] [--cache=N]")
+             "[--context=N] [--cache=N] [--calibrate]")
     args = positional(__doc__, usage, 2, ints=(1,))
     model, B = args[0], int(args[1])
     specs = args[2:] or ["default:"]
@@ -220,15 +250,21 @@ def main():
     traced = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--trace=")), None)
     ref_logits = None
     built = {}
-    for spec in specs:
-        name, opts, eng_kw = parse(spec)
+    variants = [parse(spec) for spec in specs]
+    if "--calibrate" in sys.argv:
+        # the first variant with each CTA's tiles sized by its measured speed
+        name, opts, eng_kw = variants[0]
+        speeds = calibrate(MegakernelEngine(w, B, max_seq, options=KernelOptions(trace=True, **opts),
+                                            packed_weights=packed, **eng_kw), context)
+        variants.append(("speeds", opts, {**eng_kw, "sm_speeds": speeds}))
+    for name, opts, eng_kw in variants:
         eng = MegakernelEngine(w, B, max_seq, options=KernelOptions(**opts), packed_weights=packed, **eng_kw)
         logits = one_step_logits(eng, context)
         if ref_logits is None:
             ref_logits, agree = logits, "reference"
         else:   # same weights, cache and inputs: a variant computes the same step (float32 sums in another order)
             err = ((logits - ref_logits).norm() / ref_logits.norm()).item()
-            agree = f"rel err {err:.1e} vs {specs[0].partition(':')[0]}" + ("" if err < 1e-3 else "  MISMATCH")
+            agree = f"rel err {err:.1e} vs {variants[0][0]}" + ("" if err < 1e-3 else "  MISMATCH")
         built[name] = (eng, capture(eng, context), agree)
         if (traced is None and not to_trace) or (traced and name in traced):
             to_trace.append((name, opts, eng_kw))

@@ -656,7 +656,7 @@ def entry_point_dir(root: str) -> str | None:
 def worker_env(args: argparse.Namespace, path: str) -> dict[str, str]:
     """The environment of one path's worker process."""
     sys.path.insert(0, REPO)
-    from megakernel.integrations.vllm_model import ENV_MAX_BATCH
+    from megakernel.integrations.vllm_mapping import ENV_MAX_BATCH
     from megakernel.integrations.vllm_plugin import ENV_SWITCH
 
     paths = [REPO]

@@ -78,7 +78,7 @@ def stock_architecture(name: str) -> str:
 
 def uses_megakernel(architectures: list[str] | None, environ: Mapping[str, str] = os.environ) -> bool:
     """Whether a model whose config lists `architectures` is built from a megakernel class (which decodes
-    through the megakernel where a switch says so: megakernel.integrations.vllm_model.switch_setting)."""
+    through the megakernel where a switch says so: megakernel.integrations.vllm_mapping.switch_setting)."""
     table = registrations(environ)
     return any(table.get(a, "").startswith(MODEL_MODULE + ":") for a in architectures or [])
 

@@ -57,7 +57,7 @@ from .ptx import (atomic_add_acq_rel, atomic_cas, cp_async_wait_all, globaltimer
 from .stream import (ERR_RING, OP_TP_REDUCE, PEER_COUNTERS, PEER_WORDS, SLOT_BYTES, TRACE_WORDS,  # noqa: F401
                      WIDE_WARPS, StreamPlan, WeightStream, dense_opcode, is_matvec, wide, wide_groups)
 from .stream import (TR_BEGIN, TR_CONSUMED, TR_END, TR_EPILOGUE, TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY,
-                     TR_STAGED, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED)
+                     TR_SM, TR_STAGED, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED)
 from .tensor_parallel import ExchangeStages
 from .tokens import ERR_TOKEN, TokenStages  # noqa: F401
 
@@ -351,6 +351,9 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
             store_system_nonzero(host_error, failed)
         if tidx == 0:
             s_ctrl[2] = n        # the loop reads the queue length from here (a register less across it)
+            if cutlass.const_expr(self.options.trace):
+                # the physical SM this CTA runs on, once, in its first record (no other stamp writes that word)
+                st_i32(self.trace_record(trace, sm, Int32(0)) + TR_SM * 4, Int32(cute.arch.smid()))
         qbase = queue + Int64(sm) * (self.max_queue_len * WORDS * 4)
         for wi in range(tidx, n * WORDS, self.threads):
             s_queue[wi] = ld_i32(qbase + Int64(wi) * 4)

@@ -48,9 +48,10 @@ ERR_RING = 4                # error code: a weight-ring wait timed out
 # producer's first and last slot issued, the first and last slot landed (as consumer warp 0 saw them); then three
 # durations (ns) of a matvec's slots: the producer's waits for a free ring slot (the consumers behind) and for the
 # slot MAX_IN_FLIGHT before to land (the copies' latency), and consumer warp 0's waits for its slots to land; last,
-# when thread 0 was past a matvec's last epilogue (up to SPLIT_BATCH; the signal's barrier and release follow)
+# when thread 0 was past a matvec's last epilogue (up to SPLIT_BATCH; the signal's barrier and release follow); in a
+# CTA's first record, the physical SM (%smid) it ran on
 (TR_OP, TR_STAGED, TR_BEGIN, TR_READY, TR_END, TR_CONSUMED, TR_ISSUED_FIRST, TR_ISSUED_LAST, TR_LANDED_FIRST,
- TR_LANDED_LAST, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED, TR_EPILOGUE, TRACE_WORDS) = range(15)
+ TR_LANDED_LAST, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED, TR_EPILOGUE, TR_SM, TRACE_WORDS) = range(16)
 
 OP_QKV, OP_O_PROJ, OP_DOWN, OP_LM_HEAD = int(Opcode.QKV), int(Opcode.O_PROJ), int(Opcode.DOWN), int(Opcode.LM_HEAD)
 OP_ATTN_PARTIAL, OP_ATTN_REDUCE = int(Opcode.ATTN_PARTIAL), int(Opcode.ATTN_REDUCE)

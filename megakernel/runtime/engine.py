@@ -46,11 +46,12 @@ from ..instructions.opcodes import Opcode
 from ..instructions.record import serialize
 from ..kernel.interpreter import ARG_NAMES, ERR_ALIAS, ERR_POSITION, ERR_RING, ERR_TIMEOUT, ERR_TOKEN, KernelOptions
 from ..kernel.stream import (PEER_WORDS, TR_BEGIN, TR_CONSUMED, TR_END, TR_EPILOGUE, TR_ISSUED_FIRST, TR_ISSUED_LAST,
-                             TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY, TR_STAGED, TR_WAIT_FREE,
+                             TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY, TR_SM, TR_STAGED, TR_WAIT_FREE,
                              TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED, TRACE_WORDS)
 from ..model.kv_cache import contiguous_block_table
 from ..model.weights import ModelWeights
 from ..schedule import assign, build_program, simulate
+from .sm_speeds import speed_row_caps
 
 
 class MegakernelError(RuntimeError):
@@ -120,7 +121,10 @@ class MegakernelEngine:
                  kv_splits: int | None = None, options: KernelOptions = KernelOptions(),
                  fuse_attn_reduce: bool | None = None, slab_staging: bool = True, fold_embed: bool = True,
                  scratch_block: int = -1, device: str | torch.device = "cuda",
-                 own_kv_cache: bool = True, packed_weights: PackedWeights | None = None, lm_head: bool = True):
+                 own_kv_cache: bool = True, packed_weights: PackedWeights | None = None, lm_head: bool = True,
+                 sm_speeds: tuple[float, ...] | None = None):
+        # sm_speeds: each CTA's relative streaming speed (runtime.sm_speeds.measure_sm_speeds); the unsplit matvec
+        # stages' tiles are then sized in proportion (None: equal tiles)
         config = weights.config
         require_kernel_batch(batch)
         self.device = torch.device(device)
@@ -149,7 +153,8 @@ class MegakernelEngine:
                                  fuse_attn_reduce=fuse_attn_reduce, slab_staging=slab_staging, fold_embed=fold_embed,
                                  scratch_block=scratch_block)
         self.layout.validate()
-        self.program = build_program(self.layout, lm_head=lm_head)
+        self.program = build_program(self.layout, lm_head=lm_head, sm_speeds=sm_speeds,
+                                     row_caps=speed_row_caps(self.layout) if sm_speeds is not None else None)
         self.queues = assign(self.program, policy)
         simulate(self.queues, self.program.num_counters)      # deadlock-free, proven before any launch
         table, lengths = serialize(self.queues)
@@ -383,7 +388,8 @@ class MegakernelEngine:
         return self.bufs.logits
 
     def trace_records(self) -> list[dict]:
-        """Per-instruction (sm, index, opcode, begin, ready, end) of the last launch (trace mode), and for a
+        """Per-instruction (sm, smid, index, opcode, begin, ready, end) of the last launch (trace mode: sm the CTA's
+        queue, smid the physical SM it ran on), and for a
         matvec `staged` (its input staged), `streamed` (its last slot consumed), (landed_first, landed_last)
         (consumer warp 0 past its first and last slot's wait) and (stream_begin, stream_end): when its weight
         slots began and finished being issued to the copy engine. Nanoseconds from the step's earliest begin.
@@ -428,7 +434,7 @@ def decode_trace(t: torch.Tensor, lengths: list[int]) -> list[dict]:
     for sm, n in enumerate(lengths):
         for i in range(n):
             w = [int(v) for v in t[sm, i]]
-            rec = {"sm": sm, "index": w[TR_OP] >> 8, "opcode": Opcode(w[TR_OP] & 255).name}
+            rec = {"sm": sm, "smid": int(t[sm, 0, TR_SM]), "index": w[TR_OP] >> 8, "opcode": Opcode(w[TR_OP] & 255).name}
             rec.update({k: ns(w[j]) for k, j in always.items()})
             for group in matvec:
                 if w[list(group.values())[-1]]:

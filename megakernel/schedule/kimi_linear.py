@@ -60,8 +60,8 @@ from ..model.kimi_linear.reference import KimiLinearCache
 from ..model.kimi_linear.weights import KimiLinearWeights
 from .assign import assign, simulate
 from .dag import FIXED_COST_BYTES
-from .deepseek import (DeepseekStepProgram, ProgramBuilder, check_program, default_head_group, default_kv_splits,
-                       find_races, interleave_experts)
+from .deepseek import DeepseekStepProgram, ProgramBuilder, default_head_group, default_kv_splits, interleave_experts
+from .deepseek_checks import check_program, find_races
 from .vm import InstructionVM, run_vm_step
 
 __all__ = ["KimiLinearStageConfig", "LayerRows", "KimiLinearStepLayout", "KimiLinearPackedWeights", "pack_weights",
@@ -484,7 +484,7 @@ class KimiLinearStageContext:
 
 @dataclass(frozen=True)
 class KimiLinearStepProgram(DeepseekStepProgram):
-    """A StepProgram with counter names (deepseek.check_program and deepseek.find_races apply)."""
+    """A StepProgram with counter names (deepseek_checks.check_program and find_races apply)."""
 
 
 def build_program(layout: KimiLinearStepLayout, tile_rows_override: dict | None = None) -> KimiLinearStepProgram:

@@ -33,10 +33,9 @@ from megakernel.schedule.deepseek import (
     DeepseekVMDecoder,
     allocate_buffers,
     build_program,
-    check_program,
-    find_races,
     pack_weights,
 )
+from megakernel.schedule.deepseek_checks import check_program, find_races
 from megakernel.testing.tolerances import assert_close, tolerance_for
 
 TINY = ("tiny-deepseek", "tiny-deepseek-qlora")

@@ -23,7 +23,7 @@ import torch
 
 from megakernel.instructions.layout import (KERNEL_MAX_BATCH, MAX_BATCH, PackedWeights, StepLayout, allocate_buffers,
                                             default_kv_splits, pack_weights, validate_packed_weights)
-from megakernel.integrations import vllm_model
+from megakernel.integrations import vllm_mapping, vllm_model
 from megakernel.model.kv_cache import contiguous_block_table
 from megakernel.model.presets import get_preset
 from megakernel.model.weights import random_weights
@@ -85,7 +85,7 @@ def test_pack_weights_output_is_accepted_when_it_covers_the_cache(name):
     """max_seq_len 40 in blocks of 16: the engine decodes positions up to 47, so RoPE tables of 40 rows are
     refused and 48 (what the vLLM integration packs: rope_positions) or more accepted."""
     layout = _layout(name, max_seq_len=40, block_size=16)
-    assert layout.max_seq_len == 48 == vllm_model.rope_positions(40, 16)
+    assert layout.max_seq_len == 48 == vllm_mapping.rope_positions(40, 16)
     weights = random_weights(layout.config, seed=21, dtype=BF16)
     for rows in (48, 64):
         validate_packed_weights(pack_weights(weights, rows), layout, "cpu")
@@ -162,7 +162,7 @@ def test_engine_signature_offers_the_options_the_vllm_integration_detects():
     assert defaults == {"own_kv_cache": True, "packed_weights": None, "lm_head": True}, defaults
     assert all(params[name].kind is inspect.Parameter.KEYWORD_ONLY for name in defaults)
     want = dict(packed_weights=object(), own_kv_cache=False, lm_head=False)
-    assert vllm_model.engine_kwargs(MegakernelEngine, **want) == want
+    assert vllm_mapping.engine_kwargs(MegakernelEngine, **want) == want
 
 
 def _engine_without_gpu(lm_head: bool, bound: bool):
@@ -249,10 +249,10 @@ def test_vllm_adapter_shares_packed_weights_only_where_they_cover_the_engine(cac
     adapter.engines, adapter.engine_cls, adapter.weights, adapter.device = {}, _EngineTakingEverything, weights, "cpu"
     adapter.disabled = None
     adapter.layout_kw = {"fold_embed": False, "options": "pinned"}     # a layout pinned for vLLM reaches it
-    adapter.packed = pack_weights(weights, vllm_model.rope_positions(adapter.max_seq_len, adapter.block_size))
+    adapter.packed = pack_weights(weights, vllm_mapping.rope_positions(adapter.max_seq_len, adapter.block_size))
     assert adapter.packed.rope_cos.shape[0] == 48
     k = [torch.zeros(4, cache_block_size, config.num_kv_heads, config.head_dim, dtype=BF16)] * config.num_layers
-    geom = vllm_model.KVGeometry(num_blocks=4, block_size=cache_block_size, num_kv_heads=config.num_kv_heads,
+    geom = vllm_mapping.KVGeometry(num_blocks=4, block_size=cache_block_size, num_kv_heads=config.num_kv_heads,
                                  head_dim=config.head_dim, block_stride=0, token_stride=0, head_stride=0)
     adapter.kv = (k, k, geom)
     eng = adapter._engine(3)
@@ -359,7 +359,7 @@ def test_engines_sharing_packed_weights_give_identical_logits():
     weights = _gpu_weights(32)
     c = weights.config
     kw = dict(block_size=BLOCK_SIZE, device=GPU)
-    rows = vllm_model.rope_positions(MAX_SEQ_LEN, BLOCK_SIZE)
+    rows = vllm_mapping.rope_positions(MAX_SEQ_LEN, BLOCK_SIZE)
     packed = pack_weights(weights, rows).to(GPU)
     a = MegakernelEngine(weights, BATCH, MAX_SEQ_LEN, packed_weights=packed, **kw)
     b = MegakernelEngine(weights, BATCH, MAX_SEQ_LEN, packed_weights=packed, **kw)
@@ -390,7 +390,7 @@ def _vllm_cache(config, num_blocks: int):
     ks, vs = [], []
     for _ in range(config.num_layers):
         kv = torch.full((num_blocks, BLOCK_SIZE, hkv, 2 * d), float("nan"), dtype=BF16, device=GPU).transpose(1, 2)
-        k, v = vllm_model.split_kv_cache(kv, hkv, d)
+        k, v = vllm_mapping.split_kv_cache(kv, hkv, d)
         assert k.stride() == (BLOCK_SIZE * hkv * 2 * d, hkv * 2 * d, 2 * d, 1) and v.data_ptr() == k.data_ptr() + 2 * d
         ks.append(k)
         vs.append(v)
@@ -405,7 +405,7 @@ def test_engine_without_own_cache_runs_on_the_cache_it_is_bound_to():
     weights = _gpu_weights(33)
     c = weights.config
     kw = dict(block_size=BLOCK_SIZE, device=GPU, lm_head=False)
-    packed = pack_weights(weights, vllm_model.rope_positions(MAX_SEQ_LEN, BLOCK_SIZE)).to(GPU)
+    packed = pack_weights(weights, vllm_mapping.rope_positions(MAX_SEQ_LEN, BLOCK_SIZE)).to(GPU)
     own = MegakernelEngine(weights, BATCH, MAX_SEQ_LEN, packed_weights=packed, **kw)
     with pytest.raises(ValueError, match="num_blocks=9 sizes the engine's own KV cache"):
         MegakernelEngine(weights, BATCH, MAX_SEQ_LEN, packed_weights=packed, own_kv_cache=False, num_blocks=9, **kw)

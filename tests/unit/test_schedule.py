@@ -15,18 +15,20 @@ from collections import Counter, defaultdict
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megakernel.instructions import STAGE_MODULES
 from megakernel.instructions.attention import warp_attention
 from megakernel.instructions.embed import embed_ranges
-from megakernel.instructions.layout import MAX_BATCH, ROW_GROUP, SPLIT_BATCH, StepLayout, default_kv_splits
+from megakernel.instructions.layout import MAX_BATCH, ROW_GROUP, SPLIT_BATCH, StepLayout, default_kv_splits, tile_rows
 from megakernel.instructions.matvec_stages import MATVEC_OPCODES
 from megakernel.instructions.opcodes import Opcode
 from megakernel.instructions.record import NO_COUNTER, WORDS, Instruction, deserialize, serialize
 from megakernel.model.config import ModelConfig
 from megakernel.model.presets import PRESETS, get_preset
 from megakernel.schedule import assign, build_program, find_races, simulate
-from megakernel.schedule.dag import StepProgram, producers
+from megakernel.schedule.dag import StepProgram, producers, speed_tiles
 
 TINY_PRESETS = ("tiny-llama", "tiny-qwen3")
 REAL_PRESETS = ("llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b", "llama-2-7b")
@@ -82,9 +84,14 @@ def _key(ins: Instruction) -> tuple:
     return ins.opcode, ins.layer
 
 
-def _closing(stage: tuple, split: set) -> tuple:
-    """The instructions whose signals say a stage (opcode, layer) is done: its MV_REDUCE tiles where it is split."""
-    return (*stage, "reduce") if stage in split else stage
+def _closing(stage: tuple, keys: set) -> tuple:
+    """The instructions whose signals say a stage (opcode, layer) is done: its MV_REDUCE tiles where it is split, its
+    K ranges' tiles where it is split with no MV_REDUCE (QKV, whose partials the attention sums); `keys` the
+    program's stage keys (_key)."""
+    for closing in ((*stage, "reduce"), (*stage, "parts")):
+        if closing in keys:
+            return closing
+    return stage
 
 
 def _producer_stages(ins: Instruction, num_layers: int, fused: bool, folded: bool = False) -> set | None:
@@ -134,11 +141,11 @@ def check_program(program: StepProgram) -> None:
         assert 0 <= ins.signal_id < program.num_counters, f"{what}: #{ins.index} {ins.opcode.name} signals nothing"
         signallers[ins.signal_id].append(ins)
         stage_size[_key(ins)] += 1
-    split = {k[:2] for k in stage_size if len(k) == 3}
+    keys = set(stage_size)
     folded = layout.embed_folded
     for counter, group in signallers.items():
         stages = {_key(i) for i in group}
-        allowed = {frozenset({_closing((Opcode.QKV, 0), split), (Opcode.EMBED, 0)})} if folded else set()
+        allowed = {frozenset({_closing((Opcode.QKV, 0), keys), (Opcode.EMBED, 0)})} if folded else set()
         assert len(stages) == 1 or frozenset(stages) in allowed, \
             f"{what}: counter {counter} is signalled by several stages {stages}"
 
@@ -151,7 +158,7 @@ def check_program(program: StepProgram) -> None:
         if ins.opcode == Opcode.MV_REDUCE:
             producers = {(*p, "parts") for p in producers}        # a reduce waits for its own stage's ranges
         else:
-            producers = {_closing(p, split) for p in producers}
+            producers = {_closing(p, keys) for p in producers}
         assert 0 <= ins.wait_id < program.num_counters, f"{name} waits on no counter"
         group = signallers[ins.wait_id]
         assert {_key(i) for i in group} == producers, \
@@ -685,3 +692,93 @@ def test_attention_takes_several_sequences_only_past_batch_8_with_more_pairs_tha
 
     assert seqs(64, 512) == {4} and seqs(32, 256) == {2}
     assert seqs(64, 1024) == seqs(16, 256) == seqs(8, 256) == seqs(64, 512, splits=2) == {1}
+
+
+# ---- tiles sized by per-SM speeds (build_program(sm_speeds=...), dag.speed_tiles) -------------------------------
+
+def _speeds(num_sms: int, seed: int) -> tuple[float, ...]:
+    """Fresh per-SM speeds spread as an H200's are (0.87-1.08 of the mean), in runs of neighbouring SMs."""
+    gen = torch.Generator().manual_seed(seed)
+    runs = 0.87 + 0.21 * torch.rand(-(-num_sms // 4), generator=gen)
+    return tuple(float(v) for v in runs.repeat_interleave(4)[:num_sms])
+
+
+@pytest.mark.parametrize("batch", (1, 3, 8, 16))
+@pytest.mark.parametrize("name", TINY_PRESETS + REAL_PRESETS)
+def test_programs_with_sm_speeds_pass_every_check_and_give_faster_sms_more_rows(name, batch):
+    """Every program and queue check holds (race-free too, on the tiny shapes and a 2-layer copy of the real ones);
+    each unsplit matvec stage has a tile per SM at most, a larger tile never on a slower SM, no tile over its cap,
+    and the stage's last SM (rows / speed) finishes no later than with equal tiles."""
+    layers = 2 if name in REAL_PRESETS else None
+    for num_sms in (NUM_SMS, FEW_SMS):
+        speeds = _speeds(num_sms, seed=batch * 1000 + num_sms)
+        uniform = _program(name, batch, num_sms, num_layers=layers)
+        layout = uniform.layout
+        caps = {op: 2 * tile_rows(_stage_rows(layout.config, op), num_sms, 2 * ROW_GROUP)
+                for op in MATVEC_OPCODES}
+        program = build_program(layout, sm_speeds=speeds, row_caps=caps)
+        what = f"{_what(program)} speeds"
+        assert program.sm_speeds == speeds and uniform.sm_speeds is None, what
+        check_program(program)
+        assert find_races(program) == [], what
+        queues = assign(program, "balanced")
+        check_queues(program, queues, "balanced")
+        owner = {i.index: sm for sm, q in enumerate(queues) for i in q}
+        owner_uniform = {i.index: sm for sm, q in enumerate(assign(uniform, "balanced")) for i in q}
+        for prog, own, label in ((program, owner, "speeds"), (uniform, owner_uniform, "equal")):
+            stages = defaultdict(list)
+            for ins in prog.instructions:
+                if ins.opcode in MATVEC_OPCODES and ins.k_parts == 1:
+                    stages[(ins.opcode, ins.layer)].append(ins)
+            finish = {key: max(i.a1 / speeds[own[i.index]] for i in tiles) for key, tiles in stages.items()}
+            if label == "speeds":
+                for key, tiles in stages.items():
+                    sms = [owner[i.index] for i in tiles]
+                    assert len(set(sms)) == len(sms), f"{what}: {key} puts two tiles on one SM"
+                    cap = max(caps[key[0]], tile_rows(_stage_rows(layout.config, key[0]), num_sms,
+                                                      2 * ROW_GROUP if key[0] == Opcode.GATE_UP else ROW_GROUP))
+                    assert max(i.a1 for i in tiles) <= cap, f"{what}: {key} tile over its cap {cap}"
+                    by_speed = sorted(tiles, key=lambda i: (speeds[owner[i.index]], i.a1))
+                    assert [i.a1 for i in by_speed] == sorted(i.a1 for i in tiles), \
+                        f"{what}: {key} a larger tile on a slower SM"
+                ours = finish
+            else:
+                for key, t in finish.items():
+                    if key in ours:
+                        assert ours[key] <= t * (1 + 1e-9), \
+                            f"{what}: {key} finishes at {ours[key]:.1f} rows/speed against {t:.1f} with equal tiles"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 140), st.integers(1, 3000), st.sampled_from((ROW_GROUP, 2 * ROW_GROUP)), st.integers(0, 6),
+       st.lists(st.floats(0.5, 1.5), min_size=140, max_size=140))
+def test_speed_tiles_cut_the_rows_so_that_no_group_could_finish_sooner_elsewhere(n, groups, group, slack, draw):
+    """The tiles cover the rows in order, whole groups, at most one per SM and none over the cap, largest first;
+    matched to the SMs by speed, no group moved to another SM (under its cap) would end before the last SM does."""
+    speeds = tuple(draw[:n])
+    cap = (-(-groups // n) + slack) * group
+    tiles = speed_tiles(groups * group, group, speeds, cap)
+    lo = 0
+    for start, rows in tiles:
+        assert start == lo and 0 < rows <= cap and rows % group == 0, (tiles, cap)
+        lo += rows
+    assert lo == groups * group and len(tiles) <= n
+    sizes = [rows // group for _, rows in tiles]
+    assert sizes == sorted(sizes, reverse=True)
+    counts = sizes + [0] * (n - len(sizes))
+    by_speed = sorted(speeds, reverse=True)
+    last = max(c / s for c, s in zip(counts, by_speed))
+    room = [(c + 1) / s for c, s in zip(counts, by_speed) if c < cap // group]
+    assert not room or last <= min(room) * (1 + 1e-12), (last, min(room))
+
+
+def test_bad_sm_speeds_and_caps_are_refused_before_any_tile():
+    layout = _program("tiny-llama", 1).layout
+    for bad, match in (((1.0,) * (NUM_SMS - 1), "has 131 entries"), ((0.0,) + (1.0,) * (NUM_SMS - 1), "positive"),
+                       ((float("nan"),) * NUM_SMS, "positive"), ((float("inf"),) * NUM_SMS, "positive")):
+        with pytest.raises(ValueError, match=match):
+            build_program(layout, sm_speeds=bad)
+    with pytest.raises(ValueError, match="do not fit"):
+        speed_tiles(100 * ROW_GROUP, ROW_GROUP, (1.0,) * 4, 24 * ROW_GROUP)
+    with pytest.raises(ValueError, match="do not fit"):
+        speed_tiles(100 * ROW_GROUP + 3, ROW_GROUP, (1.0,) * 4, 100 * ROW_GROUP)

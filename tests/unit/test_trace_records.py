@@ -11,7 +11,7 @@ import torch
 
 from megakernel.instructions.opcodes import Opcode
 from megakernel.kernel.stream import (TR_BEGIN, TR_CONSUMED, TR_END, TR_EPILOGUE, TR_ISSUED_FIRST, TR_ISSUED_LAST,
-                                      TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY, TR_STAGED, TR_WAIT_FREE,
+                                      TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY, TR_SM, TR_STAGED, TR_WAIT_FREE,
                                       TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED, TRACE_WORDS)
 from megakernel.runtime.engine import decode_trace
 
@@ -29,8 +29,10 @@ def test_decode_trace_gives_signed_distances_from_the_earliest_begin_across_the_
                   (1 << 31) - 1_500):
         lengths = [2, 0, 1]
         t = torch.zeros(3, 2, TRACE_WORDS, dtype=torch.int32)
+        smids = rng.sample(range(132), 3)        # the physical SM each CTA ran on, in its first record alone
         want = {}
         for sm, n in enumerate(lengths):
+            t[sm, 0, TR_SM] = smids[sm]
             for i in range(n):
                 begin = 1_000 * sm + 5_000 * i + rng.randrange(500)       # ns after the step's first begin
                 rel = {"begin": begin, "ready": begin + 700, "end": begin + 9_000}
@@ -46,7 +48,7 @@ def test_decode_trace_gives_signed_distances_from_the_earliest_begin_across_the_
                 t[sm, i, TR_OP] = (10 * sm + i) * 256 + int(op)
                 for name, ns in rel.items():
                     t[sm, i, words[name]] = as_int32(start + ns)
-                want[(sm, i)] = dict(rel, sm=sm, index=10 * sm + i, opcode=op.name)
+                want[(sm, i)] = dict(rel, sm=sm, smid=smids[sm], index=10 * sm + i, opcode=op.name)
                 if op == Opcode.GATE_UP:
                     # the ring waits are durations: read as they are, whatever the stamps' origin
                     waits = {"wait_free": rng.randrange(5_000), "wait_in_flight": rng.randrange(5_000),
@@ -61,13 +63,14 @@ def test_decode_trace_gives_signed_distances_from_the_earliest_begin_across_the_
         assert set(got) == set(want), (start, sorted(got))
         for key, w in want.items():
             durations = w.pop("durations", {})
-            expect = {k: (v - base if isinstance(v, int) and k not in ("sm", "index") else v) for k, v in w.items()}
+            expect = {k: (v - base if isinstance(v, int) and k not in ("sm", "smid", "index") else v)
+                      for k, v in w.items()}
             assert got[key] == dict(expect, **durations), (start, key, got[key], expect, durations)
 
 
 def test_decode_trace_leaves_out_a_matvec_group_whose_last_word_is_unset():
     t = torch.zeros(1, 1, TRACE_WORDS, dtype=torch.int32)
     t[0, 0, TR_OP] = int(Opcode.ARGMAX)
-    t[0, 0, TR_BEGIN], t[0, 0, TR_READY], t[0, 0, TR_END] = 100, 250, 400
+    t[0, 0, TR_BEGIN], t[0, 0, TR_READY], t[0, 0, TR_END], t[0, 0, TR_SM] = 100, 250, 400, 17
     (rec,) = decode_trace(t, [1])
-    assert rec == {"sm": 0, "index": 0, "opcode": "ARGMAX", "begin": 0, "ready": 150, "end": 300}
+    assert rec == {"sm": 0, "smid": 17, "index": 0, "opcode": "ARGMAX", "begin": 0, "ready": 150, "end": 300}

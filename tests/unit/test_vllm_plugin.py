@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, Qwen3Config
 
+from megakernel.integrations import vllm_mapping as vmap
 from megakernel.integrations import vllm_model as vm
 from megakernel.integrations import vllm_plugin as vp
 from megakernel.model import get_preset
@@ -148,7 +149,7 @@ def test_megakernel_config_from_overridden_hf_config(preset, form):
     d = want.to_hf_config()
     d["architectures"] = [MK_NAME[want.architecture]]
     cfg = HF_CONFIG_CLASS[want.architecture](**d) if form == "transformers" else d
-    got = vm.megakernel_config(cfg, name=preset)
+    got = vmap.megakernel_config(cfg, name=preset)
     assert got == want, f"{preset} via {form}"
 
 
@@ -158,7 +159,7 @@ def test_megakernel_config_reads_rope_parameters_form():
     rope = dict(d.pop("rope_scaling"), rope_theta=d.pop("rope_theta"))
     d["rope_parameters"] = rope
     d["architectures"] = ["MegakernelLlamaForCausalLM"]
-    assert vm.megakernel_config(d, name="llama-3.2-1b") == want
+    assert vmap.megakernel_config(d, name="llama-3.2-1b") == want
 
 
 @pytest.mark.parametrize("field,value", [("attention_bias", True), ("hidden_act", "gelu"),
@@ -167,7 +168,7 @@ def test_megakernel_config_refuses_unsupported(field, value):
     d = get_preset("tiny-llama").to_hf_config()
     d[field] = value
     with pytest.raises(ValueError, match=field):
-        vm.megakernel_config(d)
+        vmap.megakernel_config(d)
 
 
 def _vllm_config(**over):
@@ -178,7 +179,7 @@ def _vllm_config(**over):
         cache_config=SimpleNamespace(cache_dtype="auto", block_size=16),
         compilation_config=SimpleNamespace(cudagraph_capture_sizes=[1, 2, 4, 8, 16, 24]),
         quant_config=None, lora_config=None, speculative_config=None,
-        additional_config={vm.CONFIG_KEY: True})           # switched on (test_switch_setting: the switches)
+        additional_config={vmap.CONFIG_KEY: True})           # switched on (test_switch_setting: the switches)
     for path, value in over.items():
         obj, _, attr = path.rpartition(".")
         setattr(c if not obj else getattr(c, obj), attr, value)
@@ -196,7 +197,7 @@ def _vllm_config(**over):
     ({"speculative_config": object()}, "speculative"),
 ])
 def test_vllm_config_reason(over, needle):
-    why = vm.vllm_config_reason(_vllm_config(**over))
+    why = vmap.vllm_config_reason(_vllm_config(**over))
     assert (why is None) if needle is None else (needle in why), f"{over}: {why!r}"
 
 
@@ -216,7 +217,7 @@ def test_vllm_config_reason(over, needle):
 def test_switch_setting(extra, archs, env, want):
     cfg = _vllm_config(**{"additional_config": extra,
                           "model_config.hf_config": dict(get_preset("tiny-llama").to_hf_config(), architectures=archs)})
-    on, max_batch, why = vm.switch_setting(cfg, environ=env)
+    on, max_batch, why = vmap.switch_setting(cfg, environ=env)
     assert (on, max_batch) == want, (extra, archs, env, why)
     assert why, "the switch names where it came from"
 
@@ -225,7 +226,7 @@ def test_switch_setting(extra, archs, env, want):
                                    {"max_batch": "4"}, {"batch": 4}])
 def test_switch_setting_refuses_a_value_it_does_not_understand(value):
     with pytest.raises(ValueError, match="max_batch"):
-        vm.switch_setting(_vllm_config(additional_config={"megakernel": value}), environ={})
+        vmap.switch_setting(_vllm_config(additional_config={"megakernel": value}), environ={})
 
 
 def test_an_instance_not_switched_on_builds_and_logs_nothing(mk_log):
@@ -241,7 +242,7 @@ def test_an_instance_not_switched_on_builds_and_logs_nothing(mk_log):
 
 
 def test_additional_config_max_batch_sets_the_buckets(monkeypatch):
-    monkeypatch.setenv(vm.ENV_MAX_BATCH, "8")
+    monkeypatch.setenv(vmap.ENV_MAX_BATCH, "8")
     model = fake_vllm_model(random_weights(get_preset("tiny-qwen3"), seed=3))
     a = vm.MegakernelDecode(model, _vllm_config(additional_config={"megakernel": {"max_batch": 2}}))
     assert a.max_batch == 2 and a.buckets == (1, 2) and a.describe()["switch"].startswith("additional_config")
@@ -249,44 +250,44 @@ def test_additional_config_max_batch_sets_the_buckets(monkeypatch):
 
 @pytest.mark.parametrize("preset", MODEL_PRESETS)
 def test_layout_reason_accepts_presets(preset):
-    assert vm.layout_reason(get_preset(preset)) is None
-    assert vm.layout_reason(get_preset(preset), vm.MAX_DECODE_BATCH) is None
+    assert vmap.layout_reason(get_preset(preset)) is None
+    assert vmap.layout_reason(get_preset(preset), vmap.MAX_DECODE_BATCH) is None
 
 
 def test_layout_reason_names_the_unsupported_field():
     import dataclasses
     cfg = dataclasses.replace(get_preset("tiny-llama"), head_dim=96, num_heads=8)
-    assert "head_dim=96" in vm.layout_reason(cfg)
+    assert "head_dim=96" in vmap.layout_reason(cfg)
 
 
 def test_decode_buckets_and_pick():
-    assert vm.decode_buckets(None) == (1, 2, 4, 8, 16, 32, 64) and vm.MAX_DECODE_BATCH == 64
-    assert vm.decode_buckets([1, 2, 3, 4, 8, 16, 24, 128]) == (1, 2, 3, 4, 8, 16, 24, 32, 64)
-    assert vm.decode_buckets([1, 2, 4, 8, 16, 24], max_batch=8) == (1, 2, 4, 8)
-    buckets = vm.decode_buckets([1, 2, 4, 8], max_batch=8)
-    assert [vm.pick_bucket(n, buckets) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, None]
-    buckets = vm.decode_buckets([24, 40])
-    assert [vm.pick_bucket(n, buckets) for n in (9, 17, 24, 25, 33, 41, 64, 65)] == [16, 24, 24, 32, 40, 64, 64, None]
+    assert vmap.decode_buckets(None) == (1, 2, 4, 8, 16, 32, 64) and vmap.MAX_DECODE_BATCH == 64
+    assert vmap.decode_buckets([1, 2, 3, 4, 8, 16, 24, 128]) == (1, 2, 3, 4, 8, 16, 24, 32, 64)
+    assert vmap.decode_buckets([1, 2, 4, 8, 16, 24], max_batch=8) == (1, 2, 4, 8)
+    buckets = vmap.decode_buckets([1, 2, 4, 8], max_batch=8)
+    assert [vmap.pick_bucket(n, buckets) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, None]
+    buckets = vmap.decode_buckets([24, 40])
+    assert [vmap.pick_bucket(n, buckets) for n in (9, 17, 24, 25, 33, 41, 64, 65)] == [16, 24, 24, 32, 40, 64, 64, None]
 
 
 @pytest.mark.parametrize("value,expected,warned", [
-    (None, vm.DEFAULT_MAX_BATCH, False), ("", vm.DEFAULT_MAX_BATCH, False), ("1", 1, False), (" 4 ", 4, False),
-    ("8", 8, False), ("9", 9, False), ("64", 64, False), ("0", vm.DEFAULT_MAX_BATCH, True),
-    ("65", vm.DEFAULT_MAX_BATCH, True),
-    ("two", vm.DEFAULT_MAX_BATCH, True),
+    (None, vmap.DEFAULT_MAX_BATCH, False), ("", vmap.DEFAULT_MAX_BATCH, False), ("1", 1, False), (" 4 ", 4, False),
+    ("8", 8, False), ("9", 9, False), ("64", 64, False), ("0", vmap.DEFAULT_MAX_BATCH, True),
+    ("65", vmap.DEFAULT_MAX_BATCH, True),
+    ("two", vmap.DEFAULT_MAX_BATCH, True),
 ])
 def test_max_batch_setting(value, expected, warned, mk_log):
-    env = {} if value is None else {vm.ENV_MAX_BATCH: value}
-    assert vm.max_batch_setting(env) == expected
-    assert (vm.ENV_MAX_BATCH in mk_log.text) is warned
+    env = {} if value is None else {vmap.ENV_MAX_BATCH: value}
+    assert vmap.max_batch_setting(env) == expected
+    assert (vmap.ENV_MAX_BATCH in mk_log.text) is warned
 
 
 def test_batch_reason_names_the_switch_when_it_lowered_the_limit():
-    assert vm.batch_reason(4, 4, 1, max_batch=4) is None
-    why = vm.batch_reason(5, 5, 1, max_batch=4)
-    assert "decode batch of 5 exceeds the megakernel's maximum batch 4" in why and vm.ENV_MAX_BATCH in why
-    assert vm.batch_reason(64, 64, 1) is None
-    assert vm.ENV_MAX_BATCH not in vm.batch_reason(65, 65, 1)
+    assert vmap.batch_reason(4, 4, 1, max_batch=4) is None
+    why = vmap.batch_reason(5, 5, 1, max_batch=4)
+    assert "decode batch of 5 exceeds the megakernel's maximum batch 4" in why and vmap.ENV_MAX_BATCH in why
+    assert vmap.batch_reason(64, 64, 1) is None
+    assert vmap.ENV_MAX_BATCH not in vmap.batch_reason(65, 65, 1)
 
 
 @pytest.mark.parametrize("args,kw,expected", [
@@ -295,13 +296,13 @@ def test_batch_reason_names_the_switch_when_it_lowered_the_limit():
     ((9, 9, 1), {}, None),
     ((64, 64, 1), {}, None),
     ((65, 65, 1), {}, "decode batch of 65 exceeds"),
-    ((6, 2, 5), {}, vm.QUERY_LEN),                  # prefill
-    ((4, 3, 1), {}, vm.QUERY_LEN),                  # rows that are not one request each
+    ((6, 2, 5), {}, vmap.QUERY_LEN),                  # prefill
+    ((4, 3, 1), {}, vmap.QUERY_LEN),                  # rows that are not one request each
     ((2, 2, 1), {"has_embeds": True}, "embeddings"),
     ((2, 2, 1), {"has_intermediate": True}, "pipeline"),
 ])
 def test_batch_reason(args, kw, expected):
-    why = vm.batch_reason(*args, **kw)
+    why = vmap.batch_reason(*args, **kw)
     assert (why is None) if expected is None else (expected in why), f"{args} {kw}: {why!r}"
 
 
@@ -327,13 +328,13 @@ def test_split_kv_cache_flash_attention_026(layout):
     nb, bs, hkv, d, seed = 5, 16, 3, 64, 11
     gen = torch.Generator().manual_seed(seed)
     flat, kv = _vllm_026_flash_kv(nb, bs, hkv, d, layout, gen)
-    k, v = vm.split_kv_cache(kv, hkv, d)
+    k, v = vmap.split_kv_cache(kv, hkv, d)
     ctx = f"layout={layout} nb={nb} bs={bs} hkv={hkv} d={d} seed={seed}"
     # what FlashAttention reads (vllm/v1/attention/backends/flash_attn.py, forward)
     fa_k, fa_v = kv.transpose(1, 2).split(d, dim=-1)
     assert k.shape == v.shape == (nb, bs, hkv, d), ctx
     assert torch.equal(k, fa_k) and torch.equal(v, fa_v), ctx
-    geom = vm.kv_geometry([k], [v])
+    geom = vmap.kv_geometry([k], [v])
     # the address the kernel will compute: base + blk*sb + off*st + h*sh + dim
     for blk, off, h in [(0, 0, 0), (4, 15, 2), (2, 7, 1)]:
         for t, base in ((k, k.data_ptr()), (v, v.data_ptr())):
@@ -354,7 +355,7 @@ def test_split_kv_cache_five_dim_layouts(layout):
     gen = torch.Generator().manual_seed(5)
     shape = (2, nb, bs, hkv, d) if layout == "kv_first" else (nb, 2, bs, hkv, d)
     kv = torch.randn(shape, generator=gen).to(torch.bfloat16)
-    k, v = vm.split_kv_cache(kv, hkv, d)
+    k, v = vmap.split_kv_cache(kv, hkv, d)
     want_k, want_v = (kv[0], kv[1]) if layout == "kv_first" else (kv[:, 0], kv[:, 1])
     assert torch.equal(k, want_k) and torch.equal(v, want_v), layout
     assert k.data_ptr() == want_k.data_ptr(), layout
@@ -364,23 +365,23 @@ def test_split_kv_cache_five_dim_layouts(layout):
 @pytest.mark.parametrize("shape", [(4, 16, 2, 64), (4, 2, 16, 2, 64), (2, 2, 16, 2, 64)])
 def test_split_kv_cache_refuses_unknown_layouts(shape):
     with pytest.raises(ValueError, match="not a layout"):
-        vm.split_kv_cache(torch.zeros(shape, dtype=torch.bfloat16), 3, 64)
+        vmap.split_kv_cache(torch.zeros(shape, dtype=torch.bfloat16), 3, 64)
 
 
 def test_kv_geometry_checks_every_layer():
     gen = torch.Generator().manual_seed(2)
     kvs = [_vllm_026_flash_kv(6, 16, 2, 64, "NHD", gen)[1] for _ in range(3)]
-    pairs = [vm.split_kv_cache(kv, 2, 64) for kv in kvs]
+    pairs = [vmap.split_kv_cache(kv, 2, 64) for kv in kvs]
     ks, vs = [p[0] for p in pairs], [p[1] for p in pairs]
-    g = vm.kv_geometry(ks, vs)
+    g = vmap.kv_geometry(ks, vs)
     assert (g.num_blocks, g.block_size, g.num_kv_heads, g.head_dim) == (6, 16, 2, 64)
     odd = torch.zeros(6, 16, 2, 64, dtype=torch.bfloat16)      # contiguous: other strides
     with pytest.raises(ValueError, match="layer 2 v"):
-        vm.kv_geometry(ks, vs[:2] + [odd])
+        vmap.kv_geometry(ks, vs[:2] + [odd])
     with pytest.raises(ValueError, match="bfloat16"):
-        vm.kv_geometry([k.float() for k in ks], [v.float() for v in vs])
+        vmap.kv_geometry([k.float() for k in ks], [v.float() for v in vs])
     with pytest.raises(ValueError, match="one K and one V"):
-        vm.kv_geometry(ks, vs[:1])
+        vmap.kv_geometry(ks, vs[:1])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -400,7 +401,7 @@ def _module(**tensors):
 @pytest.fixture(autouse=True)
 def _every_batch_on_the_megakernel(monkeypatch):
     """The adapter tests cover batches up to KERNEL_MAX_BATCH; the default limit has its own test."""
-    monkeypatch.setenv(vm.ENV_MAX_BATCH, str(vm.MAX_DECODE_BATCH))
+    monkeypatch.setenv(vmap.ENV_MAX_BATCH, str(vmap.MAX_DECODE_BATCH))
 
 
 def fake_vllm_model(weights, vocab_pad: int = 64):
@@ -427,7 +428,7 @@ def test_weights_from_vllm_are_views_of_the_parameters(preset):
     cfg = get_preset(preset)
     w = random_weights(cfg, seed=7)
     model = fake_vllm_model(w)
-    got = vm.weights_from_vllm(model, cfg)
+    got = vmap.weights_from_vllm(model, cfg)
     ctx = f"{preset} seed=7"
     assert torch.equal(got.embed, w.embed) and got.embed.data_ptr() == model.model.embed_tokens.weight.data_ptr(), ctx
     assert torch.equal(got.lm_head, w.lm_head), ctx
@@ -445,7 +446,7 @@ def test_weights_from_vllm_names_a_wrong_shape():
     model = fake_vllm_model(random_weights(cfg, seed=1))
     model.model.layers[1].mlp.down_proj.weight = torch.nn.Parameter(torch.zeros(3, 3), requires_grad=False)
     with pytest.raises(ValueError, match=r"model.layers.1.mlp.down_proj.weight has shape \(3, 3\)"):
-        vm.weights_from_vllm(model, cfg)
+        vmap.weights_from_vllm(model, cfg)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -466,7 +467,7 @@ def test_stage_decode_inputs(n, batch, seed):
     tokens = torch.full((batch,), -7, dtype=torch.int32)
     pos = torch.full((batch,), -7, dtype=torch.int32)
     bt = torch.full((batch, nb), -7, dtype=torch.int32)
-    vm.stage_decode_inputs(tokens, pos, bt, input_ids, positions, slots, vbt)
+    vmap.stage_decode_inputs(tokens, pos, bt, input_ids, positions, slots, vbt)
     ctx = f"n={n} batch={batch} seed={seed}"
     for r in range(batch):
         live = r < n and slots[r] >= 0
@@ -479,7 +480,7 @@ def test_stage_decode_inputs_narrow_vllm_table_leaves_the_tail():
     tokens, pos = torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
     bt = torch.full((2, 6), 9, dtype=torch.int32)
     vbt = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]], dtype=torch.int32)
-    vm.stage_decode_inputs(tokens, pos, bt, torch.tensor([5, 6]), torch.tensor([40, 50]),
+    vmap.stage_decode_inputs(tokens, pos, bt, torch.tensor([5, 6]), torch.tensor([40, 50]),
                            torch.tensor([1, 2]), vbt)
     assert bt.tolist() == [[3, 4, 5, 6, 9, 9], [7, 8, 9, 10, 9, 9]]
 
@@ -490,7 +491,7 @@ def test_final_hidden_matches_float64_rms_norm(n, h, seed):
     x = torch.randn(n, h, generator=gen) * 3
     w = (1 + 0.1 * torch.randn(h, generator=gen)).to(torch.bfloat16)
     out = torch.full((n, h), float("nan"), dtype=torch.bfloat16)
-    out.copy_(vm.final_hidden(x, w, 1e-5, torch.bfloat16))
+    out.copy_(vmap.final_hidden(x, w, 1e-5, torch.bfloat16))
     want = rms_norm(x.double(), w.double(), 1e-5)
     assert out.dtype == torch.bfloat16
     assert_close(out, want, context=f"n={n} h={h} seed={seed}")
@@ -511,9 +512,9 @@ def test_engine_kwargs_keeps_what_the_constructor_takes():
             pass
 
     want = dict(packed_weights=1, own_kv_cache=False, lm_head=False)
-    assert vm.engine_kwargs(Old, **want) == {}
-    assert vm.engine_kwargs(New, **want) == want
-    assert vm.engine_kwargs(Open, **want) == want
+    assert vmap.engine_kwargs(Old, **want) == {}
+    assert vmap.engine_kwargs(New, **want) == want
+    assert vmap.engine_kwargs(Open, **want) == want
 
 
 # ------------------------------------------------------------------------------------------------
@@ -530,10 +531,10 @@ def test_adapter_disables_itself_for_an_unsupported_vllm_config(mk_log):
 
 
 def test_adapter_default_limit_sends_only_batch_one_to_the_megakernel(monkeypatch, mk_log):
-    monkeypatch.delenv(vm.ENV_MAX_BATCH)
+    monkeypatch.delenv(vmap.ENV_MAX_BATCH)
     FakeEngine.built.clear()
     a, cfg, ctx, _ = _ready_adapter()
-    assert a.max_batch == vm.DEFAULT_MAX_BATCH == 1 and a.buckets == (1,)
+    assert a.max_batch == vmap.DEFAULT_MAX_BATCH == 1 and a.buckets == (1,)
     name = "model.layers.0.self_attn.attn"
     ctx.attn_metadata = {name: _metadata(2, 1, 0)}
     assert a.maybe_decode(torch.zeros(2, dtype=torch.long), torch.arange(2)) is None and not FakeEngine.built
@@ -632,7 +633,7 @@ def _ready_adapter(preset="tiny-llama", seed=6):
         object.__setattr__(layer.self_attn, "attn", at)
     a = vm.MegakernelDecode(model, _vllm_config(**{"model_config.hf_config": cfg.to_hf_config()}))
     a.prepared, a.engine_cls, a.device = True, FakeEngine, torch.device("cpu")
-    a.weights = vm.weights_from_vllm(model, cfg)
+    a.weights = vmap.weights_from_vllm(model, cfg)
     a.norm_weight, a.eps = a.weights.final_norm, cfg.rms_norm_eps
     ctx = SimpleNamespace(attn_metadata=None)
     a._fc_get, a._fc_available = (lambda: ctx), (lambda: True)
@@ -694,7 +695,7 @@ def test_adapter_leaves_prefill_and_big_batches_to_vllm(mk_log):
 
 
 def test_adapter_limit_from_the_environment_sends_bigger_batches_stock(monkeypatch, mk_log):
-    monkeypatch.setenv(vm.ENV_MAX_BATCH, "2")
+    monkeypatch.setenv(vmap.ENV_MAX_BATCH, "2")
     FakeEngine.built.clear()
     a, cfg, ctx, _ = _ready_adapter()
     assert a.max_batch == 2 and a.buckets == (1, 2) and a.describe()["max_batch"] == 2
@@ -702,7 +703,7 @@ def test_adapter_limit_from_the_environment_sends_bigger_batches_stock(monkeypat
     ctx.attn_metadata = {name: _metadata(3, 1, 0)}
     before = vm.STATS["fallbacks"].copy()
     assert a.maybe_decode(torch.zeros(3, dtype=torch.long), torch.arange(3)) is None
-    why = f"decode batch of 3 exceeds the megakernel's maximum batch 2 ({vm.ENV_MAX_BATCH})"
+    why = f"decode batch of 3 exceeds the megakernel's maximum batch 2 ({vmap.ENV_MAX_BATCH})"
     assert vm.STATS["fallbacks"][why] - before[why] == 1 and not FakeEngine.built
     ctx.attn_metadata = {name: _metadata(2, 1, 0)}
     assert a.maybe_decode(torch.zeros(2, dtype=torch.long), torch.arange(2)) is not None
@@ -922,9 +923,9 @@ def test_split_kv_cache_of_vllms_own_flash_attention_cache(layout, packed):
         else:
             raw, packing = backing[layer * nb * page:(layer + 1) * nb * page], None
         kvs.append(_reshape_attention_kv_cache(raw, spec, shape, order, nb, packing))
-    pairs = [vm.split_kv_cache(kv, hkv, d) for kv in kvs]
+    pairs = [vmap.split_kv_cache(kv, hkv, d) for kv in kvs]
     ks, vs = [p[0] for p in pairs], [p[1] for p in pairs]
-    geom = vm.kv_geometry(ks, vs)
+    geom = vmap.kv_geometry(ks, vs)
     ctx = f"layout={layout} packed={packed}"
     assert (geom.num_blocks, geom.block_size, geom.num_kv_heads, geom.head_dim) == (nb, bs, hkv, d), ctx
     flat = backing.view(torch.bfloat16)
@@ -956,7 +957,7 @@ def test_megakernel_config_from_vllms_model_config(preset, tmp_path, vllm_regist
     mc = EngineArgs(model=str(tmp_path), skip_tokenizer_init=True, max_model_len=512,
                     hf_overrides={"architectures": [MK_NAME[want.architecture]]}).create_model_config()
     assert mc.architectures == [MK_NAME[want.architecture]]
-    assert vm.megakernel_config(mc.hf_config, name=preset) == want
+    assert vmap.megakernel_config(mc.hf_config, name=preset) == want
 
 
 @pytest.mark.vllm

@@ -1,0 +1,56 @@
+"""Per-SM streaming speeds: a schedule whose tiles follow them (MegakernelEngine(sm_speeds=...)), and their
+measurement from a traced step.
+
+Every matvec stage ends when its slowest SM is done. With tiles of equal bytes that is the SM that streams the
+slowest, and the SMs of a GPU do not stream alike under a full-chip load: on the H200 a trace's LM head tiles (equal
+bytes, pure streaming) took 110 to 126 us by CTA, in groups of neighbouring CTAs (profiles/RESULTS.md, 2026-12-04,
+sixteenth session). Given each SM's relative speed, the schedule sizes an unsplit stage's tiles in proportion
+(schedule.dag.speed_tiles) and the balanced assignment puts each where it finishes first.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from ..instructions.layout import StepLayout
+from ..instructions.matvec_stages import MATVEC_OPCODES, weight_rows
+from ..instructions.opcodes import Opcode
+from ..instructions.split_k import k_splits, split_tile_rows
+from ..kernel.stream import StreamPlan, wide
+
+
+def speed_row_caps(layout: StepLayout) -> dict[Opcode, int]:
+    """Per unsplit matvec stage, the rows a speed-sized tile may take: as many as the uniform tile's chunks hold
+    (the kernel runs a tile in chunks of rows, an epilogue each; a tile a chunk longer than the uniform one would
+    pay one more). Past SPLIT_BATCH none (the uniform tile's rows are the cap)."""
+    if wide(layout.batch):
+        return {}
+    plan = StreamPlan.for_config(layout.config, layout.batch)
+    caps = {}
+    for op in MATVEC_OPCODES:
+        if k_splits(layout, op) != 1:
+            continue
+        chunk = plan.geometry(weight_rows(op, layout)[1]).chunk_rows
+        caps[op] = -(-split_tile_rows(layout, op, 1) // chunk) * chunk
+    return caps
+
+
+def measure_sm_speeds(records: list[dict], program, num_sms: int) -> tuple[float, ...]:
+    """Each CTA's relative streaming speed (mean 1) from a traced step's LM head (MegakernelEngine.trace_records of a
+    program with an LM head): its tile's weight bytes over the time from its counter ready to its last slot landed.
+    A CTA without an LM head tile gets the median. ValueError where the records hold no LM head."""
+    k = program.layout.config.hidden_size
+    rates = {}
+    for r in records:
+        if r["opcode"] != Opcode.LM_HEAD.name or "landed_last" not in r:
+            continue
+        ns = r["landed_last"] - r["ready"]
+        if ns > 0:
+            rates[r["sm"]] = program.instructions[r["index"]].a1 * k * 2 / ns
+    if not rates:
+        raise ValueError("the trace holds no LM head tile with its slots' landing stamps (trace a step with the "
+                         "LM head, KernelOptions(trace=True))")
+    median = statistics.median(rates.values())
+    speeds = [rates.get(sm, median) for sm in range(num_sms)]
+    mean = statistics.fmean(speeds)
+    return tuple(v / mean for v in speeds)

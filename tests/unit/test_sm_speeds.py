@@ -1,0 +1,74 @@
+"""Per-SM speeds (megakernel.runtime.sm_speeds): their measurement from a trace's LM head, and the tile caps of a
+speed-sized schedule. CPU only (the records are written here; the schedule's own checks are in test_schedule.py)."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from megakernel.instructions.layout import SPLIT_BATCH, StepLayout
+from megakernel.instructions.matvec_stages import MATVEC_OPCODES, weight_rows
+from megakernel.instructions.opcodes import Opcode
+from megakernel.instructions.split_k import split_tile_rows
+from megakernel.kernel.stream import StreamPlan
+from megakernel.model.presets import get_preset
+from megakernel.runtime.sm_speeds import measure_sm_speeds, speed_row_caps
+from megakernel.schedule import assign, build_program
+
+
+def _layout(name: str, batch: int, num_sms: int) -> StepLayout:
+    return StepLayout(config=get_preset(name), batch=batch, kv_splits=1, block_size=16, max_blocks_per_seq=8,
+                      num_sms=num_sms)
+
+
+@pytest.mark.parametrize("name,num_sms", [("tiny-llama", 5), ("llama-3.2-1b", 132)])
+def test_measured_speeds_are_each_ctas_lm_head_bytes_per_ns_relative_to_the_mean(name, num_sms):
+    rng = random.Random(num_sms)
+    program = build_program(_layout(name, 1, num_sms))
+    k = program.layout.config.hidden_size
+    rate = [rng.uniform(20.0, 40.0) for _ in range(num_sms)]          # bytes per ns, by CTA
+    records = []
+    for sm, queue in enumerate(assign(program, "balanced")):
+        for ins in queue:
+            ready = rng.randrange(10_000)
+            rec = {"sm": sm, "index": ins.index, "opcode": ins.opcode.name, "begin": ready - 50, "ready": ready,
+                   "end": ready + 90_000}
+            if ins.opcode == Opcode.LM_HEAD:
+                rec["landed_last"] = ready + round(ins.a1 * k * 2 / rate[sm])
+            records.append(rec)
+    owners = {r["sm"] for r in records if r["opcode"] == "LM_HEAD"}
+    speeds = measure_sm_speeds(records, program, num_sms)
+    assert len(speeds) == num_sms and abs(sum(speeds) / num_sms - 1) < 1e-12
+    # a CTA without an LM head tile: the median of the others
+    ref = [rate[sm] if sm in owners else statistics.median(rate[o] for o in owners) for sm in range(num_sms)]
+    mean = sum(ref) / num_sms
+    for sm in range(num_sms):
+        assert speeds[sm] == pytest.approx(ref[sm] / mean, rel=1e-4), sm
+
+
+def test_a_trace_without_the_lm_head_measures_nothing():
+    program = build_program(_layout("tiny-llama", 1, 5), lm_head=False)
+    records = [{"sm": 0, "index": 0, "opcode": "QKV", "begin": 0, "ready": 5, "end": 9, "landed_last": 8}]
+    with pytest.raises(ValueError, match="no LM head tile"):
+        measure_sm_speeds(records, program, 5)
+
+
+@pytest.mark.parametrize("batch", (1, 4, 8))
+@pytest.mark.parametrize("name", ("llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b", "llama-2-7b"))
+def test_row_caps_keep_a_tile_within_the_chunks_of_the_equal_tile(name, batch):
+    """A speed-sized tile may grow up to the end of the equal tile's last chunk of rows, never into a chunk more."""
+    layout = _layout(name, batch, 132)
+    plan = StreamPlan.for_config(layout.config, batch)
+    caps = speed_row_caps(layout)
+    assert set(caps) == set(MATVEC_OPCODES)
+    for op, cap in caps.items():
+        equal = split_tile_rows(layout, op, 1)
+        chunk = plan.geometry(weight_rows(op, layout)[1]).chunk_rows
+        assert equal <= cap < equal + chunk and cap % chunk == 0, (op.name, equal, chunk, cap)
+        assert -(-cap // chunk) == -(-equal // chunk), (op.name, equal, chunk, cap)
+
+
+def test_row_caps_past_split_batch_leave_the_equal_tiles_cap():
+    assert speed_row_caps(_layout("llama-3.2-1b", 2 * SPLIT_BATCH, 132)) == {}
