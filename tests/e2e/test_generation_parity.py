@@ -412,6 +412,39 @@ def test_megakernel_is_deterministic(name):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
+@pytest.mark.parametrize("batch", (1, 3))
+def test_megakernel_with_tiles_sized_by_sm_speeds_gives_the_same_bits(batch):
+    """Tiles sized by per-SM speeds (MegakernelEngine(sm_speeds=...)) move rows between SMs, not the arithmetic of a
+    row: the same tokens and bit-identical logits as equal tiles."""
+    config = GPU_MODELS["llama-3.2-1b-L2"]()
+    seed = 53
+    weights = random_weights(config, seed=seed, dtype=torch.bfloat16, device=GPU)
+    prompts = _prompts(config, seed)[:batch]
+    sms = torch.cuda.get_device_properties(GPU).multi_processor_count
+    gen = torch.Generator().manual_seed(seed)
+    speeds = tuple(float(v) for v in 0.85 + 0.25 * torch.rand(sms, generator=gen))
+    equal = get_backend("megakernel", weights, GPU)
+    sized = get_backend("megakernel", weights, GPU, sm_speeds=speeds)
+    try:
+        first = generate(equal, prompts, GPU_STEPS, keep_logits=True)
+        second = generate(sized, prompts, GPU_STEPS, keep_logits=True)
+        equal.check()
+        sized.check()
+        what = f"megakernel, equal vs speed-sized tiles, llama-3.2-1b-L2 seed={seed} bf16 batch={batch}"
+        rows = {i.a1 for i in sized.engine.program.instructions if i.opcode.name == "GATE_UP" and i.layer == 0}
+        assert len(rows) > 1, f"{what}: GATE_UP's tiles all {rows} rows"
+        assert first.tokens == second.tokens, what
+        for b in range(batch):
+            assert not torch.isnan(first.logits[b]).any(), f"{what}: NaN logits, sequence {b}"
+            differ = (first.logits[b] != second.logits[b]).nonzero()
+            assert differ.numel() == 0, f"{what}: sequence {b} logits differ at (step, token) {differ[:4].tolist()}"
+    finally:
+        del equal, sized
+        _free_gpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
 def test_megakernel_float32_weights_are_cast_or_refused():
     config = GPU_MODELS["tiny-llama"]()
     seed = 61
