@@ -100,7 +100,7 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
     indices, waits and signals) up to the last layer's DOWN, which writes x[L]; lm_tiles is then 0.
     sm_speeds (one per SM): the unsplit matvec stages' tiles sized by speed_tiles, none wider than row_caps[op]
     rows (the widest uniform tile's if not given: the kernel processes a tile in chunks of rows, and a tile a chunk
-    longer pays an epilogue more)."""
+    longer pays an epilogue more); a stage split over K the same way per K range, over a group of the SMs each."""
     layout.validate()
     if sm_speeds is not None:
         sm_speeds = check_sm_speeds(sm_speeds, layout.num_sms)
@@ -133,18 +133,26 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
         # split over K (split_k.py): E ranges' tiles of partials, then MV_REDUCE tiles that close the stage (QKV:
         # none, the attention sums the partials)
         parts = counter_id(layer, PARTS_STAGE[op])
-        tiles = _tiles(rows, split_tile_rows(layout, op, e))
-        for part in range(e):
+        per = split_tile_rows(layout, op, e)
+        ranges = [_tiles(rows, per)] * e
+        if sm_speeds is not None and e <= len(sm_speeds):
+            # the SMs dealt into e groups of equal count and about equal speed (back and forth over the speed
+            # order), each K range's rows cut by its group's speeds (no tile over the equal one's rows)
+            order = sorted(sm_speeds, reverse=True)
+            groups = [order[i::2 * e] + order[2 * e - 1 - i::2 * e] for i in range(e)]
+            ranges = [speed_tiles(rows, row_group(op), tuple(g), per) for g in groups]
+        for part, tiles in enumerate(ranges):
             for t, (lo, n) in enumerate(tiles):
                 add(opcode=op, layer=layer, a0=lo, a1=n, a2=t, a3=a3, wait_id=wait[0], wait_count=wait[1],
                     signal_id=parts, k_part=part, k_parts=e,
                     cost=n * (k // e) * elem + n * B * 4 + FIXED_COST_BYTES)
+        n_parts = sum(len(tiles) for tiles in ranges)
         if op not in REDUCED_STAGES:
-            return e * len(tiles)         # (the signals on the stage's *_PARTS counter)
+            return n_parts                # (the signals on the stage's *_PARTS counter)
         reduces = _tiles(rows, split_tile_rows(layout, op, 1))
         for lo, n in reduces:
             add(opcode=Opcode.MV_REDUCE, layer=layer, a0=lo, a1=n, a2=int(op), a3=e, wait_id=parts,
-                wait_count=e * len(tiles), signal_id=signal, cost=e * n * B * 4 + FIXED_COST_BYTES)
+                wait_count=n_parts, signal_id=signal, cost=e * n * B * 4 + FIXED_COST_BYTES)
         return len(reduces)
 
     folded = layout.embed_folded

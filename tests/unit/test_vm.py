@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megakernel.instructions.context import matvec, rms_normalize
+from megakernel.instructions.layout import SPLIT_BATCH
 from megakernel.instructions.matvec_stages import MATVEC_OPCODES
 from megakernel.instructions.opcodes import Opcode
 from megakernel.model.config import RopeScaling
@@ -118,6 +119,16 @@ def test_vm_with_tiles_sized_by_sm_speeds_equals_reference(preset, num_sms):
                                 label=f"{preset} sm_speeds", sm_speeds=speeds)
 
 
+def test_vm_with_every_layer_matvec_split_over_k_and_sized_by_sm_speeds_equals_reference():
+    """The K ranges of a split stage cut for their own groups of SMs (tilings that differ from range to range)."""
+    config = dataclasses.replace(get_preset("tiny-llama"), **WIDE)
+    lens = tuple(1 + (3 * b) % 7 for b in range(16))
+    gen = torch.Generator().manual_seed(16)
+    speeds = tuple(float(v) for v in 0.6 + 0.8 * torch.rand(132, generator=gen))
+    _check_vm_against_reference(config, "balanced", "reverse", 132, None, 16, True, seed=78,
+                                label="wide tiny-llama batch 16 sm_speeds", prompt_lens=lens, sm_speeds=speeds)
+
+
 def _check_vm_against_reference(config, policy, order, num_sms, kv_splits, block_size, shuffled, seed, label,
                                 prompt_lens=PROMPT_LENS, sm_speeds=None):
     """Prompts of `prompt_lens` tokens fed through the VM and the float32 reference decoder, then NEW_TOKENS
@@ -139,6 +150,8 @@ def _check_vm_against_reference(config, policy, order, num_sms, kv_splits, block
         sizes = {op.name: {i.a1 for i in vm.program.instructions if i.opcode == op and i.layer == 0}
                  for op in MATVEC_OPCODES}
         assert max(len(v) for v in sizes.values()) > 1, f"{label}: the speeds left every stage's tiles equal: {sizes}"
+        if batch > SPLIT_BATCH:      # (the split stages' ranges sized too)
+            assert min(i.k_parts for i in vm.program.instructions if i.opcode == Opcode.DOWN) > 1, label
     table = _block_table(batch, max_seq_len, block_size, num_blocks, shuffled, gen)
     assert tuple(table.shape) == (batch, vm.layout.max_blocks_per_seq)
     ref = ReferenceDecoder(weights)
