@@ -5,7 +5,8 @@ position --context, 32 by default, each replay one position further, over a cach
 counts the KV bytes at --context; --cache sets the positions each sequence's cache holds, at least what the timed
 steps need: a serving engine's caches hold max_model_len positions whatever the context; --calibrate measures each
 CTA's streaming speed in two traced steps of the first variant, prints it, and adds the variant "speeds": the first
-with its tiles sized by those speeds, MegakernelEngine(sm_speeds=...))
+with its tiles sized by those speeds, MegakernelEngine(sm_speeds=...); and two controls, "even" (a tile per SM at
+equal speeds) and "shuffled" (the measured speeds on the wrong CTAs))
 
 Any KernelOptions field is a variant key (`nocopy:diag_no_copy=1` times the step without weight copies: the
 dependency chain and the consumers alone; `nostage:diag_no_stage=1` without the consumers' input staging). Every variant is built first (one packed copy of the weights shared by all), its logits checked
@@ -17,7 +18,7 @@ The trace's lines per stage: the mean wait and work, the layer span, "hop" (from
 of the counter an instruction waited on to its ready stamp: the release's travel, the poll and the barrier after
 it), "tail" (a layer's last instruction's end after its median one's), and a matvec's stream and epilogue (thread
 0's epilogue body, then the signal's barrier and release)."""
-import collections, os, statistics, sys
+import collections, os, random, statistics, sys
 import torch
 from megakernel.instructions.layout import pack_weights
 from megakernel.instructions.opcodes import Opcode
@@ -257,6 +258,11 @@ def main():
         speeds = calibrate(MegakernelEngine(w, B, max_seq, options=KernelOptions(trace=True, **opts),
                                             packed_weights=packed, **eng_kw), context)
         variants.append(("speeds", opts, {**eng_kw, "sm_speeds": speeds}))
+        # two controls: a tile per SM at equal speeds (all SMs busy, nothing followed), and the same speeds on the
+        # wrong CTAs (unequal tiles, not where they belong)
+        variants.append(("even", opts, {**eng_kw, "sm_speeds": (1.0,) * len(speeds)}))
+        variants.append(("shuffled", opts, {**eng_kw, "sm_speeds": tuple(random.Random(0).sample(speeds,
+                                                                                               len(speeds)))}))
     for name, opts, eng_kw in variants:
         eng = MegakernelEngine(w, B, max_seq, options=KernelOptions(**opts), packed_weights=packed, **eng_kw)
         logits = one_step_logits(eng, context)
