@@ -81,6 +81,9 @@ POLICIES: dict[str, Callable[[StepProgram], list[list[Instruction]]]] = {
 def assign(program: StepProgram, policy: str = "balanced") -> list[list[Instruction]]:
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r} is unknown (known: {sorted(POLICIES)})")
+    if program.sm_speeds is not None and policy != "balanced":
+        raise ValueError(f"policy={policy!r} places tiles without the program's sm_speeds; tiles sized by speed "
+                         f"need policy='balanced'")
     return POLICIES[policy](program)
 
 

@@ -782,6 +782,8 @@ def test_bad_sm_speeds_and_caps_are_refused_before_any_tile():
                        ((float("nan"),) * NUM_SMS, "positive"), ((float("inf"),) * NUM_SMS, "positive")):
         with pytest.raises(ValueError, match=match):
             build_program(layout, sm_speeds=bad)
+    with pytest.raises(ValueError, match="need policy='balanced'"):
+        assign(build_program(layout, sm_speeds=(1.0,) * NUM_SMS), "round-robin")
     with pytest.raises(ValueError, match="do not fit"):
         speed_tiles(100 * ROW_GROUP, ROW_GROUP, (1.0,) * 4, 24 * ROW_GROUP)
     with pytest.raises(ValueError, match="do not fit"):
