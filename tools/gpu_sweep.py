@@ -143,6 +143,10 @@ def trace(eng, start=32):
             op += "/" + Opcode(eng.program.instructions[r["index"]].a2).name
         by[op].append(r)
     print(f"  trace: step span {span/1e3:.1f} us")
+    if CALIBRATED_MAP:
+        moved = sum(1 for r in recs if r["index"] == eng.queues[r["sm"]][0].index
+                    and CALIBRATED_MAP.get(r["sm"]) != r["smid"])
+        print(f"  CTA -> SM map: {moved} CTAs on another SM than in the calibration")
     hops = hop_waits(recs, eng.program.instructions)
     layers = eng.layout.config.num_layers
     for op, rs in by.items():
@@ -210,6 +214,8 @@ def trace(eng, start=32):
         hop = f"  hop {statistics.mean(hv)/1e3:5.2f} us" if hv else ""
         print(f"    {op:17s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us{phase}{hop}{stream}")
 
+CALIBRATED_MAP = {}     # CTA -> the SM it ran on in calibrate()'s last traced step (a trace compares its own)
+
 def calibrate(eng, start=32, runs=2):
     """Each CTA's relative streaming speed from `runs` traced steps of a trace-mode engine (runtime.sm_speeds), their
     mean; prints how much they differ, whether two runs agree (a static difference between SMs, which a schedule
@@ -226,6 +232,7 @@ def calibrate(eng, start=32, runs=2):
     a, b = torch.tensor(speeds[0]), torch.tensor(speeds[-1])
     corr = torch.corrcoef(torch.stack([a, b]))[0, 1].item()
     same = all(m == smids[0] for m in smids[1:])
+    CALIBRATED_MAP.update(smids[-1])
     print(f"  SM speeds (LM head, {runs} traced steps): min {min(mean):.3f} max {max(mean):.3f} "
           f"(sd {statistics.pstdev(mean):.3f}); run-to-run correlation {corr:.2f}; CTA -> SM map "
           f"{'the same' if same else 'DIFFERENT'} in every run")
