@@ -12,11 +12,17 @@ from __future__ import annotations
 
 import statistics
 
+import torch
+
 from ..instructions.layout import StepLayout
 from ..instructions.matvec_stages import MATVEC_OPCODES, weight_rows
 from ..instructions.opcodes import Opcode
 from ..instructions.split_k import k_splits, split_tile_rows
+from ..kernel.interpreter import KernelOptions
 from ..kernel.stream import StreamPlan, wide
+
+# speeds measured in this process, by (device, SM count): a property of the GPU, measured once
+_MEASURED: dict[tuple[str, int], tuple[float, ...]] = {}
 
 
 def speed_row_caps(layout: StepLayout) -> dict[Opcode, int]:
@@ -54,3 +60,26 @@ def measure_sm_speeds(records: list[dict], program, num_sms: int) -> tuple[float
     speeds = [rates.get(sm, median) for sm in range(num_sms)]
     mean = statistics.fmean(speeds)
     return tuple(v / mean for v in speeds)
+
+
+def measured_sm_speeds(engine_cls, weights, packed, max_seq_len: int, device: torch.device, num_sms: int,
+                       steps: int = 2, **layout_kw) -> tuple[float, ...]:
+    """Each CTA's relative streaming speed on this GPU (MegakernelEngine(sm_speeds="measure")): a trace-mode
+    engine_cls of batch 1 over the same packed weights runs `steps` times three steps from position 0, and
+    measure_sm_speeds of each last step's trace are averaged. Measured once per (device, SM count) in a process."""
+    key = (str(device), num_sms)
+    if key not in _MEASURED:
+        twin = engine_cls(weights, 1, max_seq_len, num_sms=num_sms, options=KernelOptions(trace=True),
+                          device=device, packed_weights=packed, **layout_kw)
+        runs = []
+        for _ in range(steps):
+            twin.reset_sync()
+            twin.bufs.tokens.zero_()
+            twin.bufs.positions.zero_()
+            for _ in range(3):
+                twin.launch()
+            torch.cuda.synchronize(device)
+            twin.check()
+            runs.append(measure_sm_speeds(twin.trace_records(), twin.program, num_sms))
+        _MEASURED[key] = tuple(statistics.fmean(v) for v in zip(*runs))
+    return _MEASURED[key]

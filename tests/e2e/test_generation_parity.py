@@ -446,6 +446,37 @@ def test_megakernel_with_tiles_sized_by_sm_speeds_gives_the_same_bits(batch):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
+def test_megakernel_with_measured_sm_speeds_gives_the_same_bits():
+    """sm_speeds="measure": each CTA's speed measured on this GPU from a traced step's LM head (once per process),
+    finite, positive and of mean 1; the sized tiles decode the same tokens with bit-identical logits."""
+    from megakernel.runtime import sm_speeds as speeds_mod
+    config = GPU_MODELS["llama-3.2-1b-L2"]()
+    seed = 57
+    weights = random_weights(config, seed=seed, dtype=torch.bfloat16, device=GPU)
+    prompts = _prompts(config, seed, (5, 9))
+    equal = get_backend("megakernel", weights, GPU)
+    sized = get_backend("megakernel", weights, GPU, sm_speeds="measure")
+    try:
+        first = generate(equal, prompts, GPU_STEPS, keep_logits=True)
+        second = generate(sized, prompts, GPU_STEPS, keep_logits=True)
+        equal.check()
+        sized.check()
+        speeds = sized.engine.program.sm_speeds
+        sms = torch.cuda.get_device_properties(GPU).multi_processor_count
+        what = f"megakernel, equal vs measured speed-sized tiles, llama-3.2-1b-L2 seed={seed} bf16 speeds {speeds}"
+        assert speeds is not None and len(speeds) == sms and speeds in speeds_mod._MEASURED.values(), what
+        assert abs(sum(speeds) / sms - 1) < 1e-9 and all(0.5 < v < 2.0 for v in speeds), what
+        assert first.tokens == second.tokens, what
+        for b in range(len(prompts)):
+            differ = (first.logits[b] != second.logits[b]).nonzero()
+            assert differ.numel() == 0, f"{what}: sequence {b} logits differ at (step, token) {differ[:4].tolist()}"
+    finally:
+        del equal, sized
+        _free_gpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
 def test_megakernel_float32_weights_are_cast_or_refused():
     config = GPU_MODELS["tiny-llama"]()
     seed = 61

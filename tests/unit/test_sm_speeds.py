@@ -72,3 +72,52 @@ def test_row_caps_keep_a_tile_within_the_chunks_of_the_equal_tile(name, batch):
 
 def test_row_caps_past_split_batch_leave_the_equal_tiles_cap():
     assert speed_row_caps(_layout("llama-3.2-1b", 2 * SPLIT_BATCH, 132)) == {}
+
+
+def test_measured_speeds_come_from_a_traced_batch_1_twin_once_per_device_and_sm_count(monkeypatch):
+    import torch
+
+    from megakernel.runtime import sm_speeds as mod
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(mod, "_MEASURED", {})
+    rates = [20.0, 26.0, 23.0, 21.0, 25.0]
+    built = []
+
+    class Twin:
+        """What measured_sm_speeds touches of a trace-mode engine: its LM head tiles stream at `rates`."""
+
+        def __init__(self, weights, batch, max_seq_len, *, num_sms, options, device, packed_weights, **layout_kw):
+            built.append((batch, max_seq_len, num_sms, options.trace, layout_kw))
+            self.program = build_program(_layout("tiny-llama", 1, num_sms))
+            self.queues = assign(self.program, "balanced")
+            self.bufs = type("Bufs", (), {"tokens": torch.ones(1), "positions": torch.ones(1)})()
+            self.launches = 0
+
+        def reset_sync(self):
+            pass
+
+        def launch(self):
+            assert int(self.bufs.positions[0]) == 0
+            self.launches += 1
+
+        def check(self):
+            pass
+
+        def trace_records(self):
+            k = self.program.layout.config.hidden_size
+            return [{"sm": sm, "index": i.index, "opcode": i.opcode.name, "begin": 0, "ready": 10,
+                     "landed_last": 10 + round(i.a1 * k * 2 / rates[sm])}
+                    for sm, q in enumerate(self.queues) for i in q if i.opcode == Opcode.LM_HEAD]
+
+    speeds = mod.measured_sm_speeds(Twin, None, None, 64, "cuda:0", 5, fold_embed=True)
+    again = mod.measured_sm_speeds(Twin, None, None, 64, "cuda:0", 5, fold_embed=True)
+    assert again == speeds and len(built) == 1
+    assert built[0] == (1, 64, 5, True, {"fold_embed": True})
+    owners = {sm for sm, q in enumerate(assign(build_program(_layout("tiny-llama", 1, 5)), "balanced"))
+              for i in q if i.opcode == Opcode.LM_HEAD}
+    for a in owners:
+        for b in owners:
+            if rates[a] > rates[b] * 1.05:
+                assert speeds[a] > speeds[b], (a, b, speeds)
+    mod.measured_sm_speeds(Twin, None, None, 64, "cuda:0", 4, fold_embed=True)
+    assert len(built) == 2                  # another SM count: measured again
