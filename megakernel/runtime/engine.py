@@ -163,7 +163,7 @@ class MegakernelEngine:
             # the kernel streams bf16 weights: other dtypes are converted here (exact for bf16-representable values)
             self.weights = pack_weights(weights.to(device=self.device, dtype=torch.bfloat16),
                                         self.layout.max_seq_len).to(self.device)
-        if sm_speeds == "measure":
+        if isinstance(sm_speeds, str):      # ("measure", checked above)
             sm_speeds = measured_sm_speeds(MegakernelEngine, weights, self.weights, max_seq_len, self.device, num_sms,
                                            block_size=block_size, fuse_attn_reduce=fuse_attn_reduce,
                                            slab_staging=slab_staging, fold_embed=fold_embed)
