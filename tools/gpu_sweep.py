@@ -27,7 +27,7 @@ from megakernel.kernel.interpreter import KernelOptions
 from megakernel.model.presets import get_preset
 from megakernel.model.weights import random_weights
 from megakernel.runtime.engine import MegakernelEngine, split_engine_options
-from megakernel.runtime.sm_speeds import measure_sm_speeds
+from megakernel.runtime.sm_speeds import speed_runs
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from toolargs import int_flag, positional  # noqa: E402
 
@@ -216,18 +216,11 @@ def trace(eng, start=32):
 
 CALIBRATED_MAP = {}     # CTA -> the SM it ran on in calibrate()'s last traced step (a trace compares its own)
 
-def calibrate(eng, start=32, runs=2):
-    """Each CTA's relative streaming speed from `runs` traced steps of a trace-mode engine (runtime.sm_speeds), their
-    mean; prints how much they differ, whether two runs agree (a static difference between SMs, which a schedule
-    can follow, or noise), and whether each CTA ran on the same physical SM every time."""
-    speeds, smids = [], []
-    for _ in range(runs):
-        prepare(eng, start)
-        for _ in range(3): eng.launch()
-        torch.cuda.synchronize(); eng.check()
-        recs = eng.trace_records()
-        speeds.append(measure_sm_speeds(recs, eng.program, eng.layout.num_sms))
-        smids.append({r["sm"]: r["smid"] for r in recs})
+def calibrate(eng, runs=2):
+    """Each CTA's relative streaming speed from `runs` traced steps of a trace-mode engine (runtime.sm_speeds.
+    speed_runs), their mean; prints how much they differ, whether two runs agree (a static difference between SMs,
+    which a schedule can follow, or noise), and whether each CTA ran on the same physical SM every time."""
+    speeds, smids = zip(*speed_runs(eng, runs))
     mean = [statistics.fmean(v) for v in zip(*speeds)]
     a, b = torch.tensor(speeds[0]), torch.tensor(speeds[-1])
     corr = torch.corrcoef(torch.stack([a, b]))[0, 1].item()
@@ -235,7 +228,7 @@ def calibrate(eng, start=32, runs=2):
     CALIBRATED_MAP.update(smids[-1])
     print(f"  SM speeds (LM head, {runs} traced steps): min {min(mean):.3f} max {max(mean):.3f} "
           f"(sd {statistics.pstdev(mean):.3f}); run-to-run correlation {corr:.2f}; CTA -> SM map "
-          f"{'the same' if same else 'DIFFERENT'} in every run")
+          f"{'the same in every run' if same else 'CHANGED between runs'}")
     print("  by CTA (CTA:smid:speed): " + " ".join(f"{sm}:{smids[0].get(sm, -1)}:{v:.3f}" for sm, v in enumerate(mean)))
     return tuple(mean)
 
@@ -263,7 +256,7 @@ def main():
         # the first variant with each CTA's tiles sized by its measured speed
         name, opts, eng_kw = variants[0]
         speeds = calibrate(MegakernelEngine(w, B, max_seq, options=KernelOptions(trace=True, **opts),
-                                            packed_weights=packed, **eng_kw), context)
+                                            packed_weights=packed, **eng_kw))
         variants.append(("speeds", opts, {**eng_kw, "sm_speeds": speeds}))
         # two controls: a tile per SM at equal speeds (all SMs busy, nothing followed), and the same speeds on the
         # wrong CTAs (unequal tiles, not where they belong)

@@ -17,7 +17,7 @@ import torch
 from ..instructions.layout import StepLayout
 from ..instructions.matvec_stages import MATVEC_OPCODES, weight_rows
 from ..instructions.opcodes import Opcode
-from ..instructions.split_k import k_splits, split_tile_rows
+from ..instructions.split_k import split_tile_rows
 from ..kernel.interpreter import KernelOptions
 from ..kernel.stream import StreamPlan, wide
 
@@ -33,9 +33,7 @@ def speed_row_caps(layout: StepLayout) -> dict[Opcode, int]:
         return {}
     plan = StreamPlan.for_config(layout.config, layout.batch)
     caps = {}
-    for op in MATVEC_OPCODES:
-        if k_splits(layout, op) != 1:
-            continue
+    for op in MATVEC_OPCODES:          # (up to SPLIT_BATCH no stage splits over K)
         chunk = plan.geometry(weight_rows(op, layout)[1]).chunk_rows
         caps[op] = -(-split_tile_rows(layout, op, 1) // chunk) * chunk
     return caps
@@ -62,24 +60,32 @@ def measure_sm_speeds(records: list[dict], program, num_sms: int) -> tuple[float
     return tuple(v / mean for v in speeds)
 
 
+def speed_runs(engine, runs: int) -> list[tuple[tuple[float, ...], dict[int, int]]]:
+    """`runs` times, three steps of a trace-mode engine from position 0 (token 0, counters reset), then from the last
+    one's trace each CTA's relative speed (measure_sm_speeds) and the physical SM it ran on (CTA -> %smid)."""
+    out = []
+    for _ in range(runs):
+        engine.reset_sync()
+        engine.bufs.tokens.zero_()
+        engine.bufs.positions.zero_()
+        for _ in range(3):
+            engine.launch()
+        torch.cuda.synchronize(engine.device)
+        engine.check()
+        records = engine.trace_records()
+        out.append((measure_sm_speeds(records, engine.program, engine.layout.num_sms),
+                    {r["sm"]: r["smid"] for r in records}))
+    return out
+
+
 def measured_sm_speeds(engine_cls, weights, packed, max_seq_len: int, device: torch.device, num_sms: int,
                        steps: int = 2, **layout_kw) -> tuple[float, ...]:
     """Each CTA's relative streaming speed on this GPU (MegakernelEngine(sm_speeds="measure")): a trace-mode
-    engine_cls of batch 1 over the same packed weights runs `steps` times three steps from position 0, and
-    measure_sm_speeds of each last step's trace are averaged. Measured once per (device, SM count) in a process."""
+    engine_cls of batch 1 over the same packed weights, the mean of `steps` speed_runs. Measured once per (device,
+    SM count) in a process."""
     key = (str(device), num_sms)
     if key not in _MEASURED:
         twin = engine_cls(weights, 1, max_seq_len, num_sms=num_sms, options=KernelOptions(trace=True),
                           device=device, packed_weights=packed, **layout_kw)
-        runs = []
-        for _ in range(steps):
-            twin.reset_sync()
-            twin.bufs.tokens.zero_()
-            twin.bufs.positions.zero_()
-            for _ in range(3):
-                twin.launch()
-            torch.cuda.synchronize(device)
-            twin.check()
-            runs.append(measure_sm_speeds(twin.trace_records(), twin.program, num_sms))
-        _MEASURED[key] = tuple(statistics.fmean(v) for v in zip(*runs))
+        _MEASURED[key] = tuple(statistics.fmean(v) for v in zip(*(sp for sp, _ in speed_runs(twin, steps))))
     return _MEASURED[key]

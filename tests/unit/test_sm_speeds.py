@@ -12,6 +12,7 @@ from megakernel.instructions.layout import SPLIT_BATCH, StepLayout
 from megakernel.instructions.matvec_stages import MATVEC_OPCODES, weight_rows
 from megakernel.instructions.opcodes import Opcode
 from megakernel.instructions.split_k import split_tile_rows
+from megakernel.kernel.interpreter import KernelOptions
 from megakernel.kernel.stream import StreamPlan
 from megakernel.model.presets import get_preset
 from megakernel.runtime.sm_speeds import measure_sm_speeds, speed_row_caps
@@ -88,7 +89,9 @@ def test_measured_speeds_come_from_a_traced_batch_1_twin_once_per_device_and_sm_
 
         def __init__(self, weights, batch, max_seq_len, *, num_sms, options, device, packed_weights, **layout_kw):
             built.append((batch, max_seq_len, num_sms, options.trace, layout_kw))
+            self.device = device
             self.program = build_program(_layout("tiny-llama", 1, num_sms))
+            self.layout = self.program.layout
             self.queues = assign(self.program, "balanced")
             self.bufs = type("Bufs", (), {"tokens": torch.ones(1), "positions": torch.ones(1)})()
             self.launches = 0
@@ -105,7 +108,7 @@ def test_measured_speeds_come_from_a_traced_batch_1_twin_once_per_device_and_sm_
 
         def trace_records(self):
             k = self.program.layout.config.hidden_size
-            return [{"sm": sm, "index": i.index, "opcode": i.opcode.name, "begin": 0, "ready": 10,
+            return [{"sm": sm, "smid": 40 + sm, "index": i.index, "opcode": i.opcode.name, "begin": 0, "ready": 10,
                      "landed_last": 10 + round(i.a1 * k * 2 / rates[sm])}
                     for sm, q in enumerate(self.queues) for i in q if i.opcode == Opcode.LM_HEAD]
 
@@ -121,3 +124,7 @@ def test_measured_speeds_come_from_a_traced_batch_1_twin_once_per_device_and_sm_
                 assert speeds[a] > speeds[b], (a, b, speeds)
     mod.measured_sm_speeds(Twin, None, None, 64, "cuda:0", 4, fold_embed=True)
     assert len(built) == 2                  # another SM count: measured again
+    # each run: the speeds and, per CTA of the trace, its physical SM
+    runs = mod.speed_runs(Twin(None, 1, 64, num_sms=5, options=KernelOptions(trace=True), device="cuda:0",
+                               packed_weights=None), 3)
+    assert len(runs) == 3 and all(sp == speeds and sms == {sm: 40 + sm for sm in owners} for sp, sms in runs)

@@ -99,63 +99,21 @@ def test_hop_waits_measure_from_the_last_producers_end_to_each_waiting_consumers
     assert sweep.hop_waits(recs, ins) == {3: 60, 5: 100}
 
 
-class _TracedEngine:
-    """What gpu_sweep.calibrate touches of a trace-mode MegakernelEngine, on the CPU: each launch draws a step whose LM
-    head tiles stream at the given per-CTA rates (bytes per ns) with a little noise, the CTAs on fixed SMs."""
+def test_calibrate_averages_the_speed_runs_and_reports_their_spread_and_the_sm_map(sweep, monkeypatch, capsys):
+    runs = [((0.9, 1.1, 1.0), {0: 4, 1: 0, 2: 3}), ((0.92, 1.08, 1.0), {0: 4, 1: 0, 2: 3})]
+    got = []
 
-    def __init__(self, rates, smids, seed=0):
-        import torch
-
-        from megakernel.instructions.layout import StepLayout
-        from megakernel.model.presets import get_preset
-        from megakernel.schedule import assign, build_program
-
-        self.layout = StepLayout(config=get_preset("tiny-llama"), batch=1, kv_splits=1, block_size=16,
-                                 max_blocks_per_seq=4, num_sms=len(rates))
-        self.program = build_program(self.layout)
-        self.queues = assign(self.program, "balanced")
-        self.rates, self.smids = rates, smids
-        self.gen = torch.Generator().manual_seed(seed)
-        self.k_cache, self.v_cache = torch.zeros(4), torch.zeros(4)
-        self.bufs = type("Bufs", (), {"tokens": torch.zeros(1), "positions": torch.zeros(1)})()
-        self.launches = 0
-
-    def reset_sync(self):
-        pass
-
-    def launch(self):
-        self.launches += 1
-
-    def check(self):
-        pass
-
-    def trace_records(self):
-        import torch
-        k = self.layout.config.hidden_size
-        out = []
-        for sm, queue in enumerate(self.queues):
-            for ins in queue:
-                rec = {"sm": sm, "smid": self.smids[sm], "index": ins.index, "opcode": ins.opcode.name,
-                       "begin": 0, "ready": 100, "end": 10_000}
-                if ins.opcode.name == "LM_HEAD":
-                    noise = 1 + 0.01 * float(torch.randn(1, generator=self.gen))
-                    rec["landed_last"] = 100 + round(ins.a1 * k * 2 / (self.rates[sm] * noise))
-                out.append(rec)
-        return out
-
-
-def test_calibrate_reads_each_ctas_speed_from_its_lm_head_and_reports_their_spread(sweep, monkeypatch, capsys):
-    import torch
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    rates = [20.0, 24.0, 22.0, 26.0, 21.0]
-    eng = _TracedEngine(rates, smids=[4, 0, 3, 1, 2])
-    owners = {sm for sm, q in enumerate(eng.queues) for i in q if i.opcode.name == "LM_HEAD"}
-    speeds = sweep.calibrate(eng, runs=2)
+    def fake_runs(eng, n):
+        got.append((eng, n))
+        return runs
+    monkeypatch.setattr(sweep, "speed_runs", fake_runs)
+    monkeypatch.setattr(sweep, "CALIBRATED_MAP", {})
+    speeds = sweep.calibrate("engine", runs=2)
     out = capsys.readouterr().out
-    assert eng.launches == 6 and len(speeds) == 5
-    assert abs(sum(speeds) / 5 - 1) < 1e-9
-    for a in owners:
-        for b in owners:
-            if rates[a] > rates[b] * 1.05:
-                assert speeds[a] > speeds[b], (a, b, speeds)
-    assert "run-to-run correlation" in out and "the same in every run" in out and "1:0:" in out
+    assert got == [("engine", 2)]
+    assert speeds == pytest.approx((0.91, 1.09, 1.0))
+    assert sweep.CALIBRATED_MAP == {0: 4, 1: 0, 2: 3}
+    assert "run-to-run correlation 1.00" in out and "the same in every run" in out and "1:0:1.090" in out
+    runs[1] = ((0.92, 1.08, 1.0), {0: 0, 1: 4, 2: 3})
+    sweep.calibrate("engine", runs=2)
+    assert "CHANGED between runs" in capsys.readouterr().out
