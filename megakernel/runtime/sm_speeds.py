@@ -39,7 +39,7 @@ def speed_row_caps(layout: StepLayout) -> dict[Opcode, int]:
     return caps
 
 
-def measure_sm_speeds(records: list[dict], program, num_sms: int) -> tuple[float, ...]:
+def measure_sm_speeds(records: list[dict], program) -> tuple[float, ...]:
     """Each CTA's relative streaming speed (mean 1) from a traced step's LM head (MegakernelEngine.trace_records of a
     program with an LM head): its tile's weight bytes over the time from its counter ready to its last slot landed.
     A CTA without an LM head tile gets the median. ValueError where the records hold no LM head."""
@@ -55,7 +55,7 @@ def measure_sm_speeds(records: list[dict], program, num_sms: int) -> tuple[float
         raise ValueError("the trace holds no LM head tile with its slots' landing stamps (trace a step with the "
                          "LM head, KernelOptions(trace=True))")
     median = statistics.median(rates.values())
-    speeds = [rates.get(sm, median) for sm in range(num_sms)]
+    speeds = [rates.get(sm, median) for sm in range(program.layout.num_sms)]
     mean = statistics.fmean(speeds)
     return tuple(v / mean for v in speeds)
 
@@ -73,7 +73,7 @@ def speed_runs(engine, runs: int) -> list[tuple[tuple[float, ...], dict[int, int
         torch.cuda.synchronize(engine.device)
         engine.check()
         records = engine.trace_records()
-        out.append((measure_sm_speeds(records, engine.program, engine.layout.num_sms),
+        out.append((measure_sm_speeds(records, engine.program),
                     {r["sm"]: r["smid"] for r in records}))
     return out
 

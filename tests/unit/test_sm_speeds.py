@@ -40,7 +40,7 @@ def test_measured_speeds_are_each_ctas_lm_head_bytes_per_ns_relative_to_the_mean
                 rec["landed_last"] = ready + round(ins.a1 * k * 2 / rate[sm])
             records.append(rec)
     owners = {r["sm"] for r in records if r["opcode"] == "LM_HEAD"}
-    speeds = measure_sm_speeds(records, program, num_sms)
+    speeds = measure_sm_speeds(records, program)
     assert len(speeds) == num_sms and abs(sum(speeds) / num_sms - 1) < 1e-12
     # a CTA without an LM head tile: the median of the others
     ref = [rate[sm] if sm in owners else statistics.median(rate[o] for o in owners) for sm in range(num_sms)]
@@ -53,7 +53,7 @@ def test_a_trace_without_the_lm_head_measures_nothing():
     program = build_program(_layout("tiny-llama", 1, 5), lm_head=False)
     records = [{"sm": 0, "index": 0, "opcode": "QKV", "begin": 0, "ready": 5, "end": 9, "landed_last": 8}]
     with pytest.raises(ValueError, match="no LM head tile"):
-        measure_sm_speeds(records, program, 5)
+        measure_sm_speeds(records, program)
 
 
 @pytest.mark.parametrize("batch", (1, 4, 8))
