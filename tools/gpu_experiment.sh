@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Run a parked experiment (profiles/experiments/NAME.patch) on the GPU host in one call: copy the working tree to
-# a scratch folder, apply the patch there, and run the sweep commands its header lists (the lines that start with
-# "python3 tools/gpu_sweep.py", optionally after VAR=value settings of its environment: a sweep in a process of its
-# own), each variant's logits checked against the first's by the sweep itself. The tree
-# this script runs from is not changed. Logs under $OUT/experiment_NAME.log. --only=1,3 runs only those sweeps
-# (numbered from 1 in the header's order), so one patch's sweeps can be spread over several calls.
+# a scratch folder, apply the patch there, and run the commands its header lists in order (the lines that start with
+# "python3 tools/gpu_sweep.py" or "python3 -m pytest", optionally after VAR=value settings of their environment: each
+# in a process of its own): the sweeps check each variant's logits against the first's, the tests are the patch's
+# own GPU tests. The tree this script runs from is not changed. Logs under $OUT/experiment_NAME.log. --only=1,3
+# runs only those commands (numbered from 1 in the header's order), so one patch's can be spread over calls.
 # Usage on the GPU host: bash tools/gpu_experiment.sh profiles/experiments/NAME.patch [--only=N,...] [--dry-run]
 set -uo pipefail
 patch=${1:-}
@@ -21,16 +21,17 @@ for a in "${@:2}"; do
     *) echo "$usage  (unknown argument: $a)" >&2; exit 2 ;;
   esac
 done
-mapfile -t sweeps < <(grep -E '^[[:space:]]*([A-Z][A-Z0-9_]*=[^[:space:]]+[[:space:]]+)*python3 tools/gpu_sweep\.py ' "$patch" |
-                      sed 's/^[[:space:]]*//')
+mapfile -t sweeps < <(grep -E '^[[:space:]]*([A-Z][A-Z0-9_]*=[^[:space:]]+[[:space:]]+)*python3 (tools/gpu_sweep\.py|-m pytest) ' \
+                      "$patch" | sed 's/^[[:space:]]*//')
 if [ ${#sweeps[@]} -eq 0 ]; then
-  echo "usage: gpu_experiment.sh PATCH  ($patch lists no 'python3 tools/gpu_sweep.py' line)" >&2; exit 2
+  echo "usage: gpu_experiment.sh PATCH  ($patch lists no 'python3 tools/gpu_sweep.py' or 'python3 -m pytest' line)" >&2
+  exit 2
 fi
 if [ -n "$only" ]; then
   picked=()
   for n in ${only//,/ }; do
     if ! [[ "$n" =~ ^[0-9]+$ ]] || [ "$n" -lt 1 ] || [ "$n" -gt ${#sweeps[@]} ]; then
-      echo "$usage  (--only takes sweep numbers 1..${#sweeps[@]}, not $n)" >&2; exit 2
+      echo "$usage  (--only takes command numbers 1..${#sweeps[@]}, not $n)" >&2; exit 2
     fi
     picked+=("${sweeps[$((n - 1))]}")
   done
