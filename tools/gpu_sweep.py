@@ -129,7 +129,7 @@ def hop_waits(recs, instructions):
             hops[r["index"]] = r["ready"] - last_end[w]
     return hops
 
-def trace(eng, start=32):
+def trace(eng, start=32, calibrated=None):
     prepare(eng, start)
     for _ in range(3): eng.launch()
     torch.cuda.synchronize(); eng.check()
@@ -143,9 +143,9 @@ def trace(eng, start=32):
             op += "/" + Opcode(eng.program.instructions[r["index"]].a2).name
         by[op].append(r)
     print(f"  trace: step span {span/1e3:.1f} us")
-    if CALIBRATED_MAP:
+    if calibrated:     # (calibrate's CTA -> SM map)
         moved = sum(1 for r in recs if r["index"] == eng.queues[r["sm"]][0].index
-                    and CALIBRATED_MAP.get(r["sm"]) != r["smid"])
+                    and calibrated.get(r["sm"]) != r["smid"])
         print(f"  CTA -> SM map: {moved} CTAs on another SM than in the calibration")
     hops = hop_waits(recs, eng.program.instructions)
     layers = eng.layout.config.num_layers
@@ -214,23 +214,21 @@ def trace(eng, start=32):
         hop = f"  hop {statistics.mean(hv)/1e3:5.2f} us" if hv else ""
         print(f"    {op:17s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us{phase}{hop}{stream}")
 
-CALIBRATED_MAP = {}     # CTA -> the SM it ran on in calibrate()'s last traced step (a trace compares its own)
-
 def calibrate(eng, runs=2):
     """Each CTA's relative streaming speed from `runs` traced steps of a trace-mode engine (runtime.sm_speeds.
     speed_runs), their mean; prints how much they differ, whether two runs agree (a static difference between SMs,
-    which a schedule can follow, or noise), and whether each CTA ran on the same physical SM every time."""
+    which a schedule can follow, or noise), and whether each CTA ran on the same physical SM every time. -> (the
+    speeds, CTA -> the SM it ran on in the last run: a later trace compares its own)."""
     speeds, smids = zip(*speed_runs(eng, runs))
     mean = [statistics.fmean(v) for v in zip(*speeds)]
     a, b = torch.tensor(speeds[0]), torch.tensor(speeds[-1])
     corr = torch.corrcoef(torch.stack([a, b]))[0, 1].item()
     same = all(m == smids[0] for m in smids[1:])
-    CALIBRATED_MAP.update(smids[-1])
     print(f"  SM speeds (LM head, {runs} traced steps): min {min(mean):.3f} max {max(mean):.3f} "
           f"(sd {statistics.pstdev(mean):.3f}); run-to-run correlation {corr:.2f}; CTA -> SM map "
           f"{'the same in every run' if same else 'CHANGED between runs'}")
     print("  by CTA (CTA:smid:speed): " + " ".join(f"{sm}:{smids[0].get(sm, -1)}:{v:.3f}" for sm, v in enumerate(mean)))
-    return tuple(mean)
+    return tuple(mean), smids[-1]
 
 def main():
     usage = ("gpu_sweep.py MODEL BATCH [name:key=val,...] ... [--no-trace] [--trace=NAME,...] [--rounds=N] "
@@ -251,11 +249,12 @@ def main():
     traced = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--trace=")), None)
     ref_logits = None
     built = {}
+    calibrated = None      # (--calibrate: CTA -> SM)
     variants = [parse(spec) for spec in specs]
     if "--calibrate" in sys.argv:
         # the first variant with each CTA's tiles sized by its measured speed
         name, opts, eng_kw = variants[0]
-        speeds = calibrate(MegakernelEngine(w, B, max_seq, options=KernelOptions(trace=True, **opts),
+        speeds, calibrated = calibrate(MegakernelEngine(w, B, max_seq, options=KernelOptions(trace=True, **opts),
                                             packed_weights=packed, **eng_kw))
         variants.append(("speeds", opts, {**eng_kw, "sm_speeds": speeds}))
         # two controls: a tile per SM at equal speeds (all SMs busy, nothing followed), and the same speeds on the
@@ -285,7 +284,7 @@ def main():
         for name, opts, eng_kw in to_trace:
             print(f"  {name}:")
             trace(MegakernelEngine(w, B, max_seq, options=KernelOptions(trace=True, **opts), packed_weights=packed,
-                                   **eng_kw), context)
+                                   **eng_kw), context, calibrated)
 
 
 if __name__ == "__main__":

@@ -107,12 +107,11 @@ def test_calibrate_averages_the_speed_runs_and_reports_their_spread_and_the_sm_m
         got.append((eng, n))
         return runs
     monkeypatch.setattr(sweep, "speed_runs", fake_runs)
-    monkeypatch.setattr(sweep, "CALIBRATED_MAP", {})
-    speeds = sweep.calibrate("engine", runs=2)
+    speeds, calibrated = sweep.calibrate("engine", runs=2)
     out = capsys.readouterr().out
     assert got == [("engine", 2)]
     assert speeds == pytest.approx((0.91, 1.09, 1.0))
-    assert sweep.CALIBRATED_MAP == {0: 4, 1: 0, 2: 3}
+    assert calibrated == {0: 4, 1: 0, 2: 3}
     assert "run-to-run correlation 1.00" in out and "the same in every run" in out and "1:0:1.090" in out
     runs[1] = ((0.92, 1.08, 1.0), {0: 0, 1: 4, 2: 3})
     sweep.calibrate("engine", runs=2)
