@@ -1,12 +1,9 @@
 """Time kernel variants on one set of weights, then trace the first variant: per-stage wait and work
 times. Usage: gpu_sweep.py MODEL BATCH 'name:key=val,key=val' ... [--no-trace] [--trace=NAME,...] [--rounds=N]
-[--context=N] [--cache=N] [--calibrate] (the trace is of the first variant, or of each variant named; the timed steps start at
+[--context=N] [--cache=N] (the trace is of the first variant, or of each variant named; the timed steps start at
 position --context, 32 by default, each replay one position further, over a cache of random history, and the floor
 counts the KV bytes at --context; --cache sets the positions each sequence's cache holds, at least what the timed
-steps need: a serving engine's caches hold max_model_len positions whatever the context; --calibrate measures each
-CTA's streaming speed in two traced steps of the first variant, prints it, and adds the variant "speeds": the first
-with its tiles sized by those speeds, MegakernelEngine(sm_speeds=...); and two controls, "even" (a tile per SM at
-equal speeds) and "shuffled" (the measured speeds on the wrong CTAs))
+steps need: a serving engine's caches hold max_model_len positions whatever the context)
 
 Any KernelOptions field is a variant key (`nocopy:diag_no_copy=1` times the step without weight copies: the
 dependency chain and the consumers alone; `nostage:diag_no_stage=1` without the consumers' input staging). Every variant is built first (one packed copy of the weights shared by all), its logits checked
@@ -18,7 +15,7 @@ The trace's lines per stage: the mean wait and work, the layer span, "hop" (from
 of the counter an instruction waited on to its ready stamp: the release's travel, the poll and the barrier after
 it), "tail" (a layer's last instruction's end after its median one's), and a matvec's stream and epilogue (thread
 0's epilogue body, then the signal's barrier and release)."""
-import collections, os, random, statistics, sys
+import collections, os, statistics, sys
 import torch
 from megakernel.instructions.layout import pack_weights
 from megakernel.instructions.opcodes import Opcode
@@ -27,7 +24,6 @@ from megakernel.kernel.interpreter import KernelOptions
 from megakernel.model.presets import get_preset
 from megakernel.model.weights import random_weights
 from megakernel.runtime.engine import MegakernelEngine, split_engine_options
-from megakernel.runtime.sm_speeds import speed_runs
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from toolargs import int_flag, positional  # noqa: E402
 
@@ -129,7 +125,7 @@ def hop_waits(recs, instructions):
             hops[r["index"]] = r["ready"] - last_end[w]
     return hops
 
-def trace(eng, start=32, calibrated=None):
+def trace(eng, start=32):
     prepare(eng, start)
     for _ in range(3): eng.launch()
     torch.cuda.synchronize(); eng.check()
@@ -143,10 +139,6 @@ def trace(eng, start=32, calibrated=None):
             op += "/" + Opcode(eng.program.instructions[r["index"]].a2).name
         by[op].append(r)
     print(f"  trace: step span {span/1e3:.1f} us")
-    if calibrated:     # (calibrate's CTA -> SM map)
-        moved = sum(1 for r in recs if r["index"] == eng.queues[r["sm"]][0].index
-                    and calibrated.get(r["sm"]) != r["smid"])
-        print(f"  CTA -> SM map: {moved} CTAs on another SM than in the calibration")
     hops = hop_waits(recs, eng.program.instructions)
     layers = eng.layout.config.num_layers
     for op, rs in by.items():
@@ -214,25 +206,9 @@ def trace(eng, start=32, calibrated=None):
         hop = f"  hop {statistics.mean(hv)/1e3:5.2f} us" if hv else ""
         print(f"    {op:17s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us{phase}{hop}{stream}")
 
-def calibrate(eng, runs=2):
-    """Each CTA's relative streaming speed from `runs` traced steps of a trace-mode engine (runtime.sm_speeds.
-    speed_runs), their mean; prints how much they differ, whether two runs agree (a static difference between SMs,
-    which a schedule can follow, or noise), and whether each CTA ran on the same physical SM every time. -> (the
-    speeds, CTA -> the SM it ran on in the last run: a later trace compares its own)."""
-    speeds, smids = zip(*speed_runs(eng, runs))
-    mean = [statistics.fmean(v) for v in zip(*speeds)]
-    a, b = torch.tensor(speeds[0]), torch.tensor(speeds[-1])
-    corr = torch.corrcoef(torch.stack([a, b]))[0, 1].item()
-    same = all(m == smids[0] for m in smids[1:])
-    print(f"  SM speeds (LM head, {runs} traced steps): min {min(mean):.3f} max {max(mean):.3f} "
-          f"(sd {statistics.pstdev(mean):.3f}); run-to-run correlation {corr:.2f}; CTA -> SM map "
-          f"{'the same in every run' if same else 'CHANGED between runs'}")
-    print("  by CTA (CTA:smid:speed): " + " ".join(f"{sm}:{smids[0].get(sm, -1)}:{v:.3f}" for sm, v in enumerate(mean)))
-    return tuple(mean), smids[-1]
-
 def main():
     usage = ("gpu_sweep.py MODEL BATCH [name:key=val,...] ... [--no-trace] [--trace=NAME,...] [--rounds=N] "
-             "[--context=N] [--cache=N] [--calibrate]")
+             "[--context=N] [--cache=N]")
     args = positional(__doc__, usage, 2, ints=(1,))
     model, B = args[0], int(args[1])
     specs = args[2:] or ["default:"]
@@ -249,27 +225,15 @@ def main():
     traced = next((a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--trace=")), None)
     ref_logits = None
     built = {}
-    calibrated = None      # (--calibrate: CTA -> SM)
-    variants = [parse(spec) for spec in specs]
-    if "--calibrate" in sys.argv:
-        # the first variant with each CTA's tiles sized by its measured speed
-        name, opts, eng_kw = variants[0]
-        speeds, calibrated = calibrate(MegakernelEngine(w, B, max_seq, options=KernelOptions(trace=True, **opts),
-                                            packed_weights=packed, **eng_kw))
-        variants.append(("speeds", opts, {**eng_kw, "sm_speeds": speeds}))
-        # two controls: a tile per SM at equal speeds (all SMs busy, nothing followed), and the same speeds on the
-        # wrong CTAs (unequal tiles, not where they belong)
-        variants.append(("even", opts, {**eng_kw, "sm_speeds": (1.0,) * len(speeds)}))
-        variants.append(("shuffled", opts, {**eng_kw, "sm_speeds": tuple(random.Random(0).sample(speeds,
-                                                                                               len(speeds)))}))
-    for name, opts, eng_kw in variants:
+    for spec in specs:
+        name, opts, eng_kw = parse(spec)
         eng = MegakernelEngine(w, B, max_seq, options=KernelOptions(**opts), packed_weights=packed, **eng_kw)
         logits = one_step_logits(eng, context)
         if ref_logits is None:
             ref_logits, agree = logits, "reference"
         else:   # same weights, cache and inputs: a variant computes the same step (float32 sums in another order)
             err = ((logits - ref_logits).norm() / ref_logits.norm()).item()
-            agree = f"rel err {err:.1e} vs {variants[0][0]}" + ("" if err < 1e-3 else "  MISMATCH")
+            agree = f"rel err {err:.1e} vs {specs[0].partition(':')[0]}" + ("" if err < 1e-3 else "  MISMATCH")
         built[name] = (eng, capture(eng, context), agree)
         if (traced is None and not to_trace) or (traced and name in traced):
             to_trace.append((name, opts, eng_kw))
@@ -284,7 +248,7 @@ def main():
         for name, opts, eng_kw in to_trace:
             print(f"  {name}:")
             trace(MegakernelEngine(w, B, max_seq, options=KernelOptions(trace=True, **opts), packed_weights=packed,
-                                   **eng_kw), context, calibrated)
+                                   **eng_kw), context)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,6 @@ from ..kernel.stream import (PEER_WORDS, TR_BEGIN, TR_CONSUMED, TR_END, TR_EPILO
 from ..model.kv_cache import contiguous_block_table
 from ..model.weights import ModelWeights
 from ..schedule import assign, build_program, simulate
-from .sm_speeds import measured_sm_speeds, speed_row_caps
 
 
 class MegakernelError(RuntimeError):
@@ -121,14 +120,8 @@ class MegakernelEngine:
                  kv_splits: int | None = None, options: KernelOptions = KernelOptions(),
                  fuse_attn_reduce: bool | None = None, slab_staging: bool = True, fold_embed: bool = True,
                  scratch_block: int = -1, device: str | torch.device = "cuda",
-                 own_kv_cache: bool = True, packed_weights: PackedWeights | None = None, lm_head: bool = True,
-                 sm_speeds: tuple[float, ...] | str | None = None):
-        # sm_speeds: each CTA's relative streaming speed (runtime.sm_speeds.measure_sm_speeds), or "measure" (on
-        # this GPU, once per process: runtime.sm_speeds.measured_sm_speeds); the matvec stages' tiles are then sized
-        # in proportion (None: equal tiles)
+                 own_kv_cache: bool = True, packed_weights: PackedWeights | None = None, lm_head: bool = True):
         config = weights.config
-        if isinstance(sm_speeds, str) and sm_speeds != "measure":
-            raise ValueError(f"sm_speeds={sm_speeds!r}: a speed per SM, 'measure' or None")
         require_kernel_batch(batch)
         self.device = torch.device(device)
         if self.device.type != "cuda" or not torch.cuda.is_available():
@@ -156,19 +149,7 @@ class MegakernelEngine:
                                  fuse_attn_reduce=fuse_attn_reduce, slab_staging=slab_staging, fold_embed=fold_embed,
                                  scratch_block=scratch_block)
         self.layout.validate()
-        if packed_weights is not None:
-            validate_packed_weights(packed_weights, self.layout, self.device)
-            self.weights = packed_weights
-        else:
-            # the kernel streams bf16 weights: other dtypes are converted here (exact for bf16-representable values)
-            self.weights = pack_weights(weights.to(device=self.device, dtype=torch.bfloat16),
-                                        self.layout.max_seq_len).to(self.device)
-        if isinstance(sm_speeds, str):      # ("measure", checked above)
-            sm_speeds = measured_sm_speeds(MegakernelEngine, weights, self.weights, max_seq_len, self.device, num_sms,
-                                           block_size=block_size, fuse_attn_reduce=fuse_attn_reduce,
-                                           slab_staging=slab_staging, fold_embed=fold_embed)
-        self.program = build_program(self.layout, lm_head=lm_head, sm_speeds=sm_speeds,
-                                     row_caps=speed_row_caps(self.layout) if sm_speeds is not None else None)
+        self.program = build_program(self.layout, lm_head=lm_head)
         self.queues = assign(self.program, policy)
         simulate(self.queues, self.program.num_counters)      # deadlock-free, proven before any launch
         table, lengths = serialize(self.queues)
@@ -177,6 +158,14 @@ class MegakernelEngine:
                              f"memory the kernel stages it in; use fewer kv_splits or a smaller batch")
         self.queue_table = table.to(self.device)
         self.queue_lengths = lengths.to(self.device)
+
+        if packed_weights is not None:
+            validate_packed_weights(packed_weights, self.layout, self.device)
+            self.weights = packed_weights
+        else:
+            # the kernel streams bf16 weights: other dtypes are converted here (exact for bf16-representable values)
+            self.weights = pack_weights(weights.to(device=self.device, dtype=torch.bfloat16),
+                                        self.layout.max_seq_len).to(self.device)
         c = config
         self.ones = torch.ones(max(c.hidden_size, c.q_size, c.intermediate_size), dtype=torch.bfloat16,
                                device=self.device)

@@ -34,32 +34,20 @@ def round_robin(program: StepProgram) -> list[list[Instruction]]:
 def balanced(program: StepProgram) -> list[list[Instruction]]:
     """Within each stage, largest cost first to the SM with the least cost *in that stage* (LPT), ties
     to the SM with the least total so far: every SM streams about the same bytes per stage (a stage's
-    consumers wait for its slowest SM), and the step's totals stay even. With the program's sm_speeds, costs
-    are times (bytes / speed): largest first to the SM that would finish it first, so the stage's tiles sized
-    for the speeds (dag.speed_tiles) land one per SM, the largest on the fastest. Queues keep global order."""
+    consumers wait for its slowest SM), and the step's totals stay even. Queues keep global order."""
     n = program.layout.num_sms
     owner: dict[int, int] = {}
     total = [0.0] * n
     stage: list[Instruction] = []
-    speeds = program.sm_speeds
 
     def flush() -> None:
-        if speeds is None:
-            heap = [(0.0, total[sm], sm) for sm in range(n)]
-            heapq.heapify(heap)
-            for ins in sorted(stage, key=lambda i: -i.cost):
-                in_stage, _, sm = heapq.heappop(heap)
-                owner[ins.index] = sm
-                total[sm] += ins.cost
-                heapq.heappush(heap, (in_stage + ins.cost, total[sm], sm))
-        else:
-            # (at unit speeds this scan picks what the heap above does; the heap keeps the usual case ~8x faster)
-            load = [0.0] * n
-            for ins in sorted(stage, key=lambda i: -i.cost):
-                sm = min(range(n), key=lambda j: ((load[j] + ins.cost) / speeds[j], total[j] / speeds[j], j))
-                owner[ins.index] = sm
-                load[sm] += ins.cost
-                total[sm] += ins.cost
+        heap = [(0.0, total[sm], sm) for sm in range(n)]
+        heapq.heapify(heap)
+        for ins in sorted(stage, key=lambda i: -i.cost):
+            in_stage, _, sm = heapq.heappop(heap)
+            owner[ins.index] = sm
+            total[sm] += ins.cost
+            heapq.heappush(heap, (in_stage + ins.cost, total[sm], sm))
         stage.clear()
 
     for ins in program.instructions:
@@ -82,9 +70,6 @@ POLICIES: dict[str, Callable[[StepProgram], list[list[Instruction]]]] = {
 def assign(program: StepProgram, policy: str = "balanced") -> list[list[Instruction]]:
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r} is unknown (known: {sorted(POLICIES)})")
-    if program.sm_speeds is not None and policy != "balanced":
-        raise ValueError(f"policy={policy!r} places tiles without the program's sm_speeds; tiles sized by speed "
-                         f"need policy='balanced'")
     return POLICIES[policy](program)
 
 

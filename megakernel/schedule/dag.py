@@ -18,8 +18,6 @@ positions (ARGMAX does that), so the caller writes both before every launch.
 
 from __future__ import annotations
 
-import heapq
-import math
 from dataclasses import dataclass
 
 from ..instructions.attention import sequence_groups, split_range  # noqa: F401  (split_range re-exported)
@@ -29,8 +27,7 @@ from ..instructions.matvec_stages import weight_rows
 from ..instructions.opcodes import (Opcode, Stage, argmax_counter, counter_id, embed_counter,
                                     lm_head_counter, num_counters)
 from ..instructions.record import NO_COUNTER, Instruction
-from ..instructions.split_k import (PARTS_STAGE, REDUCED_STAGES, k_splits, qkv_reduce_folded, row_group,
-                                   split_tile_rows)
+from ..instructions.split_k import PARTS_STAGE, REDUCED_STAGES, k_splits, qkv_reduce_folded, split_tile_rows
 
 # Cost model: bytes a stage reads from HBM plus a fixed cost per instruction (in bytes of time).
 FIXED_COST_BYTES = 16 * 1024
@@ -44,9 +41,6 @@ class StepProgram:
     instructions: tuple[Instruction, ...]
     num_counters: int
     lm_tiles: int           # LM_HEAD tiles; 0 for a program without the LM head (and ARGMAX)
-    # per SM, its relative streaming speed (None: all alike): the tiles of an unsplit matvec stage are sized in
-    # proportion and the balanced assignment gives each SM its share (speed_tiles)
-    sm_speeds: tuple[float, ...] | None = None
 
     @property
     def has_lm_head(self) -> bool:
@@ -58,52 +52,11 @@ def _tiles(rows: int, per_tile: int) -> list[tuple[int, int]]:
     return [(lo, min(per_tile, rows - lo)) for lo in range(0, rows, per_tile)]
 
 
-def check_sm_speeds(sm_speeds, num_sms: int) -> tuple[float, ...]:
-    """sm_speeds as a tuple of num_sms positive finite floats, or ValueError."""
-    speeds = tuple(float(v) for v in sm_speeds)
-    if len(speeds) != num_sms:
-        raise ValueError(f"sm_speeds has {len(speeds)} entries; the layout has {num_sms} SMs")
-    bad = [v for v in speeds if not (math.isfinite(v) and v > 0)]
-    if bad:
-        raise ValueError(f"sm_speeds must be positive and finite; {len(bad)} are not, e.g. {bad[:4]}")
-    return speeds
-
-
-def speed_tiles(rows: int, group: int, speeds: tuple[float, ...], cap: int) -> list[tuple[int, int]]:
-    """A stage's rows (whole `group`s) cut into one tile per SM, each SM's groups in proportion to its speed: group
-    by group to the SM whose finish (groups / speed) stays the earliest, no tile over `cap` rows. The tiles come
-    largest first (the balanced assignment gives the largest to the fastest SM); SMs left with none get no tile.
-    A static bandwidth difference between SMs (the H200's SMs stream at different rates under a full-chip load)
-    then no longer sets every stage's end at its slowest SM's."""
-    groups, cap_groups = rows // group, cap // group
-    if rows % group or cap_groups * len(speeds) < groups:
-        raise ValueError(f"{rows} rows in groups of {group} do not fit {len(speeds)} tiles of at most {cap} rows")
-    counts = [0] * len(speeds)
-    heap = [(1 / v, sm) for sm, v in enumerate(speeds)]
-    heapq.heapify(heap)
-    for _ in range(groups):
-        _, sm = heapq.heappop(heap)
-        counts[sm] += 1
-        if counts[sm] < cap_groups:
-            heapq.heappush(heap, ((counts[sm] + 1) / speeds[sm], sm))
-    tiles, lo = [], 0
-    for n in sorted((c for c in counts if c), reverse=True):
-        tiles.append((lo, n * group))
-        lo += n * group
-    return tiles
-
-
 def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
-                  lm_head: bool = True, sm_speeds: tuple[float, ...] | None = None,
-                  row_caps: dict | None = None) -> StepProgram:
+                  lm_head: bool = True) -> StepProgram:
     """The step's DAG. lm_head=False leaves out LM_HEAD and ARGMAX: the same instructions (same
-    indices, waits and signals) up to the last layer's DOWN, which writes x[L]; lm_tiles is then 0.
-    sm_speeds (one per SM): the unsplit matvec stages' tiles sized by speed_tiles, none wider than row_caps[op]
-    rows (the widest uniform tile's if not given: the kernel processes a tile in chunks of rows, and a tile a chunk
-    longer pays an epilogue more); a stage split over K the same way per K range, over a group of the SMs each."""
+    indices, waits and signals) up to the last layer's DOWN, which writes x[L]; lm_tiles is then 0."""
     layout.validate()
-    if sm_speeds is not None:
-        sm_speeds = check_sm_speeds(sm_speeds, layout.num_sms)
     c = layout.config
     L, B, S = c.num_layers, layout.batch, layout.kv_splits
     out: list[Instruction] = []
@@ -121,11 +74,7 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
         rows, k = weight_rows(op, layout)
         e = k_splits(layout, op)
         if e == 1:
-            if sm_speeds is not None:
-                cap = max((row_caps or {}).get(op, 0), rows_per_tile(op))
-                tiles = speed_tiles(rows, row_group(op), sm_speeds, cap)
-            else:
-                tiles = _tiles(rows, rows_per_tile(op))
+            tiles = _tiles(rows, rows_per_tile(op))
             for t, (lo, n) in enumerate(tiles):
                 add(opcode=op, layer=layer, a0=lo, a1=n, a2=t, a3=a3, wait_id=wait[0], wait_count=wait[1],
                     signal_id=signal, cost=n * k * elem + FIXED_COST_BYTES)
@@ -133,26 +82,18 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
         # split over K (split_k.py): E ranges' tiles of partials, then MV_REDUCE tiles that close the stage (QKV:
         # none, the attention sums the partials)
         parts = counter_id(layer, PARTS_STAGE[op])
-        per = split_tile_rows(layout, op, e)
-        ranges = [_tiles(rows, per)] * e
-        if sm_speeds is not None and e <= len(sm_speeds):
-            # the SMs dealt into e groups of equal count and about equal speed (back and forth over the speed
-            # order), each K range's rows cut by its group's speeds (no tile over the equal one's rows)
-            order = sorted(sm_speeds, reverse=True)
-            groups = [order[i::2 * e] + order[2 * e - 1 - i::2 * e] for i in range(e)]
-            ranges = [speed_tiles(rows, row_group(op), tuple(g), per) for g in groups]
-        for part, tiles in enumerate(ranges):
+        tiles = _tiles(rows, split_tile_rows(layout, op, e))
+        for part in range(e):
             for t, (lo, n) in enumerate(tiles):
                 add(opcode=op, layer=layer, a0=lo, a1=n, a2=t, a3=a3, wait_id=wait[0], wait_count=wait[1],
                     signal_id=parts, k_part=part, k_parts=e,
                     cost=n * (k // e) * elem + n * B * 4 + FIXED_COST_BYTES)
-        n_parts = sum(len(tiles) for tiles in ranges)
         if op not in REDUCED_STAGES:
-            return n_parts                # (the signals on the stage's *_PARTS counter)
+            return e * len(tiles)         # (the signals on the stage's *_PARTS counter)
         reduces = _tiles(rows, split_tile_rows(layout, op, 1))
         for lo, n in reduces:
             add(opcode=Opcode.MV_REDUCE, layer=layer, a0=lo, a1=n, a2=int(op), a3=e, wait_id=parts,
-                wait_count=n_parts, signal_id=signal, cost=e * n * B * 4 + FIXED_COST_BYTES)
+                wait_count=e * len(tiles), signal_id=signal, cost=e * n * B * 4 + FIXED_COST_BYTES)
         return len(reduces)
 
     folded = layout.embed_folded
@@ -198,13 +139,11 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
         n = matvec_stage(Opcode.DOWN, l, (counter_id(l, Stage.GATE_UP), n), counter_id(l, Stage.DOWN))
         prev = (counter_id(l, Stage.DOWN), n)
     if not lm_head:
-        return StepProgram(layout=layout, instructions=tuple(out), num_counters=num_counters(L), lm_tiles=0,
-                           sm_speeds=sm_speeds)
+        return StepProgram(layout=layout, instructions=tuple(out), num_counters=num_counters(L), lm_tiles=0)
     lm_tiles = matvec_stage(Opcode.LM_HEAD, 0, prev, lm_head_counter(L))
     add(opcode=Opcode.ARGMAX, a0=lm_tiles, wait_id=lm_head_counter(L), wait_count=lm_tiles,
         signal_id=argmax_counter(L), cost=FIXED_COST_BYTES)
-    return StepProgram(layout=layout, instructions=tuple(out), num_counters=num_counters(L), lm_tiles=lm_tiles,
-                       sm_speeds=sm_speeds)
+    return StepProgram(layout=layout, instructions=tuple(out), num_counters=num_counters(L), lm_tiles=lm_tiles)
 
 
 def producers(program: StepProgram) -> dict[int, list[int]]:

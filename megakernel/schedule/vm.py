@@ -65,13 +65,11 @@ class VMDecoder:
     queues, same buffers the GPU kernel uses. The CPU twin of runtime.MegakernelEngine.
 
     lm_head=False runs the program without LM_HEAD and ARGMAX (as the engine's lm_head=False):
-    `step_hidden` then returns x[L], and `step` (next tokens) raises RuntimeError. sm_speeds and row_caps: tiles
-    sized by per-SM speeds (dag.build_program), as the engine's sm_speeds."""
+    `step_hidden` then returns x[L], and `step` (next tokens) raises RuntimeError."""
 
     def __init__(self, weights, batch: int, max_seq_len: int, block_size: int = 16, num_sms: int = 132,
                  policy: str = "balanced", kv_splits: int | None = None, num_blocks: int | None = None,
-                 lm_head: bool = True, fold_embed: bool = False, sm_speeds: tuple[float, ...] | None = None,
-                 row_caps: dict | None = None):
+                 lm_head: bool = True, fold_embed: bool = False):
         from ..instructions.layout import StepLayout, allocate_buffers, default_kv_splits, pack_weights
         from ..instructions.record import serialize
         from .assign import assign
@@ -83,7 +81,7 @@ class VMDecoder:
                                  kv_splits=kv_splits or default_kv_splits(config, batch, num_sms, blocks_per_seq * block_size),
                                  block_size=block_size, max_blocks_per_seq=blocks_per_seq, num_sms=num_sms,
                                  fold_embed=fold_embed)
-        self.program = build_program(self.layout, lm_head=lm_head, sm_speeds=sm_speeds, row_caps=row_caps)
+        self.program = build_program(self.layout, lm_head=lm_head)
         self.queues = assign(self.program, policy)
         table, lengths = serialize(self.queues)
         packed = pack_weights(weights, self.layout.max_seq_len)

@@ -410,64 +410,6 @@ def test_megakernel_is_deterministic(name):
         _free_gpu()
 
 
-def _equal_and_speed_sized_tiles_agree(weights, prompts, sm_speeds, what: str):
-    """Decode `prompts` with equal tiles and with tiles sized by sm_speeds: the same tokens and bit-identical
-    (finite) logits (tiles move rows between SMs, not the arithmetic of a row). -> the sized engine's program."""
-    equal = get_backend("megakernel", weights, GPU)
-    sized = get_backend("megakernel", weights, GPU, sm_speeds=sm_speeds)
-    try:
-        first = generate(equal, prompts, GPU_STEPS, keep_logits=True)
-        second = generate(sized, prompts, GPU_STEPS, keep_logits=True)
-        equal.check()
-        sized.check()
-        assert first.tokens == second.tokens, what
-        for b in range(len(prompts)):
-            assert not torch.isnan(first.logits[b]).any(), f"{what}: NaN logits, sequence {b}"
-            differ = (first.logits[b] != second.logits[b]).nonzero()
-            assert differ.numel() == 0, f"{what}: sequence {b} logits differ at (step, token) {differ[:4].tolist()}"
-        return sized.engine.program
-    finally:
-        del equal, sized
-        _free_gpu()
-
-
-@pytest.mark.gpu
-@pytest.mark.hopper
-@pytest.mark.parametrize("batch", (1, 3, 16))
-def test_megakernel_with_tiles_sized_by_sm_speeds_gives_the_same_bits(batch):
-    """Tiles sized by per-SM speeds (MegakernelEngine(sm_speeds=...)): the same bits as equal tiles (past batch 8
-    too, where a stage split over K cuts each K range for a group of SMs; the partials are summed per row in range
-    order whatever the tiles)."""
-    config = GPU_MODELS["llama-3.2-1b-L2"]()
-    seed = 53
-    weights = random_weights(config, seed=seed, dtype=torch.bfloat16, device=GPU)
-    prompts = _prompts(config, seed, [1 + (5 * b) % 12 for b in range(batch)])
-    sms = torch.cuda.get_device_properties(GPU).multi_processor_count
-    gen = torch.Generator().manual_seed(seed)
-    speeds = tuple(float(v) for v in 0.85 + 0.25 * torch.rand(sms, generator=gen))
-    what = f"megakernel, equal vs speed-sized tiles, llama-3.2-1b-L2 seed={seed} bf16 batch={batch}"
-    program = _equal_and_speed_sized_tiles_agree(weights, prompts, speeds, what)
-    rows = {i.a1 for i in program.instructions if i.opcode.name == "GATE_UP" and i.layer == 0}
-    assert len(rows) > 1, f"{what}: GATE_UP's tiles all {rows} rows"
-
-
-@pytest.mark.gpu
-@pytest.mark.hopper
-def test_megakernel_with_measured_sm_speeds_gives_the_same_bits():
-    """sm_speeds="measure": each CTA's speed measured on this GPU from a traced step's LM head (once per process),
-    finite, positive and of mean 1; the sized tiles decode the same bits as equal ones."""
-    from megakernel.runtime import sm_speeds as speeds_mod
-    config = GPU_MODELS["llama-3.2-1b-L2"]()
-    seed = 57
-    weights = random_weights(config, seed=seed, dtype=torch.bfloat16, device=GPU)
-    what = f"megakernel, equal vs measured speed-sized tiles, llama-3.2-1b-L2 seed={seed} bf16"
-    program = _equal_and_speed_sized_tiles_agree(weights, _prompts(config, seed, (5, 9)), "measure", what)
-    speeds = program.sm_speeds
-    sms = torch.cuda.get_device_properties(GPU).multi_processor_count
-    assert speeds is not None and len(speeds) == sms and speeds in speeds_mod._MEASURED.values(), f"{what}: {speeds}"
-    assert abs(sum(speeds) / sms - 1) < 1e-9 and all(0.5 < v < 2.0 for v in speeds), f"{what}: {speeds}"
-
-
 @pytest.mark.gpu
 @pytest.mark.hopper
 def test_megakernel_float32_weights_are_cast_or_refused():

@@ -97,22 +97,3 @@ def test_hop_waits_measure_from_the_last_producers_end_to_each_waiting_consumers
             dict(index=4, opcode="ATTN_PARTIAL", begin=420, ready=430, end=950),
             dict(index=5, opcode="O_PROJ", begin=300, ready=1_000, end=2_000)]
     assert sweep.hop_waits(recs, ins) == {3: 60, 5: 100}
-
-
-def test_calibrate_averages_the_speed_runs_and_reports_their_spread_and_the_sm_map(sweep, monkeypatch, capsys):
-    runs = [((0.9, 1.1, 1.0), {0: 4, 1: 0, 2: 3}), ((0.92, 1.08, 1.0), {0: 4, 1: 0, 2: 3})]
-    got = []
-
-    def fake_runs(eng, n):
-        got.append((eng, n))
-        return runs
-    monkeypatch.setattr(sweep, "speed_runs", fake_runs)
-    speeds, calibrated = sweep.calibrate("engine", runs=2)
-    out = capsys.readouterr().out
-    assert got == [("engine", 2)]
-    assert speeds == pytest.approx((0.91, 1.09, 1.0))
-    assert calibrated == {0: 4, 1: 0, 2: 3}
-    assert "run-to-run correlation 1.00" in out and "the same in every run" in out and "1:0:1.090" in out
-    runs[1] = ((0.92, 1.08, 1.0), {0: 0, 1: 4, 2: 3})
-    sweep.calibrate("engine", runs=2)
-    assert "CHANGED between runs" in capsys.readouterr().out

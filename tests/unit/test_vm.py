@@ -10,9 +10,6 @@ import pytest
 import torch
 
 from megakernel.instructions.context import matvec, rms_normalize
-from megakernel.instructions.layout import SPLIT_BATCH
-from megakernel.instructions.matvec_stages import MATVEC_OPCODES
-from megakernel.instructions.opcodes import Opcode
 from megakernel.model.config import RopeScaling
 from megakernel.model.kv_cache import PagedKVCache, contiguous_block_table
 from megakernel.model.presets import get_preset
@@ -110,27 +107,8 @@ def test_vm_with_every_layer_matvec_split_over_k_equals_reference(preset, order)
                                 label=f"wide {preset} batch 16 split {splits}", prompt_lens=lens)
 
 
-# Tiles sized by per-SM speeds (MegakernelEngine(sm_speeds=...)): one tile per SM of each stage, of unequal rows
-@pytest.mark.parametrize("preset,num_sms", [("tiny-llama", 7), ("tiny-qwen3", 132)])
-def test_vm_with_tiles_sized_by_sm_speeds_equals_reference(preset, num_sms):
-    gen = torch.Generator().manual_seed(num_sms)
-    speeds = tuple(float(v) for v in 0.6 + 0.8 * torch.rand(num_sms, generator=gen))
-    _check_vm_against_reference(get_preset(preset), "balanced", "reverse", num_sms, None, 16, True, seed=500 + num_sms,
-                                label=f"{preset} sm_speeds", sm_speeds=speeds)
-
-
-def test_vm_with_every_layer_matvec_split_over_k_and_sized_by_sm_speeds_equals_reference():
-    """The K ranges of a split stage cut for their own groups of SMs (tilings that differ from range to range)."""
-    config = dataclasses.replace(get_preset("tiny-llama"), **WIDE)
-    lens = tuple(1 + (3 * b) % 7 for b in range(16))
-    gen = torch.Generator().manual_seed(16)
-    speeds = tuple(float(v) for v in 0.6 + 0.8 * torch.rand(132, generator=gen))
-    _check_vm_against_reference(config, "balanced", "reverse", 132, None, 16, True, seed=78,
-                                label="wide tiny-llama batch 16 sm_speeds", prompt_lens=lens, sm_speeds=speeds)
-
-
 def _check_vm_against_reference(config, policy, order, num_sms, kv_splits, block_size, shuffled, seed, label,
-                                prompt_lens=PROMPT_LENS, sm_speeds=None):
+                                prompt_lens=PROMPT_LENS):
     """Prompts of `prompt_lens` tokens fed through the VM and the float32 reference decoder, then NEW_TOKENS
     greedy steps: logits within float32 tolerance every step, the same tokens (near-tie rule), the same KV cache
     slots written with the same values, ARGMAX advancing the step inputs in place."""
@@ -142,16 +120,8 @@ def _check_vm_against_reference(config, policy, order, num_sms, kv_splits, block
     per_seq = -(-max_seq_len // block_size)
     num_blocks = batch * per_seq + (5 if shuffled else 0)
 
-    # (sm_speeds: no cap on a tile's rows but the stage's)
     vm = VMDecoder(weights, batch, max_seq_len, block_size=block_size, num_sms=num_sms, policy=policy,
-                   kv_splits=kv_splits, num_blocks=num_blocks, sm_speeds=sm_speeds,
-                   row_caps=None if sm_speeds is None else dict.fromkeys(MATVEC_OPCODES, 1 << 30))
-    if sm_speeds is not None:
-        sizes = {op.name: {i.a1 for i in vm.program.instructions if i.opcode == op and i.layer == 0}
-                 for op in MATVEC_OPCODES}
-        assert max(len(v) for v in sizes.values()) > 1, f"{label}: the speeds left every stage's tiles equal: {sizes}"
-        if batch > SPLIT_BATCH:      # (the split stages' ranges sized too)
-            assert min(i.k_parts for i in vm.program.instructions if i.opcode == Opcode.DOWN) > 1, label
+                   kv_splits=kv_splits, num_blocks=num_blocks)
     table = _block_table(batch, max_seq_len, block_size, num_blocks, shuffled, gen)
     assert tuple(table.shape) == (batch, vm.layout.max_blocks_per_seq)
     ref = ReferenceDecoder(weights)
