@@ -120,3 +120,14 @@ def test_activation_precision_measures_the_hi_lo_split_closer_than_bf16():
     assert 0 < split["max_rel_logit_err"] < bf16["max_rel_logit_err"], r
     assert 0 < split["max_top5_logprob_diff"] < bf16["max_top5_logprob_diff"], r
     assert bf16["of_which_ties"] <= bf16["greedy_differs_at"]
+
+
+@pytest.mark.parametrize("patch", sorted(p.name for p in (REPO / "profiles" / "experiments").glob("*.patch")))
+def test_every_parked_experiment_applies_to_this_tree_and_lists_what_it_runs(patch):
+    """A parked patch (profiles/experiments) is only worth keeping while it applies: gpu_experiment.sh --dry-run
+    applies it to a copy of this tree and lists at least one sweep or test from its header."""
+    got = subprocess.run(["bash", str(REPO / "tools" / "gpu_experiment.sh"),
+                          str(REPO / "profiles" / "experiments" / patch), "--dry-run"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, got.stderr
+    assert "the patch applies; would run:" in got.stdout and "python3 " in got.stdout, got.stdout
