@@ -4,9 +4,10 @@ between them are the kernel's: megakernel.kernel.tensor_parallel). The GPU twin 
 TPVMDecoder.
 
 A rank's CTAs wait on counters that the other ranks' CTAs signal, so every rank's kernel must be resident at once:
-ranks on one GPU split its SMs (two ranks of an H200: 66 SMs each), and step() launches every rank before it
-waits for any. Every wait is bounded: a rank that stops signalling makes the others fail with the kernel's timeout
-error (MegakernelError naming the rank, the instruction and the counter), never hang.
+ranks on one GPU split its SMs (two ranks of an H200: 66 SMs each), every rank's kernel is loaded and launched
+once before the first step (_Rank.warm_up: loading a module may wait for the kernels on the device), and step()
+launches every rank before it waits for any. Every wait is bounded: a rank that stops signalling makes the others
+fail with the kernel's timeout error (MegakernelError naming the rank, the instruction and the counter), never hang.
 """
 
 from __future__ import annotations
@@ -80,6 +81,26 @@ class _Rank:
         import cuda.bindings.driver as cuda
         self.compiled(*self.args, cuda.CUstream(self.stream.cuda_stream))
 
+    def warm_up(self) -> None:
+        """One launch of the compiled kernel that runs no instruction (every queue length 0) and advances a scratch
+        epoch instead of the rank's (its counters, error word and buffers untouched), on this rank's stream.
+
+        The first call of a CuTe DSL compiled function loads its module into the context (cuLibraryLoadData,
+        cuKernelGetFunction, the dynamic shared-memory attribute; CUDA's lazy loading: the CUDA programming guide,
+        "Lazy Loading", potential hazards, concurrent execution), and loading may wait for the kernels already
+        running on the device. Each rank has its own kernel (the rank is a compile-time constant), so without this
+        the first step's launch of rank 1 waited for rank 0's kernel, which spun on rank 1's exchange signals
+        until its timeout: rank 0 saw only its own tiles on the attention exchange (64 of 128)."""
+        import cuda.bindings.driver as cuda
+        from cutlass import Int64
+        lengths = torch.zeros_like(self.queue_lengths)
+        sync = torch.zeros_like(self.bufs.sync)
+        args = list(self.args)
+        args[ARG_NAMES.index("lengths")] = Int64(lengths.data_ptr())
+        args[ARG_NAMES.index("sync")] = Int64(sync.data_ptr())
+        self.compiled(*args, cuda.CUstream(self.stream.cuda_stream))
+        self.stream.synchronize()        # (the scratch tensors outlive the launch)
+
 
 class TensorParallelEngine:
     """One model split over world_size ranks (its heads, FFN and vocabulary; model.tensor_parallel), one batch
@@ -126,6 +147,10 @@ class TensorParallelEngine:
             rk.bufs.block_table.copy_(contiguous_block_table(batch, blocks_per_seq * block_size, block_size,
                                                              rk.device))
             rk.compile(self.program, options)
+        # every rank's kernel loaded (and launched once) before any launch that waits on another rank's: loading a
+        # module may wait for the kernels running on the device (_Rank.warm_up)
+        for rk in self.ranks:
+            rk.warm_up()
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor | None = None,
              check: bool = True) -> torch.Tensor:
