@@ -98,7 +98,9 @@ class _Rank:
         args = list(self.args)
         args[ARG_NAMES.index("lengths")] = Int64(lengths.data_ptr())
         args[ARG_NAMES.index("sync")] = Int64(sync.data_ptr())
-        self.compiled(*args, cuda.CUstream(self.stream.cuda_stream))
+        # (the first call binds the compiled function to the current device's context: the rank's)
+        with torch.cuda.device(self.device):
+            self.compiled(*args, cuda.CUstream(self.stream.cuda_stream))
         self.stream.synchronize()        # (the scratch tensors outlive the launch)
 
 

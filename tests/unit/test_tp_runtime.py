@@ -3,6 +3,7 @@ GPU: tests/e2e/test_tensor_parallel.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import inspect
 
@@ -26,14 +27,17 @@ class _Bufs:
     sync = torch.full((4,), 7, dtype=torch.int32)
 
 
-def test_a_tensor_parallel_rank_warms_up_with_no_instruction_and_a_scratch_epoch():
-    """warm_up launches the rank's own compiled kernel once, on its stream, with every queue length 0 and a
-    zeroed scratch epoch in place of the rank's; every other argument is the step's, and it waits for the launch."""
+def test_a_tensor_parallel_rank_warms_up_with_no_instruction_and_a_scratch_epoch(monkeypatch):
+    """warm_up launches the rank's own compiled kernel once, on its device and stream, with every queue length 0
+    and a zeroed scratch epoch in place of the rank's; every other argument is the step's, and it waits for the
+    launch."""
     from cutlass import Int64
 
+    current = []
+    monkeypatch.setattr(torch.cuda, "device", lambda d: current.append(d) or contextlib.nullcontext())
     rk = _Rank.__new__(_Rank)
     rk.queue_lengths = torch.full((66,), 5, dtype=torch.int32)
-    rk.bufs, rk.stream = _Bufs(), _Stream()
+    rk.bufs, rk.stream, rk.device = _Bufs(), _Stream(), "cuda:1"
     rk.args = [Int64(1000 + i) for i in range(len(ARG_NAMES))]
     calls = []
 
@@ -46,7 +50,7 @@ def test_a_tensor_parallel_rank_warms_up_with_no_instruction_and_a_scratch_epoch
         assert list((ctypes.c_int32 * 4).from_address(int(sync))) == [0] * 4
     rk.compiled = compiled
     rk.warm_up()
-    assert len(calls) == 1 and rk.stream.synced == 1
+    assert len(calls) == 1 and rk.stream.synced == 1 and current == ["cuda:1"]
     (args,) = calls
     for i, name in enumerate(ARG_NAMES):
         if name in ("lengths", "sync"):
