@@ -230,10 +230,10 @@ def main():
         eng = MegakernelEngine(w, B, max_seq, options=KernelOptions(**opts), packed_weights=packed, **eng_kw)
         logits = one_step_logits(eng, context)
         if ref_logits is None:
-            ref_logits, agree = logits, "reference"
+            ref_logits, ref_name, agree = logits, name, "reference"
         else:   # same weights, cache and inputs: a variant computes the same step (float32 sums in another order)
             err = ((logits - ref_logits).norm() / ref_logits.norm()).item()
-            agree = f"rel err {err:.1e} vs {specs[0].partition(':')[0]}" + ("" if err < 1e-3 else "  MISMATCH")
+            agree = f"rel err {err:.1e} vs {ref_name}" + ("" if err < 1e-3 else "  MISMATCH")
         built[name] = (eng, capture(eng, context), agree)
         if (traced is None and not to_trace) or (traced and name in traced):
             to_trace.append((name, opts, eng_kw))
