@@ -42,12 +42,13 @@ PY
     # after `source tools/vllm_bundle.sh stage` (docs/vllm.md); one preset's parity per call (~4 min):
     # bash tools/gpu_run.sh vllm llama-3.2-1b, then bash tools/gpu_run.sh vllm qwen3-0.6b (each also runs
     # tests/e2e/test_vllm_error_path.py: a kernel error inside vLLM's serving loop, ~2 min);
-    # bash tools/gpu_run.sh vllm llama-3.2-1b 32: the case past batch 8 (max_num_seqs 32)
+    # bash tools/gpu_run.sh vllm llama-3.2-1b 32: the case past batch 8 (max_num_seqs 32);
+    # bash tools/gpu_run.sh vllm llama-3.2-1b tp2: tensor_parallel_size=2 on both paths (a host of 2 GPUs)
     preset=${1:-llama-3.2-1b}; shift || true
-    maxb=8
-    case "${1:-}" in 8|32) maxb=$1; shift ;; esac
+    case_id="$preset-b8"
+    case "${1:-}" in 8|32) case_id="$preset-b$1"; shift ;; tp2) case_id="$preset-tp2"; shift ;; esac
     { python3 -m pytest -m vllm -q -p no:cacheprovider -rs tests/unit/test_vllm_plugin.py "$@"
-      python3 -m pytest -m vllm -q -p no:cacheprovider -rs tests/e2e/test_vllm_parity.py -k "$preset-b$maxb" "$@"
+      python3 -m pytest -m vllm -q -p no:cacheprovider -rs tests/e2e/test_vllm_parity.py -k "$case_id" "$@"
       python3 -m pytest -m vllm -q -p no:cacheprovider -rs tests/e2e/test_vllm_error_path.py "$@"
     } 2>&1 | tee "$OUT/vllm_tests_$preset.log" ;;
   sweep)

@@ -10,6 +10,8 @@ step's host work is serial with its GPU work (--profile needs it). --plugin-max-
 MEGAKERNEL_VLLM_MAX_BATCH for the plugin path (the largest decode batch sent to the megakernel: batches above it
 run stock in the plugin's engine too, so its row there measures the plugin's overhead, not the kernel).
 --async-scheduling turns on vLLM's async_scheduling on both paths; vLLM's max_num_seqs is the largest batch.
+--tensor-parallel-size N runs both paths with vLLM's tensor_parallel_size N (the plugin path: one megakernel rank
+per GPU, decode batches up to 8); the floor is then the read time of one GPU's 1/N of the weights.
 
 Same model directory, processes and vLLM settings as tools/vllm_parity.py (stock: default
 compilation, FULL_AND_PIECEWISE CUDA graphs; plugin: hf_overrides to the megakernel architecture,
@@ -103,7 +105,8 @@ def worker_extra(args: argparse.Namespace):
         except Exception as exc:   # noqa: BLE001 (no room left on the GPU): report the timings anyway
             result["read_bandwidth_error"] = f"{type(exc).__name__}: {exc}"
             return
-        floor_ms = cfg.weight_bytes() / bw * 1e3
+        # each of tensor_parallel_size GPUs reads its 1/N of the weights in parallel (the norms, replicated, are noise)
+        floor_ms = cfg.weight_bytes() / (bw * (getattr(args, "tensor_parallel_size", 1) or 1)) * 1e3
         result["read_bandwidth_TBps"] = bw / 1e12
         result["floor_ms"] = floor_ms
         for row in result["bench"].values():
@@ -140,6 +143,7 @@ def main() -> int:
         "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS, "repeats": REPEATS,
         "engine_process": args.engine_process, "plugin_max_batch": args.plugin_max_batch,
         "async_scheduling": args.async_scheduling, "max_num_seqs": args.max_num_seqs, "batches": list(args.batches),
+        "tensor_parallel_size": args.tensor_parallel_size,
         "capture_sizes": list(args.capture_sizes or []) or "vLLM's default",
         "ms_per_step": "(t257 - t1) / 256, best of repeats"}, "paths": {}}
     for path, r in results.items():

@@ -120,6 +120,8 @@ def build_llm(model_dir: str, path: str, arch: str, args: argparse.Namespace):
     kw: dict[str, Any] = dict(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
                               max_model_len=args.max_model_len, max_num_seqs=getattr(args, "max_num_seqs", 8),
                               gpu_memory_utilization=args.gpu_memory_utilization)
+    if _tp(args) > 1:
+        kw["tensor_parallel_size"] = _tp(args)     # both paths; the plugin's: one megakernel rank per GPU
     if getattr(args, "async_scheduling", False):
         kw["async_scheduling"] = True      # vLLM's: the next step scheduled while this one runs (both paths)
     sizes = getattr(args, "capture_sizes", None)
@@ -187,14 +189,20 @@ def run_parity(llm, vocab: int, seed: int, max_num_seqs: int = 8) -> dict[str, l
     return out
 
 
-def megakernel_report(llm=None, engine_process: str = "inproc") -> dict[str, Any]:
+def _tp(args: argparse.Namespace) -> int:
+    return getattr(args, "tensor_parallel_size", 1) or 1
+
+
+def megakernel_report(llm=None, engine_process: str = "inproc", tensor_parallel_size: int = 1) -> dict[str, Any]:
     """What the megakernel path did, and its error words (raises nothing): read in this process
-    (inproc), or through llm.collective_rpc in vLLM's engine process (separate)."""
+    (inproc), or through llm.collective_rpc in vLLM's engine process (separate). With tensor_parallel_size > 1
+    the model lives in vLLM's worker processes, one per rank, whatever the engine process: every rank's report
+    comes back through collective_rpc, rank 0's at the top and all of them under "ranks"."""
     try:
         from megakernel.integrations import vllm_model
     except Exception as exc:   # noqa: BLE001
         return {"import_error": repr(exc)}
-    if engine_process == "inproc":
+    if engine_process == "inproc" and tensor_parallel_size == 1:
         return vllm_model.report()
     if llm is None:
         return {"report_error": "the engine did not start"}
@@ -202,7 +210,10 @@ def megakernel_report(llm=None, engine_process: str = "inproc") -> dict[str, Any
         reports = llm.collective_rpc(vllm_model.report)
     except Exception as exc:   # noqa: BLE001
         return {"report_error": f"collective_rpc: {type(exc).__name__}: {exc}"}
-    return dict(reports[0], engine_process="separate", caller_pid=os.getpid())
+    out = dict(reports[0], engine_process=engine_process, caller_pid=os.getpid())
+    if tensor_parallel_size > 1:
+        out["ranks"] = list(reports)
+    return out
 
 
 def megakernel_used(plugin: dict) -> tuple[bool, str]:
@@ -215,15 +226,19 @@ def megakernel_used(plugin: dict) -> tuple[bool, str]:
         return False, f"megakernel.integrations.vllm_model did not import: {mk['import_error']}"
     if mk.get("report_error"):
         return False, f"no report from vLLM's engine process: {mk['report_error']}"
-    if mk.get("disabled"):
-        return False, f"disabled: {mk['disabled']}"
-    if mk.get("kernel_error"):
-        return False, f"kernel error word: {mk['kernel_error']}"
+    ranks = mk.get("ranks") or [mk]          # tensor parallel: every rank must have served its decode steps
+    for r, rep in enumerate(ranks):
+        where = f"rank {r}: " if len(ranks) > 1 else ""
+        if rep.get("disabled"):
+            return False, f"{where}disabled: {rep['disabled']}"
+        if rep.get("kernel_error"):
+            return False, f"{where}kernel error word: {rep['kernel_error']}"
+        if not rep.get("captured") and not rep.get("eager_steps"):
+            return False, f"{where}no decode step went through the megakernel"
     graphs, eager = sorted(set(mk.get("captured") or [])), mk.get("eager_steps") or 0
-    if not graphs and not eager:
-        return False, "no decode step went through the megakernel"
     return True, (f"engines {sorted(e['batch'] for e in mk.get('engines', []))}, CUDA graphs of {graphs} rows, "
-                  f"{eager} eager steps, fallbacks {mk.get('fallbacks')}")
+                  f"{eager} eager steps, fallbacks {mk.get('fallbacks')}"
+                  + (f", on each of {len(ranks)} tensor-parallel ranks" if len(ranks) > 1 else ""))
 
 
 def environment() -> dict[str, Any]:
@@ -288,12 +303,12 @@ def worker_main(args: argparse.Namespace, extra=None) -> int:
                                                                      getattr(args, "max_num_seqs", 8))))
         if extra is not None:
             stage("extra", lambda: extra(llm, result))
-        if getattr(args, "profile", False) and args.engine_process != "inproc":
+        if getattr(args, "profile", False) and (args.engine_process != "inproc" or _tp(args) > 1):
             result["profile"] = {"skipped": PROFILE_NEEDS_INPROC}
         elif getattr(args, "profile", False):
             stage("profile", lambda: profile_stage(llm, vocab, args, result.setdefault("profile", {})))
     if args.worker == "plugin":
-        result["megakernel"] = megakernel_report(state.get("llm"), args.engine_process)
+        result["megakernel"] = megakernel_report(state.get("llm"), args.engine_process, _tp(args))
     with open(args.json, "w") as f:
         json.dump(result, f)
     return 1 if result["errors"] else 0
@@ -322,8 +337,8 @@ PROFILE_NAME_CHARS = 100
 PROFILE_TRACE_STEPS = 8                 # steps of each batch kept in the trace under --out
 PROFILE_TRACE_MAX_BYTES = 2 << 20       # gzipped; fewer steps are kept until the trace fits
 PROFILE_MIN_LEFT_S = 30.0               # a batch is skipped when the worker has less time left than this
-PROFILE_NEEDS_INPROC = ("torch.profiler sees only this process: --profile needs --engine-process inproc, "
-                        "where vLLM's engine runs in the worker")
+PROFILE_NEEDS_INPROC = ("torch.profiler sees only this process: --profile needs --engine-process inproc and "
+                        "--tensor-parallel-size 1, where vLLM's engine and model run in the worker")
 STEP_MARK = "megakernel: engine step"   # profiler range around every LLMEngine.step call
 HOST_MARK = "megakernel: "              # prefix of the ranges around the host parts of a step
 GPU_KINDS = ("kernel", "memcpy", "memset")
@@ -664,9 +679,12 @@ def worker_env(args: argparse.Namespace, path: str) -> dict[str, str]:
     if args.engine_process == "inproc":
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     else:
-        # vLLM's default: the engine in its own process, which loads the plugin through its entry point;
-        # the report of what the megakernel did comes back through collective_rpc (a callable)
+        # vLLM's default: the engine in its own process
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    if args.engine_process != "inproc" or _tp(args) > 1:
+        # a process of vLLM's own (the engine's, tensor parallel's workers) holds the model: it loads the plugin
+        # through its entry point, and the report of what the megakernel did comes back through collective_rpc
+        # (a callable)
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         shim = entry_point_dir(args.models)
         if shim:
@@ -693,7 +711,7 @@ def run_workers(script: str, args: argparse.Namespace, model_dir: str, extra_arg
     host keeps /tmp while it stays warm) when both do not fit in one call's time."""
     tool = (os.path.splitext(os.path.basename(script))[0] + ("-parity" if "--parity" in extra_args else "")
             + ("" if args.engine_process == "inproc" else f"-{args.engine_process}")
-            + ("-async" if args.async_scheduling else ""))
+            + ("-async" if args.async_scheduling else "") + (f"-tp{_tp(args)}" if _tp(args) > 1 else ""))
     cache = os.path.join(args.models, "results")
     os.makedirs(cache, exist_ok=True)
     results: dict[str, dict] = {}
@@ -721,6 +739,8 @@ def run_workers(script: str, args: argparse.Namespace, model_dir: str, extra_arg
             cmd += ["--plugin-switch", args.plugin_switch]
         if args.profile:
             cmd.append("--profile")
+        if _tp(args) > 1:
+            cmd += ["--tensor-parallel-size", str(_tp(args))]
         env = worker_env(args, path)
         if timeout < MIN_PATH_SECONDS and ("--parity" in extra_args or args.profile):
             print(f"[{args.preset}] {path}: warning: {timeout:.0f} s for this path; with --parity or --profile "
@@ -887,6 +907,9 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
                    help="MEGAKERNEL_VLLM_MAX_BATCH for the plugin path: the largest decode batch sent to the "
                         "megakernel (default: the plugin's own default)")
     p.add_argument("--max-num-seqs", type=int, default=8, help="vLLM's max_num_seqs on both paths")
+    p.add_argument("--tensor-parallel-size", type=int, choices=(1, 2, 4, 8), default=1,
+                   help="vLLM's tensor_parallel_size on both paths (the GPUs of one host): the plugin path runs one "
+                        "megakernel rank per GPU, decode batches up to 8 (docs/vllm.md); --profile is skipped")
     p.add_argument("--capture-sizes", type=parse_batches, default=None, metavar="N,N,...",
                    help="vLLM's cudagraph_capture_sizes on both paths, e.g. 1,2,4,8,16,32,64 (default: vLLM's own, "
                         "whose in-between sizes each cost the plugin path one more megakernel compile)")

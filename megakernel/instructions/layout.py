@@ -314,6 +314,10 @@ def validate_packed_weights(packed, layout: StepLayout, device=None, dtype: torc
     c = layout.config
     device = None if device is None else torch.device(device)
     expected = packed_weight_shapes(c)
+    whole = getattr(layout, "full_config", None)
+    if whole is not None:
+        # a tensor-parallel rank (a ShardLayout) embeds any token id: its embedding is the whole model's
+        expected["embed"] = (whole.vocab_size, c.hidden_size)
     half = c.head_dim // 2
     for f in fields(PackedWeights):
         t = getattr(packed, f.name)

@@ -1,24 +1,29 @@
 """How a vLLM instance's settings, batches, KV cache and weights map onto the megakernel's: the switch and the batch
 limit, the batch buckets, the reasons a batch runs on the stock path, the paged KV cache's geometry, the weights
-read from vLLM's modules and the step's inputs staged from vLLM's buffers. Plain torch, testable without vLLM or a
-GPU; megakernel.integrations.vllm_model's classes use it where vLLM imports."""
+read from vLLM's modules (with tensor_parallel_size > 1: this rank's shard, and the whole embedding gathered from
+the ranks' vocabulary shards) and the step's inputs staged from vLLM's buffers. Plain torch, testable without
+vLLM or a GPU (the tensor-parallel group's collectives are a TPGroup the caller builds: vllm_model from vLLM's
+group, tests from threads); megakernel.integrations.vllm_model's classes use it where vLLM imports."""
 
 from __future__ import annotations
 
 import inspect
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from megakernel.instructions.layout import KERNEL_CAPABILITY, KERNEL_MAX_BATCH, StepLayout
+from megakernel.instructions.layout import KERNEL_CAPABILITY, KERNEL_MAX_BATCH, SPLIT_BATCH, StepLayout
+from megakernel.instructions.tensor_parallel.layout import ShardLayout, require_kernel_shard
 from megakernel.integrations.vllm_plugin import ARCHITECTURES, ENV_SWITCH, env_override, stock_architecture
 from megakernel.model.config import ModelConfig
 from megakernel.model.ops import rms_norm
+from megakernel.model.tensor_parallel import shard_config
 from megakernel.model.weights import LayerWeights, ModelWeights
+from megakernel.runtime.collective import agreed_reason, gather_checked
 
 logger = logging.getLogger("vllm.megakernel")
 
@@ -33,6 +38,9 @@ ENV_MAX_BATCH = "MEGAKERNEL_VLLM_MAX_BATCH"   # largest decode batch sent to the
 # switch says otherwise.
 DEFAULT_MAX_BATCH = 1
 POW2_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# The largest decode batch a tensor-parallel rank runs (schedule.tensor_parallel: up to SPLIT_BATCH); larger
+# decode batches of a tensor-parallel instance run stock.
+TP_MAX_BATCH = SPLIT_BATCH
 
 # Reasons a batch goes to the stock path. QUERY_LEN is the normal case for prefill and is not logged.
 QUERY_LEN = "a request has more than one query token (prefill, chunked prefill or mixed batch)"
@@ -53,11 +61,12 @@ def megakernel_config(hf_config: Any, name: str = "vllm") -> ModelConfig:
 
 
 def vllm_config_reason(vllm_config: Any) -> str | None:
-    """Why this vLLM configuration cannot use the megakernel at all, or None."""
+    """Why this vLLM configuration cannot use the megakernel at all, or None. (tensor_parallel_size > 1 is the
+    model's business: tp_reason.)"""
     pc = vllm_config.parallel_config
-    for field in ("tensor_parallel_size", "pipeline_parallel_size"):
-        if getattr(pc, field, 1) != 1:
-            return f"{field}={getattr(pc, field)} (the megakernel runs a whole model on one GPU)"
+    if getattr(pc, "pipeline_parallel_size", 1) != 1:
+        return (f"pipeline_parallel_size={pc.pipeline_parallel_size} (the megakernel runs every layer of the model "
+                f"in one launch per rank)")
     mc = vllm_config.model_config
     if getattr(mc, "dtype", torch.bfloat16) != torch.bfloat16:
         return f"dtype={mc.dtype} (the megakernel reads bfloat16 weights)"
@@ -74,12 +83,40 @@ def vllm_config_reason(vllm_config: Any) -> str | None:
     return None
 
 
-def layout_reason(config: ModelConfig, max_batch: int = 1) -> str | None:
-    """Why the megakernel cannot run this model shape at batch 1 or max_batch (the instance's limit), or None."""
+def tensor_parallel_size(vllm_config: Any) -> int:
+    """vLLM's tensor_parallel_size (1 where the config does not say)."""
+    return int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+
+
+def tp_reason(config: ModelConfig, world_size: int) -> str | None:
+    """Why the megakernel cannot split this model over world_size ranks as vLLM's tensor parallel group does, or
+    None: fewer kv heads than ranks (vLLM then replicates kv heads across ranks; the kernel's ranks each own
+    distinct whole kv heads), a world size the kernel does not run or the model does not divide by
+    (model.tensor_parallel.check_world_size: heads, kv heads, FFN, vocabulary), or shards the device code cannot
+    stream (instructions.tensor_parallel.layout.require_kernel_shard)."""
+    if world_size == 1:
+        return None
+    if config.num_kv_heads < world_size:
+        return (f"num_kv_heads={config.num_kv_heads} < tensor_parallel_size={world_size}: vLLM replicates kv heads "
+                f"across ranks, and the megakernel's ranks each own distinct whole kv heads")
+    try:
+        require_kernel_shard(config, world_size)
+    except ValueError as exc:
+        return f"tensor_parallel_size={world_size}: {exc}"
+    return None
+
+
+def layout_reason(config: ModelConfig, max_batch: int = 1, world_size: int = 1) -> str | None:
+    """Why the megakernel cannot run this model shape at batch 1 or max_batch (the instance's limit), split over
+    world_size ranks, or None."""
+    why = tp_reason(config, world_size)
+    if why is not None:
+        return why
     for batch in sorted({1, max_batch}):
         try:
-            StepLayout(config=config, batch=batch, kv_splits=1, block_size=16, max_blocks_per_seq=1,
-                       num_sms=1).validate()
+            layout = StepLayout(config=config, batch=batch, kv_splits=1, block_size=16, max_blocks_per_seq=1,
+                                num_sms=1)
+            (ShardLayout.of(layout, world_size) if world_size > 1 else layout).validate()
         except ValueError as exc:
             return f"model shape not supported: {exc}"
     return None
@@ -239,44 +276,153 @@ def kv_geometry(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> K
 # Weights, inputs, outputs
 # ------------------------------------------------------------------------------------------------
 
-def weights_from_vllm(model: torch.nn.Module, config: ModelConfig) -> ModelWeights:
-    """megakernel's ModelWeights as views of a loaded vLLM Llama / Qwen3 model's parameters (no copy).
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's rank in vLLM's tensor-parallel group and the group's two collectives (vllm_model builds it
+    from vLLM's GroupCoordinator; the tests from threads)."""
 
-    vLLM already fuses q/k/v (qkv_proj: q rows, then k, then v) and gate/up (gate_up_proj: gate rows,
-    then up), the order ModelWeights uses. The embedding may be padded to a multiple of 64 rows."""
-    inner = model.model
-    c = config
-    h, f, v = c.hidden_size, c.intermediate_size, c.vocab_size
+    rank: int
+    world_size: int
+    gather_object: Callable[[Any], list]                  # obj -> every rank's obj, rank order (the CPU group)
+    gather_rows: Callable[[torch.Tensor], torch.Tensor]   # [n, ...] alike on every rank -> [W n, ...], rank order
 
-    def param(module: torch.nn.Module, path: str, shape: tuple[int, ...], rows: int | None = None):
-        t = module.weight.detach()
-        if rows is not None:
-            t = t[:rows]
-        if tuple(t.shape) != shape:
-            raise ValueError(f"vLLM parameter {path}.weight has shape {tuple(module.weight.shape)}, "
-                             f"expected {shape} for {c.name}")
-        return t
 
-    embed = param(inner.embed_tokens, "model.embed_tokens", (v, h), rows=v)
+def _param(module: torch.nn.Module, path: str, shape: tuple[int, ...], model: str, rows: int | None = None):
+    t = module.weight.detach()
+    if rows is not None:
+        t = t[:rows]
+    if tuple(t.shape) != shape:
+        raise ValueError(f"vLLM parameter {path}.weight has shape {tuple(module.weight.shape)}, expected {shape} "
+                         f"for {model}")
+    return t
+
+
+def _layer_views(inner: torch.nn.Module, c: ModelConfig, model: str) -> tuple[list[LayerWeights], torch.Tensor]:
+    """Every layer's parameters and the final norm as views, with the shapes of `c` (the model's config, or one
+    rank's shard config: vLLM's QKVParallelLinear holds the rank's q|k|v rows, MergedColumnParallelLinear its
+    gate|up rows, RowParallelLinear its O and down columns, as model.tensor_parallel.shard_weights cuts them)."""
+    h, f = c.hidden_size, c.intermediate_size
     layers = []
     for i, layer in enumerate(inner.layers):
         p = f"model.layers.{i}"
         at, mlp = layer.self_attn, layer.mlp
         layers.append(LayerWeights(
-            attn_norm=param(layer.input_layernorm, f"{p}.input_layernorm", (h,)),
-            qkv=param(at.qkv_proj, f"{p}.self_attn.qkv_proj", (c.qkv_rows, h)),
-            q_norm=param(at.q_norm, f"{p}.self_attn.q_norm", (c.head_dim,)) if c.qk_norm else None,
-            k_norm=param(at.k_norm, f"{p}.self_attn.k_norm", (c.head_dim,)) if c.qk_norm else None,
-            o_proj=param(at.o_proj, f"{p}.self_attn.o_proj", (h, c.q_size)),
-            mlp_norm=param(layer.post_attention_layernorm, f"{p}.post_attention_layernorm", (h,)),
-            gate_up=param(mlp.gate_up_proj, f"{p}.mlp.gate_up_proj", (2 * f, h)),
-            down=param(mlp.down_proj, f"{p}.mlp.down_proj", (h, f)),
+            attn_norm=_param(layer.input_layernorm, f"{p}.input_layernorm", (h,), model),
+            qkv=_param(at.qkv_proj, f"{p}.self_attn.qkv_proj", (c.qkv_rows, h), model),
+            q_norm=_param(at.q_norm, f"{p}.self_attn.q_norm", (c.head_dim,), model) if c.qk_norm else None,
+            k_norm=_param(at.k_norm, f"{p}.self_attn.k_norm", (c.head_dim,), model) if c.qk_norm else None,
+            o_proj=_param(at.o_proj, f"{p}.self_attn.o_proj", (h, c.q_size), model),
+            mlp_norm=_param(layer.post_attention_layernorm, f"{p}.post_attention_layernorm", (h,), model),
+            gate_up=_param(mlp.gate_up_proj, f"{p}.mlp.gate_up_proj", (2 * f, h), model),
+            down=_param(mlp.down_proj, f"{p}.mlp.down_proj", (h, f), model),
         ))
     if len(layers) != c.num_layers:
         raise ValueError(f"vLLM model has {len(layers)} layers, config says {c.num_layers}")
-    lm_head = embed if c.tie_word_embeddings else param(model.lm_head, "lm_head", (v, h), rows=v)
-    return ModelWeights(config=c, embed=embed, layers=layers, final_norm=param(inner.norm, "model.norm", (h,)),
-                        lm_head=lm_head)
+    return layers, _param(inner.norm, "model.norm", (h,), model)
+
+
+def weights_from_vllm(model: torch.nn.Module, config: ModelConfig, tp: TPGroup | None = None) -> ModelWeights:
+    """megakernel's ModelWeights as views of a loaded vLLM Llama / Qwen3 model's parameters.
+
+    vLLM already fuses q/k/v (qkv_proj: q rows, then k, then v) and gate/up (gate_up_proj: gate rows,
+    then up), the order ModelWeights uses. The embedding may be padded to a multiple of 64 rows.
+
+    With a tensor-parallel group of more than one rank (`tp`): this rank's shard, equal to
+    model.tensor_parallel.shard_weights(whole model, W)[rank] (views of its qkv, o_proj, gate_up and down
+    parameters, which vLLM holds cut the same way; a ModelWeights over shard_config), with the WHOLE embedding,
+    gathered once here from every rank's VocabParallelEmbedding shard with vLLM's padding rows dropped (the
+    kernel's EMBED reads any token's row on every rank): one more copy of the embedding per rank, V x H bf16
+    (0.5 GiB for llama-3.2-1b, 1 GiB for llama-3.1-8b). The LM head rows are the rank's V/W vocabulary rows
+    (a slice of the gathered embedding when tied; views of vLLM's lm_head shard where its rows are those, else
+    gathered and cut). Collective: every rank of the group calls it; a rank whose parameters are not understood
+    makes every rank raise ValueError (agreed before any tensor is gathered)."""
+    if tp is None or tp.world_size == 1:
+        c, v, h = config, config.vocab_size, config.hidden_size
+        inner = model.model
+        embed = _param(inner.embed_tokens, "model.embed_tokens", (v, h), c.name, rows=v)
+        layers, final_norm = _layer_views(inner, c, c.name)
+        lm_head = embed if c.tie_word_embeddings else _param(model.lm_head, "lm_head", (v, h), c.name, rows=v)
+        return ModelWeights(config=c, embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head)
+    return _shard_from_vllm(model, config, tp)
+
+
+def _vocab_shard(module: torch.nn.Module, path: str, config: ModelConfig) -> tuple[torch.Tensor, tuple[int, int]]:
+    """A VocabParallelEmbedding's (or ParallelLMHead's) local weight [rows per rank, H], padding included, and the
+    vocabulary ids its first rows hold: (org_vocab_start_index, org_vocab_end_index) of its shard_indices
+    (vLLM pads the vocabulary to a multiple of 64, splits the padded rows evenly, and puts each rank's real rows
+    first; LoRA's added rows, which would follow, are refused)."""
+    weight = module.weight.detach()
+    if weight.dim() != 2 or weight.shape[1] != config.hidden_size:
+        raise ValueError(f"vLLM parameter {path}.weight has shape {tuple(weight.shape)}, expected (rows, "
+                         f"{config.hidden_size}) for {config.name}")
+    indices = getattr(module, "shard_indices", None)
+    if indices is None:
+        raise ValueError(f"{path} ({type(module).__name__}) has no shard_indices: not a vLLM VocabParallelEmbedding")
+    if getattr(module, "num_added_embeddings", 0):
+        raise ValueError(f"{path} has {module.num_added_embeddings} added (LoRA) vocabulary rows")
+    lo, hi = int(indices.org_vocab_start_index), int(indices.org_vocab_end_index)
+    if not 0 <= hi - lo <= weight.shape[0]:
+        raise ValueError(f"{path}: vocabulary ids [{lo}, {hi}) in {weight.shape[0]} rows")
+    return weight, (lo, hi)
+
+
+def _vocab_ranges(tp: TPGroup, ids: tuple[int, int], config: ModelConfig, rows: int,
+                  path: str) -> list[tuple[int, int]]:
+    """Every rank's vocabulary ids of a vocabulary shard of `rows` rows, checked to cover the vocabulary in rank
+    order (ValueError otherwise, on every rank alike). Collective."""
+    entries = gather_checked(tp.gather_object, {"rank": tp.rank, "ids": ids}, tp.world_size, f"gathering {path}")
+    ranges = [tuple(e["ids"]) for e in entries]
+    expect = 0
+    for r, (lo, hi) in enumerate(ranges):
+        if lo != expect or not 0 <= hi - lo <= rows:
+            raise ValueError(f"{path}: the ranks' vocabulary ids {ranges} do not cover 0..{config.vocab_size - 1} in "
+                             f"rank order (rank {r})")
+        expect = hi
+    if expect != config.vocab_size:
+        raise ValueError(f"{path}: the ranks hold vocabulary ids up to {expect}; {config.name} has "
+                         f"{config.vocab_size}")
+    return ranges
+
+
+def _gather_vocab(local: torch.Tensor, ranges: list[tuple[int, int]], tp: TPGroup) -> torch.Tensor:
+    """Every rank's vocabulary shard -> the whole matrix [V, H] in vocabulary order, vLLM's padding rows dropped.
+    Collective."""
+    rows = local.shape[0]
+    gathered = tp.gather_rows(local.contiguous())          # [W rows, H]: every rank's, padding included
+    if all(hi - lo == rows for lo, hi in ranges):
+        return gathered
+    return torch.cat([gathered[r * rows:r * rows + hi - lo] for r, (lo, hi) in enumerate(ranges)])
+
+
+def _shard_from_vllm(model: torch.nn.Module, config: ModelConfig, tp: TPGroup) -> ModelWeights:
+    sc = shard_config(config, tp.world_size)
+    inner = model.model
+    reason = None
+    try:
+        layers, final_norm = _layer_views(inner, sc, config.name)
+        embed_local, embed_ids = _vocab_shard(inner.embed_tokens, "model.embed_tokens", config)
+        if not config.tie_word_embeddings:
+            head_local, head_ids = _vocab_shard(model.lm_head, "lm_head", config)
+    except (ValueError, AttributeError) as exc:
+        reason = str(exc)
+    # (before any tensor is gathered: a rank that stopped here would leave the others in the gather)
+    why = agreed_reason(tp.gather_object, tp.rank, tp.world_size, reason)
+    if why is not None:
+        raise ValueError(why)
+    ranges = _vocab_ranges(tp, embed_ids, config, embed_local.shape[0], "model.embed_tokens")
+    embed = _gather_vocab(embed_local, ranges, tp)
+    per_rank = sc.vocab_size
+    lo = tp.rank * per_rank
+    if config.tie_word_embeddings:
+        lm_head = embed[lo:lo + per_rank]
+    else:
+        ranges = _vocab_ranges(tp, head_ids, config, head_local.shape[0], "lm_head")
+        if all(a == r * per_rank and b - a >= per_rank for r, (a, b) in enumerate(ranges)):
+            lm_head = head_local[:per_rank]                  # vLLM's shard starts with exactly this rank's rows
+        else:
+            lm_head = _gather_vocab(head_local, ranges, tp)[lo:lo + per_rank].clone()
+    return ModelWeights(config=sc, embed=embed, layers=layers, final_norm=final_norm, lm_head=lm_head,
+                        meta={"rank": tp.rank, "world_size": tp.world_size})
 
 
 def stage_decode_inputs(tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,

@@ -40,6 +40,18 @@ Fallback: whenever the megakernel cannot serve a batch (unsupported model or vLL
 the limit, no Hopper GPU, KV cache layout not understood, engine without the per-layer KV cache API)
 the stock path runs, and the reason is logged once.
 
+Tensor parallel (``tensor_parallel_size`` > 1; pipeline parallel runs stock): every rank's worker process decodes
+through a TensorParallelRank (runtime.tensor_parallel) over its shard, the partial sums exchanged by the kernels
+through CUDA IPC mappings of the peers' buffers, x[L] the same bits on every rank; vLLM's LM head (its
+vocabulary-parallel GEMM and gather) computes the logits as usual. The shard is views of vLLM's own per-rank
+parameters (weights_from_vllm), plus the whole embedding gathered once at load time. Decode batches go to the
+kernel up to ``vllm_mapping.TP_MAX_BATCH``; models with fewer kv heads than ranks (vLLM replicates them), or whose
+heads, FFN or vocabulary do not split, run stock with the reason logged. A rank must never run stock while its
+peers launch their kernels (they would wait on its exchange signals until the kernel's timeout, and it would join
+vLLM collectives they never start), so every such decision is the same on every rank: from the batch (vLLM runs
+the same steps on every rank), agreed over the group at weight load (runtime.collective), collective at engine
+build, and on the decode path an exception is raised (the step fails) instead of running that rank stock.
+
 What these classes decide from plain data (the switch, the batch limit and buckets, the reasons a batch runs
 stock, the KV cache's geometry, the weights and the step's inputs) is megakernel.integrations.vllm_mapping: plain
 torch, testable without vLLM or a GPU. The classes exist only where vLLM imports.
@@ -57,13 +69,15 @@ from typing import Any
 import torch
 
 from megakernel.instructions.layout import KERNEL_CAPABILITY, pack_weights
-from megakernel.integrations.vllm_mapping import (QUERY_LEN, KVGeometry, batch_reason, decode_buckets, engine_kwargs,
-                                                  final_hidden, kv_geometry, layout_reason, max_batch_setting,
-                                                  megakernel_config, pick_bucket, rope_positions, split_kv_cache,
-                                                  stage_decode_inputs, switch_setting, vllm_config_reason,
-                                                  weights_from_vllm)
+from megakernel.integrations.vllm_mapping import (QUERY_LEN, TP_MAX_BATCH, KVGeometry, TPGroup, batch_reason,
+                                                  decode_buckets, engine_kwargs, final_hidden, kv_geometry,
+                                                  layout_reason, max_batch_setting, megakernel_config, pick_bucket,
+                                                  rope_positions, split_kv_cache, stage_decode_inputs, switch_setting,
+                                                  tensor_parallel_size, vllm_config_reason, weights_from_vllm)
 from megakernel.model.config import ModelConfig
+from megakernel.model.tensor_parallel import shard_config
 from megakernel.model.weights import ModelWeights
+from megakernel.runtime.collective import agreed_reason
 
 logger = logging.getLogger("vllm.megakernel")
 
@@ -99,7 +113,14 @@ def _log_once(message: str, level: int = logging.INFO,
 
 class MegakernelDecode:
     """Owns the engines of one vLLM model; `maybe_decode` returns the final hidden states of a
-    decode batch it served, or None (the caller then runs the stock forward)."""
+    decode batch it served, or None (the caller then runs the stock forward).
+
+    With tensor_parallel_size > 1 it is one rank's: its engines are TensorParallelRank (runtime.tensor_parallel),
+    one per batch bucket up to TP_MAX_BATCH, over this rank's shard, and every decision that makes a rank run
+    stock or build an engine is the same on every rank (see _prepare_tensor_parallel and _engine)."""
+
+    world_size = 1                   # vLLM's tensor_parallel_size (the constructor reads it)
+    tp: TPGroup | None = None        # this rank's group, from the weights' load on (tensor_parallel_size > 1)
 
     def __init__(self, model: torch.nn.Module, vllm_config: Any):
         self._model = weakref.ref(model)
@@ -116,6 +137,8 @@ class MegakernelDecode:
         self.layout_kw: dict[str, Any] = {}
         self.prepared = False
         self.config: ModelConfig | None = None
+        self.kv_config: ModelConfig | None = None     # the KV cache's heads: the model's, or one rank's shard's
+        self.world_size = tensor_parallel_size(vllm_config)
         mc = vllm_config.model_config
         self.max_seq_len = int(mc.max_model_len)
         self.dtype = mc.dtype
@@ -123,6 +146,11 @@ class MegakernelDecode:
         capture = getattr(vllm_config.compilation_config, "cudagraph_capture_sizes", None)
         on, max_batch, self.switch = switch_setting(vllm_config)
         self.max_batch = max_batch or max_batch_setting()
+        if self.world_size > 1 and self.max_batch > TP_MAX_BATCH:
+            if on:
+                _log_once(f"tensor_parallel_size={self.world_size}: decode batches up to {TP_MAX_BATCH} run on the "
+                          f"megakernel (not {self.max_batch})", consequence="larger ones on the stock vLLM path")
+            self.max_batch = TP_MAX_BATCH
         self.buckets = decode_buckets(capture, self.max_batch)
         self.check = os.environ.get(ENV_CHECK, "") == "1"
         if not on:
@@ -135,7 +163,10 @@ class MegakernelDecode:
         if why is None:
             try:
                 self.config = megakernel_config(mc.hf_config, name=str(getattr(mc, "model", "vllm")))
-                why = layout_reason(self.config, self.max_batch)
+                why = layout_reason(self.config, self.max_batch, self.world_size)
+                if why is None:
+                    self.kv_config = shard_config(self.config, self.world_size) if self.world_size > 1 \
+                        else self.config
             except ValueError as exc:
                 why = f"model config not supported: {exc}"
         if why is not None:
@@ -162,38 +193,91 @@ class MegakernelDecode:
             self._disable(f"preparing the decode path raised {type(exc).__name__}: {exc}")
 
     def _prepare(self) -> None:
+        if self.world_size > 1:
+            return self._prepare_tensor_parallel()
         model = self._model()
         try:
             self.weights = weights_from_vllm(model, self.config)
         except (ValueError, AttributeError) as exc:
             return self._disable(f"weights not understood: {exc}")
-        self.device = self.weights.embed.device
-        if self.device.type != "cuda":
-            return self._disable(f"the model lives on {self.device}, not a CUDA GPU")
-        cap = torch.cuda.get_device_capability(self.device)
-        if cap != KERNEL_CAPABILITY:
-            return self._disable(f"the GPU is sm_{cap[0]}{cap[1]}; the megakernel is built for sm_90a (Hopper)")
-        try:
-            from megakernel.runtime.engine import MegakernelEngine
-        except Exception as exc:   # cutlass DSL missing or broken: the stock path still works
-            return self._disable(f"megakernel.runtime.engine does not import: {exc}")
-        if not hasattr(MegakernelEngine, "bind_kv_caches"):
-            return self._disable("MegakernelEngine has no bind_kv_caches() (the per-layer KV cache API "
-                                 "described in docs/vllm.md)")
-        from vllm.forward_context import get_forward_context, is_forward_context_available
-        self._fc_get, self._fc_available = get_forward_context, is_forward_context_available
-        self.engine_cls = MegakernelEngine
+        why = self._runtime_reason(self.weights.embed.device)
+        if why is not None:
+            return self._disable(why)
         self.norm_weight = self.weights.final_norm
         self.eps = self.config.rms_norm_eps
-        if "packed_weights" in engine_kwargs(MegakernelEngine, packed_weights=None):
-            # vLLM loads weights under set_default_torch_dtype(model dtype): the RoPE tables are float32
-            old = torch.get_default_dtype()
-            torch.set_default_dtype(torch.float32)
-            try:
-                self.packed = pack_weights(self.weights, rope_positions(self.max_seq_len, self.block_size)
-                                           ).to(self.device)
-            finally:
-                torch.set_default_dtype(old)
+        if "packed_weights" in engine_kwargs(self.engine_cls, packed_weights=None):
+            self.packed = self._pack()
+
+    def _prepare_tensor_parallel(self) -> None:
+        """_prepare on one rank of vLLM's tensor-parallel group: this rank's shard with the whole embedding
+        (weights_from_vllm, collective), packed once. Every reason to go stock is agreed over the group before
+        the next collective step (runtime.collective.agreed_reason), so every rank decides alike: a rank that
+        ran stock while another launched the kernel would leave the other waiting on its exchange counters until
+        the kernel's timeout, and join vLLM collectives the other never starts."""
+        model = self._model()
+        self.tp = self._tp_group()
+        try:
+            why = self._runtime_reason(model.model.embed_tokens.weight.device)
+        except Exception as exc:   # noqa: BLE001 (agreed below, then every rank goes stock)
+            why = f"checking the GPU raised {type(exc).__name__}: {exc}"
+        why = agreed_reason(self.tp.gather_object, self.tp.rank, self.world_size, why)
+        if why is not None:
+            self.engine_cls = None
+            return self._disable(why)
+        try:
+            self.weights = weights_from_vllm(model, self.config, self.tp)    # (failures agreed inside)
+        except (ValueError, AttributeError) as exc:
+            self.engine_cls = None
+            return self._disable(f"weights not understood: {exc}")
+        why = None
+        try:
+            self.packed = self._pack()
+        except Exception as exc:   # noqa: BLE001 (agreed below)
+            why = f"packing the weights raised {type(exc).__name__}: {exc}"
+        why = agreed_reason(self.tp.gather_object, self.tp.rank, self.world_size, why)
+        if why is not None:
+            self.engine_cls, self.packed = None, None
+            return self._disable(why)
+        self.norm_weight = self.weights.final_norm
+        self.eps = self.config.rms_norm_eps
+
+    def _tp_group(self) -> TPGroup:
+        return vllm_tp_group()
+
+    def _runtime_reason(self, device: torch.device) -> str | None:
+        """Why this process cannot run the megakernel on `device` (not a CUDA GPU, not sm_90, the runtime does not
+        import or lacks the per-layer KV cache API), or None, with the engine class and vLLM's forward context
+        functions set."""
+        self.device = device
+        if device.type != "cuda":
+            return f"the model lives on {device}, not a CUDA GPU"
+        cap = torch.cuda.get_device_capability(device)
+        if cap != KERNEL_CAPABILITY:
+            return f"the GPU is sm_{cap[0]}{cap[1]}; the megakernel is built for sm_90a (Hopper)"
+        try:
+            if self.world_size > 1:
+                from megakernel.runtime.tensor_parallel import TensorParallelRank as engine_cls
+            else:
+                from megakernel.runtime.engine import MegakernelEngine as engine_cls
+        except Exception as exc:   # cutlass DSL missing or broken: the stock path still works
+            return f"megakernel.runtime does not import: {exc}"
+        if not hasattr(engine_cls, "bind_kv_caches"):
+            return (f"{engine_cls.__name__} has no bind_kv_caches() (the per-layer KV cache API described in "
+                    f"docs/vllm.md)")
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+        self._fc_get, self._fc_available = get_forward_context, is_forward_context_available
+        self.engine_cls = engine_cls
+        return None
+
+    def _pack(self):
+        """The weights packed once for every bucket's engine (vLLM loads weights under set_default_torch_dtype(model
+        dtype): the RoPE tables are float32)."""
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float32)
+        try:
+            return pack_weights(self.weights, rope_positions(self.max_seq_len, self.block_size)).to(self.device)
+        finally:
+            torch.set_default_dtype(old)
 
     def _bind(self) -> bool:
         """Find vLLM's per-layer KV caches (False until vLLM allocated them) and bind them to every
@@ -206,7 +290,7 @@ class MegakernelDecode:
             return False
         if self._kv_key is not None and self._kv_key[0] == first.data_ptr():
             return True
-        c = self.config
+        c = self.kv_config
         try:
             pairs = [split_kv_cache(a.kv_cache, c.num_kv_heads, c.head_dim) for a in attn]
             k_list, v_list = [p[0] for p in pairs], [p[1] for p in pairs]
@@ -244,8 +328,12 @@ class MegakernelDecode:
             return None
         k_list, v_list, geom = self.kv
         # (scratch_block: the padded rows all append to the null block, which the kernel's aliasing check exempts)
-        kw = engine_kwargs(self.engine_cls, packed_weights=self.packed, own_kv_cache=False, lm_head=False,
-                           scratch_block=0, **self.layout_kw)
+        if self.world_size > 1:
+            kw = dict(packed_weights=self.packed, kv_caches=(k_list, v_list), lm_head=False, scratch_block=0,
+                      gather=self.tp.gather_object, **self.layout_kw)
+        else:
+            kw = engine_kwargs(self.engine_cls, packed_weights=self.packed, own_kv_cache=False, lm_head=False,
+                               scratch_block=0, **self.layout_kw)
         if self.packed is None:
             kw.pop("packed_weights", None)
         elif self.packed.rope_cos.shape[0] < rope_positions(self.max_seq_len, geom.block_size):
@@ -254,17 +342,25 @@ class MegakernelDecode:
                       f"were packed for", consequence="each engine packs its own weights")
             kw.pop("packed_weights", None)
         try:
-            eng = self.engine_cls(self.weights, bucket, self.max_seq_len, block_size=geom.block_size,
-                                  device=self.device, **kw)
-            eng.bind_kv_caches(k_list, v_list)
+            if self.world_size > 1:
+                # collective (every rank builds this bucket's engine in the same forward, as vLLM runs the same
+                # steps on every rank); a failure on any rank raises on every rank, so all of them go stock
+                eng = self.engine_cls(self.weights, self.config, self.world_size, self.tp.rank, bucket,
+                                      self.max_seq_len, block_size=geom.block_size, device=self.device, **kw)
+            else:
+                eng = self.engine_cls(self.weights, bucket, self.max_seq_len, block_size=geom.block_size,
+                                      device=self.device, **kw)
+                eng.bind_kv_caches(k_list, v_list)
             eng.bufs.block_table.zero_()
         except Exception as exc:
             self._disable(f"building the batch-{bucket} engine failed: {type(exc).__name__}: {exc}")
             return None
         self.engines[bucket] = eng
-        STATS["engines"].append({"batch": bucket, "options": sorted(kw), "kv": asdict(geom)})
+        options = sorted(k for k in kw if k not in ("gather", "kv_caches"))
+        STATS["engines"].append({"batch": bucket, "options": options, "kv": asdict(geom),
+                                 "rank": self.tp.rank if self.tp else 0})
         logger.info("megakernel: batch-%d engine ready (options: %s; KV cache %s)", bucket,
-                    ", ".join(sorted(kw)) or "none", geom)
+                    ", ".join(options) or "none", geom)
         return eng
 
     # -------------------------------------------------------------- hot path
@@ -278,6 +374,10 @@ class MegakernelDecode:
         except Exception as exc:   # a bug on this path must not take vLLM down: log it, go stock
             logger.exception("megakernel: the decode path raised")
             self._disable(f"the decode path raised {type(exc).__name__}: {exc}")
+            if self.world_size > 1:
+                # a rank going stock alone would leave its peers' kernels waiting on its exchange signals and join
+                # vLLM's collectives its peers never start: the step fails instead
+                raise
             return None
 
     def _decode(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors: Any,
@@ -336,7 +436,8 @@ class MegakernelDecode:
     def describe(self) -> dict[str, Any]:
         kv = asdict(self.kv[2]) if self.kv else None
         return {"switch": self.switch, "disabled": self.disabled, "buckets": list(self.buckets),
-                "max_batch": self.max_batch,
+                "max_batch": self.max_batch, "tensor_parallel": {"rank": self.tp.rank if self.tp else 0,
+                                                                  "world_size": self.world_size},
                 "engines": sorted(self.engines), "packed_once": self.packed is not None, "kv": kv,
                 "max_seq_len": self.max_seq_len}
 
@@ -362,6 +463,24 @@ class MegakernelDecode:
         """Raise MegakernelError if any engine's error word is set (syncs the device)."""
         for eng in self.engines.values():
             eng.check()
+
+
+def vllm_tp_group() -> TPGroup:
+    """This process's rank in vLLM's tensor-parallel group (vllm.distributed.parallel_state.get_tp_group(): a
+    GroupCoordinator) with its collectives: objects through torch.distributed.all_gather_object over the group's
+    CPU (gloo) group, tensors through the coordinator's all_gather over its device group."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+
+    def gather_object(obj: Any) -> list:
+        out: list = [None] * group.world_size
+        dist.all_gather_object(out, obj, group=group.cpu_group)
+        return out
+
+    return TPGroup(rank=group.rank_in_group, world_size=group.world_size, gather_object=gather_object,
+                   gather_rows=lambda t: group.all_gather(t, dim=0))
 
 
 def check_all() -> list[dict[str, Any]]:

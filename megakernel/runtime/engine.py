@@ -106,6 +106,34 @@ def reset_sync(bufs, device: torch.device, host_error: torch.Tensor) -> None:
     host_error.zero_()
 
 
+def kv_view_strides(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], layout: StepLayout,
+                    device: torch.device) -> tuple[int, tuple[int, int, int]]:
+    """(num_blocks, (block, offset, head) element strides) of per-layer K/V views an engine can bind: one per layer
+    each, [num_blocks, block_size, Hkv, D] bf16 on `device`, last dimension contiguous and 16-byte aligned, every
+    view with the same strides. ValueError naming the first view that is not."""
+    c = layout.config
+    if len(k_caches) != c.num_layers or len(v_caches) != c.num_layers:
+        raise ValueError(f"need {c.num_layers} K and V caches, got {len(k_caches)} and {len(v_caches)}")
+    strides = None
+    num_blocks = k_caches[0].shape[0]
+    for name, t in [(f"k_caches[{i}]", k) for i, k in enumerate(k_caches)] + \
+                   [(f"v_caches[{i}]", v) for i, v in enumerate(v_caches)]:
+        if t.dim() != 4 or tuple(t.shape[1:]) != (layout.block_size, c.num_kv_heads, c.head_dim) \
+                or t.shape[0] != num_blocks:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected "
+                             f"({num_blocks}, {layout.block_size}, {c.num_kv_heads}, {c.head_dim})")
+        if t.dtype != torch.bfloat16 or t.device != device:
+            raise ValueError(f"{name} is {t.dtype} on {t.device}; expected torch.bfloat16 on {device}")
+        if t.stride(3) != 1 or t.data_ptr() % 16:
+            raise ValueError(f"{name} needs a contiguous, 16-byte aligned last dimension")
+        s = tuple(t.stride()[:3])
+        if strides is None:
+            strides = s
+        elif s != strides:
+            raise ValueError(f"{name} has strides {s}; every K/V view must share {strides}")
+    return num_blocks, strides
+
+
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -239,26 +267,7 @@ class MegakernelEngine:
         Only the device address table changes when the strides stay the same, so a captured CUDA
         graph stays valid; other strides recompile the kernel. The caller keeps the tensors alive.
         An engine built with own_kv_cache=False compiles its kernel here, at the first bind."""
-        c, lay = self.layout.config, self.layout
-        if len(k_caches) != c.num_layers or len(v_caches) != c.num_layers:
-            raise ValueError(f"need {c.num_layers} K and V caches, got {len(k_caches)} and {len(v_caches)}")
-        strides = None
-        num_blocks = k_caches[0].shape[0]
-        for name, t in [(f"k_caches[{i}]", k) for i, k in enumerate(k_caches)] + \
-                       [(f"v_caches[{i}]", v) for i, v in enumerate(v_caches)]:
-            if t.dim() != 4 or tuple(t.shape[1:]) != (lay.block_size, c.num_kv_heads, c.head_dim) \
-                    or t.shape[0] != num_blocks:
-                raise ValueError(f"{name} has shape {tuple(t.shape)}; expected "
-                                 f"({num_blocks}, {lay.block_size}, {c.num_kv_heads}, {c.head_dim})")
-            if t.dtype != torch.bfloat16 or t.device != self.device:
-                raise ValueError(f"{name} is {t.dtype} on {t.device}; expected torch.bfloat16 on {self.device}")
-            if t.stride(3) != 1 or t.data_ptr() % 16:
-                raise ValueError(f"{name} needs a contiguous, 16-byte aligned last dimension")
-            s = tuple(t.stride()[:3])
-            if strides is None:
-                strides = s
-            elif s != strides:
-                raise ValueError(f"{name} has strides {s}; every K/V view must share {strides}")
+        num_blocks, strides = kv_view_strides(k_caches, v_caches, self.layout, self.device)
         self._fill_kv_table(k_caches, v_caches)
         self.num_blocks = num_blocks
         self.k_cache = self.v_cache = None      # the engine's own cache is no longer used

@@ -274,3 +274,22 @@ def test_a_tensor_parallel_rank_compiles_with_its_exchanges(rank, batch):
     assert spill_instructions(text) == 0, f"{what}: local-memory loads/stores in the SASS"
     assert "red.release.sys.global.add.s32" in kernel.__ptx__, f"{what}: no system-scope release"
     assert "red.release.sys" not in compiled("llama-3.2-1b", batch)["ptx"], "the one-GPU kernel signals a peer"
+
+
+def test_a_tensor_parallel_rank_without_the_lm_head_compiles_with_no_argmax_slots():
+    """vLLM's ranks run the program without TP_LM_HEAD and ARGMAX (build_tp_program(lm_head=False)): the key the
+    runtime compiles it with has no argmax slots (world_size x 0 LM head tiles), as the dense engine's lm_head=False;
+    the kernel compiles without spills and still signals its exchanges at system scope."""
+    from megakernel.schedule.tensor_parallel import build_tp_program
+    lay = StepLayout(config=get_preset("llama-3.2-1b"), batch=1, kv_splits=1, block_size=16, max_blocks_per_seq=32,
+                     num_sms=132, scratch_block=0)
+    prog = build_tp_program(lay, 2, lm_head=False)
+    assert prog.lm_tiles == 0 and not prog.has_lm_head
+    table, _ = serialize(assign(prog, "balanced"))
+    # (vLLM's interleaved K|V cache strides for the rank's 4 kv heads of dim 64)
+    key = KernelKey(layout=prog.rank_layout(1), lm_tiles=2 * prog.lm_tiles, num_counters=prog.num_counters,
+                    max_queue_len=table.shape[1], kv_strides=(16 * 4 * 128, 4 * 128, 128), options=KernelOptions())
+    kernel = compile_decode_kernel(key, keep_artifacts=True)
+    what = "llama-3.2-1b TP=2 rank 1 batch=1 without the LM head"
+    assert spill_instructions(sass(kernel.__cubin__)) == 0, f"{what}: local-memory loads/stores in the SASS"
+    assert "red.release.sys.global.add.s32" in kernel.__ptx__, f"{what}: no system-scope release"

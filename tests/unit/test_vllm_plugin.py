@@ -188,7 +188,7 @@ def _vllm_config(**over):
 
 @pytest.mark.parametrize("over,needle", [
     ({}, None),
-    ({"parallel_config.tensor_parallel_size": 2}, "tensor_parallel_size=2"),
+    ({"parallel_config.tensor_parallel_size": 2}, None),      # the model's business (tp_reason)
     ({"parallel_config.pipeline_parallel_size": 2}, "pipeline_parallel_size=2"),
     ({"model_config.dtype": torch.float16}, "dtype=torch.float16"),
     ({"model_config.quantization": "fp8"}, "quantization=fp8"),
@@ -523,9 +523,9 @@ def test_engine_kwargs_keeps_what_the_constructor_takes():
 
 def test_adapter_disables_itself_for_an_unsupported_vllm_config(mk_log):
     model = fake_vllm_model(random_weights(get_preset("tiny-qwen3"), seed=3))
-    a = vm.MegakernelDecode(model, _vllm_config(**{"parallel_config.tensor_parallel_size": 2}))
-    assert a.disabled and "tensor_parallel_size=2" in a.disabled
-    assert "tensor_parallel_size=2" in mk_log.text
+    a = vm.MegakernelDecode(model, _vllm_config(**{"parallel_config.pipeline_parallel_size": 2}))
+    assert a.disabled and "pipeline_parallel_size=2" in a.disabled
+    assert "pipeline_parallel_size=2" in mk_log.text
     a.on_weights_loaded()
     assert a.engine_cls is None and a.weights is None
 

@@ -393,6 +393,16 @@ def test_worker_env(tmp_path, monkeypatch, engine_process, path, max_batch):
     assert env.get("MEGAKERNEL_VLLM_MAX_BATCH") == want
 
 
+def test_worker_env_with_tensor_parallel_ranks(tmp_path, monkeypatch):
+    """With tensor_parallel_size > 1 the model lives in vLLM's worker processes even with the engine in-process:
+    they load the plugin through its entry point, and its report comes back through collective_rpc."""
+    monkeypatch.setenv("PYTHONPATH", "/some/site")
+    monkeypatch.setattr(tool, "entry_point_dir", lambda root: f"{root}/eps")
+    env = tool.worker_env(_args(tmp_path, tensor_parallel_size=2), "plugin")
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    assert env["PYTHONPATH"].split(os.pathsep) == [tool.REPO, f"{tmp_path}/eps", "/some/site"]
+
+
 def test_entry_point_dir_exposes_the_plugin_when_not_installed(tmp_path, monkeypatch):
     from importlib import metadata
 
@@ -431,6 +441,29 @@ def test_megakernel_report_from_a_separate_engine_process():
     assert bad == {"report_error": "collective_rpc: TimeoutError: engine gone"}
     assert tool.megakernel_report(None, "separate") == {"report_error": "the engine did not start"}
     assert "engine_process" not in tool.megakernel_report(None, "inproc")
+
+
+def test_megakernel_report_of_tensor_parallel_ranks_has_every_rank():
+    class TwoRanks(_RpcLLM):
+        def collective_rpc(self, method):
+            return [dict(method(object()), rank=r) for r in range(2)]
+
+    rep = tool.megakernel_report(TwoRanks(), "inproc", tensor_parallel_size=2)
+    assert [r["rank"] for r in rep["ranks"]] == [0, 1] and rep["rank"] == 0 and rep["engine_process"] == "inproc"
+
+
+@pytest.mark.parametrize("rank1,used,needle", [
+    ({}, True, "on each of 2 tensor-parallel ranks"),
+    ({"disabled": "rank 1: the GPU is sm_80"}, False, "rank 1: disabled: rank 1: the GPU is sm_80"),
+    ({"kernel_error": "MegakernelError: rank 1 of 2: timed out"}, False, "rank 1: kernel error word"),
+    ({"captured": [], "eager_steps": 0}, False, "rank 1: no decode step went through the megakernel"),
+])
+def test_the_verdict_needs_every_tensor_parallel_rank_on_the_megakernel(rank1, used, needle):
+    ok = {"disabled": None, "kernel_error": None, "captured": [1, 8], "eager_steps": 2,
+          "engines": [{"batch": 1}, {"batch": 8}], "fallbacks": {}}
+    ranks = [ok, dict(ok, **rank1)]
+    got, how = tool.megakernel_used({"megakernel": dict(ok, ranks=ranks)})
+    assert got is used and needle in how, how
 
 
 def _load_bench():
@@ -524,6 +557,12 @@ def test_build_llm_passes_max_num_seqs_async_scheduling_and_the_plugin_switch(tm
     tool.build_llm(str(tmp_path), "plugin", "LlamaForCausalLM", args)
     assert made[-1]["compilation_config"] == {"cudagraph_capture_sizes": [1, 8, 64],
                                               "cudagraph_mode": "FULL_DECODE_ONLY"}, made[-1]
+    assert "tensor_parallel_size" not in made[-1]
+    # --tensor-parallel-size: both paths
+    args.tensor_parallel_size = 2
+    for path in ("stock", "plugin"):
+        tool.build_llm(str(tmp_path), path, "LlamaForCausalLM", args)
+        assert made[-1]["tensor_parallel_size"] == 2, (path, made[-1])
 
 
 def test_capture_sizes_are_batch_size_lists():

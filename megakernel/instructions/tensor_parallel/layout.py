@@ -12,7 +12,7 @@ import torch
 from ...model.config import ModelConfig
 from ...model.tensor_parallel import shard_config
 from ..context import StageContext
-from ..layout import ROW_GROUP, SPLIT_BATCH, StepBuffers, StepLayout, allocate_buffers
+from ..layout import COL_PASS, ROW_GROUP, SPLIT_BATCH, StepBuffers, StepLayout, allocate_buffers
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class ShardLayout(StepLayout):
         """ValueError for a step the ranks cannot run: what StepLayout.validate refuses for the whole model, a
         batch past SPLIT_BATCH, a rank out of range, or a shard whose rows are no whole number of ROW_GROUP-row
         groups. (The device code also needs the shard's matvec inputs q_size/W and F/W in whole column passes,
-        which runtime.tensor_parallel.TensorParallelEngine checks; the CPU schedule does not depend on it.)"""
+        which require_kernel_shard checks; the CPU schedule does not depend on it.)"""
         self.full.validate()
         if self.batch > SPLIT_BATCH:
             raise ValueError(f"batch={self.batch}: tensor parallel runs batches up to {SPLIT_BATCH} (past it the "
@@ -63,6 +63,17 @@ class ShardLayout(StepLayout):
             if rows % ROW_GROUP:
                 raise ValueError(f"{name}={whole} / world_size={self.world_size} = {rows} rows per rank must be "
                                  f"a multiple of {ROW_GROUP} (a tile's row group)")
+
+
+def require_kernel_shard(config: ModelConfig, world_size: int) -> None:
+    """ValueError naming the field unless the megakernel's device code runs a rank of `config` split world_size
+    ways: the shard itself (model.tensor_parallel.check_world_size), and a rank's O and down projections reading
+    whole passes of COL_PASS columns (q_size / W and intermediate_size / W)."""
+    shard = shard_config(config, world_size)
+    for name, cols in (("q_size", shard.q_size), ("intermediate_size", shard.intermediate_size)):
+        if cols % COL_PASS:
+            raise ValueError(f"{name} / world_size = {cols}: a rank's O and down projections read whole passes of "
+                             f"{COL_PASS} columns")
 
 
 @dataclass

@@ -17,7 +17,10 @@ flow):
   then TP_LM_HEAD tiles (V/W rows)           wait (L-1, DOWN)                signal the LM head exchange, every rank
        ARGMAX (a0 = W x LM head tiles)       wait that exchange: W x n_lm    signal ARGMAX
 
-(n_o, n_down, n_lm: one rank's TP_O_PROJ, TP_DOWN and TP_LM_HEAD tiles.)
+(n_o, n_down, n_lm: one rank's TP_O_PROJ, TP_DOWN and TP_LM_HEAD tiles.) `build_tp_program(layout, W,
+lm_head=False)` is the same program without its last two stages, as the dense build_program(lm_head=False): the
+step ends when the last layer's FFN TP_REDUCE has written x[L] on every rank, and the caller (vLLM, which
+computes the logits itself from the final hidden state) writes tokens and positions before every launch.
 
 Counters are per rank. The local ones are numbered as on one GPU (opcodes.counter_id and friends); the
 exchange counters follow them: exchange_counter(L, l, part), then lm_exchange_counter(L). An exchange
@@ -26,8 +29,14 @@ an atomic add on each peer's counter); a consumer waits, as every wait, for its 
 
 Across steps the ranks are not launched together: a rank may start step t+1 while a peer still runs step t.
 What keeps a rank's next-step stores out of the receive slots a peer still reads is the chain of exchanges
-itself (every reduce of a step precedes the rank's next exchange, and the last one, the LM head's, precedes
-every rank's ARGMAX); verify.find_tp_races checks it over two steps.
+itself: every stage waits for all tiles of the one before it, so a rank's last exchange of a step follows all
+its earlier reduces of that step, and a rank's next step follows its own last reduce, which waited for every
+rank's last exchange (with the LM head: the LM head's, which precedes every rank's ARGMAX; without it: the
+last layer's TP_DOWN). The only reduces left unordered before a peer's next step are those that close that
+last exchange, and the slots they read are stored into next only by the next step's same exchange, which
+comes after the next step's earlier exchanges, and so after every rank started its next step (each in its own
+stream order, after its previous step). verify.find_tp_races checks it over two steps, with and without the
+LM head.
 """
 
 from __future__ import annotations
@@ -99,11 +108,14 @@ def _tiles(rows: int, per_tile: int) -> list[tuple[int, int]]:
     return [(lo, min(per_tile, rows - lo)) for lo in range(0, rows, per_tile)]
 
 
-def build_tp_program(layout: StepLayout, world_size: int) -> TPStepProgram:
+def build_tp_program(layout: StepLayout, world_size: int, lm_head: bool = True) -> TPStepProgram:
     """The program each of world_size ranks runs for the step `layout` (of the whole model); ValueError naming
     the field where the model does not split that way (ShardLayout.of, ShardLayout.validate). Whether O
     projections merge the attention splits and layer 0's QKV stages the embedding follow the shard's own
-    StepLayout rules (its matvec inputs are the ones a rank stages)."""
+    StepLayout rules (its matvec inputs are the ones a rank stages). lm_head=False leaves out TP_LM_HEAD and
+    ARGMAX: the same instructions (indices, waits, signals, counters) up to the last FFN TP_REDUCE, which writes
+    x[L]; lm_tiles is then 0. The program is a pure function of its arguments, so ranks that build it apart
+    (one process each) build the same one."""
     shard = ShardLayout.of(layout, world_size)
     shard.validate()
     c, W = shard.config, world_size
@@ -154,6 +166,9 @@ def build_tp_program(layout: StepLayout, world_size: int) -> TPStepProgram:
         n = stage(Opcode.TP_DOWN, l, H, c.intermediate_size * ELEM, (counter_id(l, Stage.GATE_UP), n), x_d)
         n = stage(Opcode.TP_REDUCE, l, H, W * B * F32, (x_d, W * n), counter_id(l, Stage.DOWN), a3=FFN)
         prev = (counter_id(l, Stage.DOWN), n)
+    if not lm_head:
+        return TPStepProgram(layout=shard, instructions=tuple(out), num_counters=tp_num_counters(L), lm_tiles=0,
+                             world_size=W)
     x_lm = lm_exchange_counter(L)
     per_rank = len(_tiles(c.vocab_size, tile_rows(c.vocab_size, shard.num_sms)))
     lm_tiles = stage(Opcode.TP_LM_HEAD, 0, c.vocab_size, H * ELEM, prev, x_lm, a3=per_rank)

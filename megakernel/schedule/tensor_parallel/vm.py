@@ -137,11 +137,13 @@ class TPVMDecoder:
     (model.tensor_parallel.shard_weights, packed as its kernel streams them), the KV cache of its own kv heads
     (`k_caches[rank]`, NaN-filled), its buffers and its serialized queues, all run by one TPInstructionVM.
     The CPU twin of one megakernel per GPU with the exchanges between them (runtime.tensor_parallel).
-    Every rank gets the same step inputs."""
+    Every rank gets the same step inputs. lm_head=False runs the program without TP_LM_HEAD and ARGMAX (as the
+    vLLM ranks do): `step_hidden` then returns x[L], and `step` raises RuntimeError."""
 
     def __init__(self, weights, world_size: int, batch: int, max_seq_len: int, block_size: int = 16,
                  num_sms: int = 132, policy: str = "balanced", kv_splits: int | None = None,
-                 num_blocks: int | None = None, fold_embed: bool = False, fuse_attn_reduce: bool | None = None):
+                 num_blocks: int | None = None, fold_embed: bool = False, fuse_attn_reduce: bool | None = None,
+                 lm_head: bool = True):
         config = weights.config
         blocks_per_seq = -(-max_seq_len // block_size)
         # splits per (sequence, kv head) as a rank would choose them: it has 1/W of the kv heads
@@ -150,7 +152,7 @@ class TPVMDecoder:
         self.layout = StepLayout(config=config, batch=batch, kv_splits=splits, block_size=block_size,
                                  max_blocks_per_seq=blocks_per_seq, num_sms=num_sms, fold_embed=fold_embed,
                                  fuse_attn_reduce=fuse_attn_reduce)
-        self.program = build_tp_program(self.layout, world_size)
+        self.program = build_tp_program(self.layout, world_size, lm_head=lm_head)
         self.world_size = world_size
         self.tables = rank_tables(self.program, policy)
         simulate_ranks([deserialize(t, n) for t, n in self.tables], self.program.num_counters, config.num_layers)
@@ -174,6 +176,21 @@ class TPVMDecoder:
         """Validate the inputs, poison every rank's buffers, load the inputs into each and run one step.
         -> (rank 0's next tokens int32 [B], the logits float32 [B, V]: the ranks' vocabulary slices side by
         side). Every rank's own results stay in `contexts[rank].bufs`."""
+        if not self.program.has_lm_head:
+            raise RuntimeError("this TPVMDecoder was built with lm_head=False: its step ends at x[L] with no LM "
+                               "head and no ARGMAX, so there are no next tokens or logits; use step_hidden()")
+        out = self._run(tokens, positions, block_table, order)
+        return out[0].clone(), torch.cat([ctx.bufs.logits for ctx in self.contexts], dim=1)
+
+    def step_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
+                    order: str = "round-robin") -> torch.Tensor:
+        """One step -> rank 0's x[L] float32 [B, H] (a copy; every rank holds the same bits): the residual stream
+        after the last layer, before the final norm. With the LM head the step also advances tokens and
+        positions, as `step` does."""
+        self._run(tokens, positions, block_table, order)
+        return self.contexts[0].bufs.x[-1].clone()
+
+    def _run(self, tokens, positions, block_table, order: str) -> list[torch.Tensor]:
         validate_step_inputs(self.layout, tokens, positions, block_table, self.num_blocks)
         for ctx in self.contexts:
             bufs = ctx.bufs
@@ -181,5 +198,4 @@ class TPVMDecoder:
             bufs.tokens.copy_(tokens.to(torch.int32))
             bufs.positions.copy_(positions.to(torch.int32))
             bufs.block_table.copy_(block_table.to(torch.int32))
-        out = self.vm.step(order)
-        return out[0].clone(), torch.cat([ctx.bufs.logits for ctx in self.contexts], dim=1)
+        return self.vm.step(order)
