@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from megakernel.instructions.layout import KERNEL_CAPABILITY, KERNEL_MAX_BATCH, SPLIT_BATCH, StepLayout
+from megakernel.instructions.layout import KERNEL_MAX_BATCH, SPLIT_BATCH, StepLayout
 from megakernel.instructions.tensor_parallel.layout import ShardLayout, require_kernel_shard
 from megakernel.integrations.vllm_plugin import ARCHITECTURES, ENV_SWITCH, env_override, stock_architecture
 from megakernel.model.config import ModelConfig
