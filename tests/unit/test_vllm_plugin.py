@@ -7,7 +7,6 @@ and the config path against vLLM's own code."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -29,32 +28,6 @@ from megakernel.testing.tolerances import assert_close
 MODEL_PRESETS = ["llama-3.2-1b", "qwen3-0.6b", "tiny-llama", "tiny-qwen3"]
 HF_CONFIG_CLASS = {"LlamaForCausalLM": LlamaConfig, "Qwen3ForCausalLM": Qwen3Config}
 MK_NAME = {"LlamaForCausalLM": "MegakernelLlamaForCausalLM", "Qwen3ForCausalLM": "MegakernelQwen3ForCausalLM"}
-
-
-class _Collect(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-    @property
-    def text(self) -> str:
-        return "\n".join(self.messages)
-
-
-@pytest.fixture
-def mk_log():
-    """Messages logged to "vllm.megakernel" (vLLM's own logging setup stops them reaching the root,
-    so caplog would miss them where vLLM is installed)."""
-    log = logging.getLogger("vllm.megakernel")
-    handler, old = _Collect(), log.level
-    log.addHandler(handler)
-    log.setLevel(logging.DEBUG)
-    yield handler
-    log.setLevel(old)
-    log.removeHandler(handler)
 
 
 class FakeRegistry:

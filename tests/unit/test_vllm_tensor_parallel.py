@@ -9,7 +9,6 @@ vLLM's names and per-rank layouts (vllm/model_executor/layers/linear.py, vocab_p
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
 from types import SimpleNamespace
 
@@ -33,26 +32,6 @@ TP_LLAMA = dataclasses.replace(get_preset("tiny-llama"), num_heads=8, intermedia
 TP_QWEN3 = dataclasses.replace(get_preset("tiny-qwen3"), intermediate_size=512, vocab_size=1008, name="tiny-qwen3-tp")
 TP_QWEN3_1024 = dataclasses.replace(TP_QWEN3, vocab_size=1024, name="tiny-qwen3-tp-1024")
 VOCAB_PAD = 64           # vLLM's DEFAULT_VOCAB_PADDING_SIZE
-
-
-class _Collect(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-
-@pytest.fixture
-def mk_log():
-    log = logging.getLogger("vllm.megakernel")
-    handler, old = _Collect(), log.level
-    log.addHandler(handler)
-    log.setLevel(logging.DEBUG)
-    yield handler
-    log.setLevel(old)
-    log.removeHandler(handler)
 
 
 def _module(**tensors):
