@@ -106,7 +106,7 @@ def worker_extra(args: argparse.Namespace):
             result["read_bandwidth_error"] = f"{type(exc).__name__}: {exc}"
             return
         # each of tensor_parallel_size GPUs reads its 1/N of the weights in parallel (the norms, replicated, are noise)
-        floor_ms = cfg.weight_bytes() / (bw * (getattr(args, "tensor_parallel_size", 1) or 1)) * 1e3
+        floor_ms = cfg.weight_bytes() / (bw * common.tp_size(args)) * 1e3
         result["read_bandwidth_TBps"] = bw / 1e12
         result["floor_ms"] = floor_ms
         for row in result["bench"].values():

@@ -120,8 +120,8 @@ def build_llm(model_dir: str, path: str, arch: str, args: argparse.Namespace):
     kw: dict[str, Any] = dict(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", seed=0,
                               max_model_len=args.max_model_len, max_num_seqs=getattr(args, "max_num_seqs", 8),
                               gpu_memory_utilization=args.gpu_memory_utilization)
-    if _tp(args) > 1:
-        kw["tensor_parallel_size"] = _tp(args)     # both paths; the plugin's: one megakernel rank per GPU
+    if tp_size(args) > 1:
+        kw["tensor_parallel_size"] = tp_size(args)     # both paths; the plugin's: one megakernel rank per GPU
     if getattr(args, "async_scheduling", False):
         kw["async_scheduling"] = True      # vLLM's: the next step scheduled while this one runs (both paths)
     sizes = getattr(args, "capture_sizes", None)
@@ -189,7 +189,8 @@ def run_parity(llm, vocab: int, seed: int, max_num_seqs: int = 8) -> dict[str, l
     return out
 
 
-def _tp(args: argparse.Namespace) -> int:
+def tp_size(args: argparse.Namespace) -> int:
+    """vLLM's tensor_parallel_size the arguments ask for (1 where they do not say)."""
     return getattr(args, "tensor_parallel_size", 1) or 1
 
 
@@ -303,12 +304,12 @@ def worker_main(args: argparse.Namespace, extra=None) -> int:
                                                                      getattr(args, "max_num_seqs", 8))))
         if extra is not None:
             stage("extra", lambda: extra(llm, result))
-        if getattr(args, "profile", False) and (args.engine_process != "inproc" or _tp(args) > 1):
+        if getattr(args, "profile", False) and (args.engine_process != "inproc" or tp_size(args) > 1):
             result["profile"] = {"skipped": PROFILE_NEEDS_INPROC}
         elif getattr(args, "profile", False):
             stage("profile", lambda: profile_stage(llm, vocab, args, result.setdefault("profile", {})))
     if args.worker == "plugin":
-        result["megakernel"] = megakernel_report(state.get("llm"), args.engine_process, _tp(args))
+        result["megakernel"] = megakernel_report(state.get("llm"), args.engine_process, tp_size(args))
     with open(args.json, "w") as f:
         json.dump(result, f)
     return 1 if result["errors"] else 0
@@ -681,7 +682,7 @@ def worker_env(args: argparse.Namespace, path: str) -> dict[str, str]:
     else:
         # vLLM's default: the engine in its own process
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-    if args.engine_process != "inproc" or _tp(args) > 1:
+    if args.engine_process != "inproc" or tp_size(args) > 1:
         # a process of vLLM's own (the engine's, tensor parallel's workers) holds the model: it loads the plugin
         # through its entry point, and the report of what the megakernel did comes back through collective_rpc
         # (a callable)
@@ -711,7 +712,7 @@ def run_workers(script: str, args: argparse.Namespace, model_dir: str, extra_arg
     host keeps /tmp while it stays warm) when both do not fit in one call's time."""
     tool = (os.path.splitext(os.path.basename(script))[0] + ("-parity" if "--parity" in extra_args else "")
             + ("" if args.engine_process == "inproc" else f"-{args.engine_process}")
-            + ("-async" if args.async_scheduling else "") + (f"-tp{_tp(args)}" if _tp(args) > 1 else ""))
+            + ("-async" if args.async_scheduling else "") + (f"-tp{tp_size(args)}" if tp_size(args) > 1 else ""))
     cache = os.path.join(args.models, "results")
     os.makedirs(cache, exist_ok=True)
     results: dict[str, dict] = {}
@@ -739,8 +740,8 @@ def run_workers(script: str, args: argparse.Namespace, model_dir: str, extra_arg
             cmd += ["--plugin-switch", args.plugin_switch]
         if args.profile:
             cmd.append("--profile")
-        if _tp(args) > 1:
-            cmd += ["--tensor-parallel-size", str(_tp(args))]
+        if tp_size(args) > 1:
+            cmd += ["--tensor-parallel-size", str(tp_size(args))]
         env = worker_env(args, path)
         if timeout < MIN_PATH_SECONDS and ("--parity" in extra_args or args.profile):
             print(f"[{args.preset}] {path}: warning: {timeout:.0f} s for this path; with --parity or --profile "

@@ -77,7 +77,7 @@ from megakernel.integrations.vllm_mapping import (QUERY_LEN, TP_MAX_BATCH, KVGeo
 from megakernel.model.config import ModelConfig
 from megakernel.model.tensor_parallel import shard_config
 from megakernel.model.weights import ModelWeights
-from megakernel.runtime.collective import agreed_reason
+from megakernel.runtime.collective import agreed_reason, process_group_gather
 
 logger = logging.getLogger("vllm.megakernel")
 
@@ -469,17 +469,11 @@ def vllm_tp_group() -> TPGroup:
     """This process's rank in vLLM's tensor-parallel group (vllm.distributed.parallel_state.get_tp_group(): a
     GroupCoordinator) with its collectives: objects through torch.distributed.all_gather_object over the group's
     CPU (gloo) group, tensors through the coordinator's all_gather over its device group."""
-    import torch.distributed as dist
     from vllm.distributed.parallel_state import get_tp_group
 
     group = get_tp_group()
-
-    def gather_object(obj: Any) -> list:
-        out: list = [None] * group.world_size
-        dist.all_gather_object(out, obj, group=group.cpu_group)
-        return out
-
-    return TPGroup(rank=group.rank_in_group, world_size=group.world_size, gather_object=gather_object,
+    return TPGroup(rank=group.rank_in_group, world_size=group.world_size,
+                   gather_object=process_group_gather(group.cpu_group),
                    gather_rows=lambda t: group.all_gather(t, dim=0))
 
 

@@ -31,6 +31,21 @@ class ProgramMismatchError(TensorParallelSetupError):
     would wait on counts the others never signal, so none of them runs."""
 
 
+def process_group_gather(group=None) -> Gather:
+    """The gather over a torch.distributed process group (default: the default group): torch.distributed.
+    all_gather_object, every rank's object in rank order. Pass a CPU (gloo) group: the objects are pickled."""
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group)
+
+    def gather(obj: Any) -> list:
+        out: list = [None] * size
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    return gather
+
+
 def gather_checked(gather: Gather, obj: dict, world_size: int, what: str) -> list[dict]:
     """gather(obj) with its contract checked: one entry per rank, in rank order (each entry carries its "rank").
     TensorParallelSetupError otherwise (on every rank alike: they all see the same list)."""

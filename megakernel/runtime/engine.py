@@ -134,6 +134,23 @@ def kv_view_strides(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], 
     return num_blocks, strides
 
 
+def device_weights(weights: ModelWeights | None, packed: PackedWeights | None, layout: StepLayout,
+                   device: torch.device) -> PackedWeights:
+    """The packed weights an engine streams: `packed` as given (validate_packed_weights: ValueError naming the field),
+    else `weights` packed here on `device` (the kernel streams bf16 weights: other dtypes are converted, exact for
+    bf16-representable values)."""
+    if packed is not None:
+        validate_packed_weights(packed, layout, device)
+        return packed
+    return pack_weights(weights.to(device=device, dtype=torch.bfloat16), layout.max_seq_len).to(device)
+
+
+def fill_kv_table(table: torch.Tensor, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
+    """Each layer's K and V base address into the kernel's table (int64 [L, 2]), in place: the kernel argument's
+    address stays, so a captured CUDA graph stays valid."""
+    table.copy_(torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in zip(k_caches, v_caches)], dtype=torch.int64))
+
+
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -187,13 +204,7 @@ class MegakernelEngine:
         self.queue_table = table.to(self.device)
         self.queue_lengths = lengths.to(self.device)
 
-        if packed_weights is not None:
-            validate_packed_weights(packed_weights, self.layout, self.device)
-            self.weights = packed_weights
-        else:
-            # the kernel streams bf16 weights: other dtypes are converted here (exact for bf16-representable values)
-            self.weights = pack_weights(weights.to(device=self.device, dtype=torch.bfloat16),
-                                        self.layout.max_seq_len).to(self.device)
+        self.weights = device_weights(weights, packed_weights, self.layout, self.device)
         c = config
         self.ones = torch.ones(max(c.hidden_size, c.q_size, c.intermediate_size), dtype=torch.bfloat16,
                                device=self.device)
@@ -215,7 +226,7 @@ class MegakernelEngine:
             shape = (c.num_layers, self.num_blocks, block_size, c.num_kv_heads, c.head_dim)
             self.k_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=self.device)
             self.v_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=self.device)
-            self._fill_kv_table(list(self.k_cache.unbind(0)), list(self.v_cache.unbind(0)))
+            fill_kv_table(self.kv_table, list(self.k_cache.unbind(0)), list(self.v_cache.unbind(0)))
             self.kv_strides = tuple(self.k_cache.stride()[1:4])
             # until step()/set_inputs() is given one: sequence b owns blocks b*n .. b*n + n - 1, so a bare
             # launch() never appends a token into a slot that another position reads (a zero table would)
@@ -255,10 +266,6 @@ class MegakernelEngine:
         tensors = self._arg_tensors()
         self._args = [Int64(tensors[name].data_ptr()) for name in ARG_NAMES]
 
-    def _fill_kv_table(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
-        ptrs = [[k.data_ptr(), v.data_ptr()] for k, v in zip(k_caches, v_caches)]
-        self.kv_table.copy_(torch.tensor(ptrs, dtype=torch.int64))
-
     def bind_kv_caches(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
         """Read and write an external paged KV cache (vLLM's) in place of the engine's own.
 
@@ -268,7 +275,7 @@ class MegakernelEngine:
         graph stays valid; other strides recompile the kernel. The caller keeps the tensors alive.
         An engine built with own_kv_cache=False compiles its kernel here, at the first bind."""
         num_blocks, strides = kv_view_strides(k_caches, v_caches, self.layout, self.device)
-        self._fill_kv_table(k_caches, v_caches)
+        fill_kv_table(self.kv_table, k_caches, v_caches)
         self.num_blocks = num_blocks
         self.k_cache = self.v_cache = None      # the engine's own cache is no longer used
         if strides != self.kv_strides or self.compiled is None:

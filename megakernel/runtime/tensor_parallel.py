@@ -22,8 +22,8 @@ from collections import Counter
 
 import torch
 
-from ..instructions.layout import (KERNEL_CAPABILITY, PackedWeights, StepLayout, default_kv_splits, pack_weights,
-                                   require_kernel_batch, validate_packed_weights, validate_step_inputs)
+from ..instructions.layout import (KERNEL_CAPABILITY, PackedWeights, StepLayout, default_kv_splits,
+                                   require_kernel_batch, validate_step_inputs)
 from ..instructions.record import deserialize, serialize
 from ..instructions.tensor_parallel.layout import allocate_tp_buffers, require_kernel_shard
 from ..kernel.interpreter import ARG_NAMES, KernelOptions
@@ -34,7 +34,8 @@ from ..model.tensor_parallel import shard_config, shard_weights
 from ..model.weights import ModelWeights
 from ..schedule import assign
 from ..schedule.tensor_parallel import build_tp_program, rank_tables, simulate_ranks
-from .engine import ErrorWord, MegakernelError, _sm_count, kernel_arg_tensors, kv_view_strides, reset_sync
+from .engine import (ErrorWord, MegakernelError, _sm_count, device_weights, fill_kv_table, kernel_arg_tensors,
+                     kv_view_strides, reset_sync)
 from .collective import Gather, check_digests, collective, program_digest
 from .peers import exported_row, ipc_export, ipc_open, peer_row, peer_table_rows, peer_tensors
 
@@ -49,11 +50,7 @@ class _Rank:
         c = layout.config
         self.rank, self.device, self.layout = rank, device, layout
         self.queue_table, self.queue_lengths = table.to(device), lengths.to(device)
-        if packed is not None:
-            validate_packed_weights(packed, layout, device)
-            self.weights = packed
-        else:
-            self.weights = pack_weights(shard.to(device=device, dtype=torch.bfloat16), layout.max_seq_len).to(device)
+        self.weights = device_weights(shard, packed, layout, device)
         self.ones = torch.ones(max(c.hidden_size, c.q_size, c.intermediate_size), dtype=torch.bfloat16, device=device)
         self.bufs = allocate_tp_buffers(layout, program.lm_tiles, program.num_counters, device)
         self.kv_table = torch.zeros(c.num_layers, 2, dtype=torch.int64, device=device)
@@ -63,23 +60,27 @@ class _Rank:
             self.k_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
             self.v_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
             self.num_blocks, self.kv_strides = num_blocks, tuple(self.k_cache.stride()[1:4])
-            self._fill_kv_table(list(self.k_cache.unbind(0)), list(self.v_cache.unbind(0)))
+            fill_kv_table(self.kv_table, list(self.k_cache.unbind(0)), list(self.v_cache.unbind(0)))
         self.trace_buf = torch.zeros(layout.num_sms, table.shape[1], TRACE_WORDS, dtype=torch.int32, device=device)
         self.host_error = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         self.peers = torch.zeros(program.world_size, PEER_WORDS, dtype=torch.int64, device=device)
         self.stream = torch.cuda.Stream(device)
         self.compiled = None
 
-    def _fill_kv_table(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> None:
-        self.kv_table.copy_(torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in zip(k_caches, v_caches)],
-                                         dtype=torch.int64))
+    def set_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor | None) -> None:
+        """The step's inputs (validated by the caller) into this rank's buffers, on its device."""
+        b = self.bufs
+        if block_table is not None:
+            b.block_table.copy_(torch.as_tensor(block_table).to(torch.int32))
+        b.tokens.copy_(torch.as_tensor(tokens).to(device=self.device, dtype=torch.int32))
+        b.positions.copy_(torch.as_tensor(positions).to(device=self.device, dtype=torch.int32))
 
     def bind_kv_caches(self, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> bool:
         """Read and write per-layer K/V views (vLLM's cache of this rank's kv heads; MegakernelEngine.bind_kv_caches
         says what they must be) in place of the rank's own cache. -> whether the strides changed (the kernel must
         then be compiled again)."""
         num_blocks, strides = kv_view_strides(k_caches, v_caches, self.layout, self.device)
-        self._fill_kv_table(k_caches, v_caches)
+        fill_kv_table(self.kv_table, k_caches, v_caches)
         self.num_blocks, self.k_cache, self.v_cache = num_blocks, None, None
         changed = strides != self.kv_strides
         self.kv_strides = strides
@@ -188,11 +189,7 @@ class TensorParallelEngine:
         validate_step_inputs(self.layout, torch.as_tensor(tokens), torch.as_tensor(positions), block_table,
                              self.num_blocks)
         for rk in self.ranks:
-            b = rk.bufs
-            if block_table is not None:
-                b.block_table.copy_(torch.as_tensor(block_table).to(torch.int32))
-            b.tokens.copy_(torch.as_tensor(tokens).to(device=rk.device, dtype=torch.int32))
-            b.positions.copy_(torch.as_tensor(positions).to(device=rk.device, dtype=torch.int32))
+            rk.set_inputs(tokens, positions, block_table)
         self.launch()
         if check:
             self.check()
@@ -360,13 +357,9 @@ class TensorParallelRank:
         return code or None
 
     def _set_inputs(self, tokens, positions, block_table) -> None:
-        tokens, positions = torch.as_tensor(tokens), torch.as_tensor(positions)
-        validate_step_inputs(self.layout, tokens, positions, block_table, self.num_blocks)
-        b = self.bufs
-        if block_table is not None:
-            b.block_table.copy_(torch.as_tensor(block_table).to(torch.int32))
-        b.tokens.copy_(tokens.to(device=self.device, dtype=torch.int32))
-        b.positions.copy_(positions.to(device=self.device, dtype=torch.int32))
+        validate_step_inputs(self.layout, torch.as_tensor(tokens), torch.as_tensor(positions), block_table,
+                             self.num_blocks)
+        self._rk.set_inputs(tokens, positions, block_table)
 
     def step(self, tokens, positions, block_table=None, check: bool = True) -> torch.Tensor:
         """Validated step -> next tokens int32 [B] (every rank picks the same; a view of bufs.out_tokens). Every

@@ -141,13 +141,10 @@ def _rank_process(rank: int, init_file: str, job: str, kwargs: dict, out_dir: st
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=W,
                             timeout=datetime.timedelta(seconds=180))
 
-    def gather(obj):
-        out = [None] * W
-        dist.all_gather_object(out, obj)
-        return out
+    from megakernel.runtime.collective import process_group_gather
 
     try:
-        torch.save(JOBS[job](rank, gather, **kwargs), os.path.join(out_dir, f"rank{rank}.pt"))
+        torch.save(JOBS[job](rank, process_group_gather(), **kwargs), os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.barrier()
         dist.destroy_process_group()

@@ -49,6 +49,26 @@ def test_a_failure_on_one_rank_raises_the_same_error_on_every_rank():
     assert isinstance(out[1].__cause__, ValueError) and out[0].__cause__ is None
 
 
+def test_the_process_group_gather_is_all_gather_object_over_the_group(tmp_path):
+    """process_group_gather on a one-rank gloo group (a file store), over the default group and over a subgroup:
+    the list of the ranks' objects, here [this rank's]. (Rank order across processes: tests/e2e/test_tensor_parallel.py,
+    which gathers through it.)"""
+    import datetime
+
+    import torch.distributed as dist
+
+    from megakernel.runtime.collective import process_group_gather
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+    try:
+        assert process_group_gather()({"rank": 0, "x": [1, 2]}) == [{"rank": 0, "x": [1, 2]}]
+        group = dist.new_group([0], backend="gloo")
+        assert process_group_gather(group)(("built", 7)) == [("built", 7)]
+    finally:
+        dist.destroy_process_group()
+
+
 def test_agreed_reason_is_none_only_where_no_rank_has_one():
     assert run_rank_threads(2, lambda r, g: agreed_reason(g.gather_object(r), r, 2, None)) == [None, None]
     out = run_rank_threads(3, lambda r, g: agreed_reason(g.gather_object(r), r, 3,
