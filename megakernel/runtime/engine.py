@@ -151,6 +151,19 @@ def fill_kv_table(table: torch.Tensor, k_caches: list[torch.Tensor], v_caches: l
     table.copy_(torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in zip(k_caches, v_caches)], dtype=torch.int64))
 
 
+def allocate_kv_cache(layout: StepLayout, num_blocks: int, table: torch.Tensor, device: torch.device
+                      ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
+    """An engine's own K and V caches, [num_layers, num_blocks, block_size, Hkv, D] bf16 filled with NaN (a read of
+    a slot no step wrote shows in the outputs), their layers' addresses written into the kernel's table, and the
+    per-layer strides (block, token, head) the kernel is compiled for."""
+    c = layout.config
+    shape = (c.num_layers, num_blocks, layout.block_size, c.num_kv_heads, c.head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
+    v_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
+    fill_kv_table(table, list(k_cache.unbind(0)), list(v_cache.unbind(0)))
+    return k_cache, v_cache, tuple(k_cache.stride()[1:4])
+
+
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -223,11 +236,8 @@ class MegakernelEngine:
         self.key = None
         if own_kv_cache:
             self.num_blocks = num_blocks or batch * blocks_per_seq
-            shape = (c.num_layers, self.num_blocks, block_size, c.num_kv_heads, c.head_dim)
-            self.k_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=self.device)
-            self.v_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=self.device)
-            fill_kv_table(self.kv_table, list(self.k_cache.unbind(0)), list(self.v_cache.unbind(0)))
-            self.kv_strides = tuple(self.k_cache.stride()[1:4])
+            self.k_cache, self.v_cache, self.kv_strides = allocate_kv_cache(self.layout, self.num_blocks,
+                                                                            self.kv_table, self.device)
             # until step()/set_inputs() is given one: sequence b owns blocks b*n .. b*n + n - 1, so a bare
             # launch() never appends a token into a slot that another position reads (a zero table would)
             if self.num_blocks >= batch * blocks_per_seq:

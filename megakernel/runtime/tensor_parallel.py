@@ -34,8 +34,8 @@ from ..model.tensor_parallel import shard_config, shard_weights
 from ..model.weights import ModelWeights
 from ..schedule import assign
 from ..schedule.tensor_parallel import build_tp_program, rank_tables, simulate_ranks
-from .engine import (ErrorWord, MegakernelError, _sm_count, device_weights, fill_kv_table, kernel_arg_tensors,
-                     kv_view_strides, reset_sync)
+from .engine import (ErrorWord, MegakernelError, _sm_count, allocate_kv_cache, device_weights, fill_kv_table,
+                     kernel_arg_tensors, kv_view_strides, reset_sync)
 from .collective import Gather, check_digests, collective, program_digest
 from .peers import exported_row, ipc_export, ipc_open, peer_row, peer_table_rows, peer_tensors
 
@@ -56,11 +56,8 @@ class _Rank:
         self.kv_table = torch.zeros(c.num_layers, 2, dtype=torch.int64, device=device)
         self.num_blocks = self.kv_strides = self.k_cache = self.v_cache = None
         if num_blocks is not None:
-            shape = (c.num_layers, num_blocks, layout.block_size, c.num_kv_heads, c.head_dim)
-            self.k_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
-            self.v_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
-            self.num_blocks, self.kv_strides = num_blocks, tuple(self.k_cache.stride()[1:4])
-            fill_kv_table(self.kv_table, list(self.k_cache.unbind(0)), list(self.v_cache.unbind(0)))
+            self.num_blocks = num_blocks
+            self.k_cache, self.v_cache, self.kv_strides = allocate_kv_cache(layout, num_blocks, self.kv_table, device)
         self.trace_buf = torch.zeros(layout.num_sms, table.shape[1], TRACE_WORDS, dtype=torch.int32, device=device)
         self.host_error = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         self.peers = torch.zeros(program.world_size, PEER_WORDS, dtype=torch.int64, device=device)

@@ -154,6 +154,21 @@ def test_packed_weights_of_another_model_or_type_are_refused():
 
 # ---- the engine: signature and guards ---------------------------------------------------------------------
 
+def test_an_engines_own_kv_cache_is_nan_filled_and_its_layers_are_in_the_kernels_table():
+    """allocate_kv_cache (MegakernelEngine's and a tensor-parallel rank's own cache): [layers, blocks, block_size,
+    Hkv, D] bf16 of NaN, every layer's K and V address in the table (poisoned first), the per-layer strides."""
+    from megakernel.runtime.engine import allocate_kv_cache
+    layout = _layout("tiny-llama", batch=2, max_seq_len=40, block_size=16)
+    c = layout.config
+    table = torch.full((c.num_layers, 2), -1, dtype=torch.int64)
+    k, v, strides = allocate_kv_cache(layout, 7, table, torch.device("cpu"))
+    assert k.shape == v.shape == (c.num_layers, 7, 16, c.num_kv_heads, c.head_dim)
+    assert k.dtype == v.dtype == BF16 and k.data_ptr() != v.data_ptr()
+    assert torch.isnan(k).all() and torch.isnan(v).all()
+    assert table.tolist() == [[k[i].data_ptr(), v[i].data_ptr()] for i in range(c.num_layers)]
+    assert strides == (16 * c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim) == k[0].stride()[:3]
+
+
 def test_engine_signature_offers_the_options_the_vllm_integration_detects():
     from megakernel.runtime.engine import MegakernelEngine
 
