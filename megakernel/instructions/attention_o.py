@@ -10,10 +10,9 @@ part_o[l, h, b, a0:a0 + a1]. The kv head's tile with a0 = 0 appends the new toke
 tiles read only the cached positions before it. Every tile of a head repeats the head's attention, so the form
 pays off only where the cache is short (the attention is a few round trips, not a stream).
 
-No stage writes h[l] = x[l] + O . attn: its readers add the kv heads' partials to x[l] in head order themselves
-(`attention_residual`: the partials summed in head order, then x[l], as an MV_REDUCE of O_PROJ would), GATE_UP
-while staging its whole input, DOWN for its residual rows: the same additions in the same order, so the same bits
-in both.
+No stage writes h[l] = x[l] + O . attn: its readers compute it themselves (`attention_residual`: the kv heads'
+partials summed in head order, then added to x[l], as an MV_REDUCE of O_PROJ would), GATE_UP while staging its whole
+input, DOWN for its residual rows: the same additions in the same order, so the same bits in both.
 """
 
 from __future__ import annotations
@@ -39,7 +38,7 @@ def reads(ins: Instruction, layout) -> list:
 
 
 def writes(ins: Instruction, layout) -> list:
-    from .matvec_stages import part_regions      # (it imports this package's attention module)
+    from .matvec_stages import part_regions      # (it imports this module)
     return part_regions(Opcode.O_PROJ, ins.layer, ins.k_part, ins.a0, ins.a0 + ins.a1, layout)
 
 

@@ -123,7 +123,7 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
             for kvh in range(c.num_kv_heads):
                 for t, (lo, rows) in enumerate(slices):
                     add(opcode=Opcode.ATTN_O, layer=l, a0=lo, a1=rows, a2=kvh * len(slices) + t, seqs=B,
-                        k_part=kvh, k_parts=c.num_kv_heads, wait_id=qkv_done, wait_count=n,
+                        k_part=kvh, k_parts=c.num_kv_heads, wait_count=n, wait_id=qkv_done,
                         signal_id=counter_id(l, Stage.O_PROJ),
                         cost=rows * width * elem + B * (kv_bytes_per_split + FIXED_COST_BYTES))
             n = matvec_stage(Opcode.GATE_UP, l, (counter_id(l, Stage.O_PROJ), c.num_kv_heads * len(slices)),
