@@ -72,7 +72,7 @@ def split_range(pos: int, split: int, num_splits: int) -> tuple[int, int]:
 
 def reads(ins: Instruction, layout) -> list:
     c = layout.config
-    g, d = c.gqa_group, c.head_dim
+    g = c.gqa_group
     if ins.opcode == Opcode.ATTN_PARTIAL:
         kvh = ins.a1
         out = [("positions", 0, ins.a0, ins.a0 + ins.seqs)]
@@ -87,10 +87,7 @@ def reads(ins: Instruction, layout) -> list:
             return out + per_batch("x", ins.layer, 0, c.hidden_size, layout.batch, c.hidden_size)
         for b in range(ins.a0, ins.a0 + ins.seqs):
             row = b * c.qkv_rows
-            out += [("qkv", ins.layer, row + kvh * g * d, row + (kvh + 1) * g * d),
-                    ("qkv", ins.layer, row + c.q_size + kvh * d, row + c.q_size + (kvh + 1) * d),
-                    ("qkv", ins.layer, row + c.q_size + c.kv_size + kvh * d,
-                     row + c.q_size + c.kv_size + (kvh + 1) * d)]
+            out += [("qkv", ins.layer, row + lo, row + hi) for lo, hi in head_rows(c, kvh)]
         return out
     first = (ins.a0 * c.num_heads + ins.a1 * g) * ins.a3      # all splits of the group's heads
     return [("attn_part", ins.layer, first, first + g * ins.a3)]

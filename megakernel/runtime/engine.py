@@ -151,16 +151,21 @@ def fill_kv_table(table: torch.Tensor, k_caches: list[torch.Tensor], v_caches: l
     table.copy_(torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in zip(k_caches, v_caches)], dtype=torch.int64))
 
 
-def allocate_kv_cache(layout: StepLayout, num_blocks: int, table: torch.Tensor, device: torch.device
-                      ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
+def allocate_kv_cache(layout: StepLayout, num_blocks: int, table: torch.Tensor, block_table: torch.Tensor,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int, int]]:
     """An engine's own K and V caches, [num_layers, num_blocks, block_size, Hkv, D] bf16 filled with NaN (a read of
     a slot no step wrote shows in the outputs), their layers' addresses written into the kernel's table, and the
-    per-layer strides (block, token, head) the kernel is compiled for."""
+    per-layer strides (block, token, head) the kernel is compiled for. Where the blocks suffice, the step's
+    block_table gets the contiguous one until step()/set_inputs() is given one: sequence b owns blocks b*n ..
+    b*n + n - 1, so a bare launch never appends a token into a slot that another position reads (a zero table
+    would)."""
     c = layout.config
     shape = (c.num_layers, num_blocks, layout.block_size, c.num_kv_heads, c.head_dim)
     k_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
     v_cache = torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
     fill_kv_table(table, list(k_cache.unbind(0)), list(v_cache.unbind(0)))
+    if num_blocks >= layout.batch * layout.max_blocks_per_seq:
+        block_table.copy_(contiguous_block_table(layout.batch, layout.max_seq_len, layout.block_size, device))
     return k_cache, v_cache, tuple(k_cache.stride()[1:4])
 
 
@@ -236,13 +241,8 @@ class MegakernelEngine:
         self.key = None
         if own_kv_cache:
             self.num_blocks = num_blocks or batch * blocks_per_seq
-            self.k_cache, self.v_cache, self.kv_strides = allocate_kv_cache(self.layout, self.num_blocks,
-                                                                            self.kv_table, self.device)
-            # until step()/set_inputs() is given one: sequence b owns blocks b*n .. b*n + n - 1, so a bare
-            # launch() never appends a token into a slot that another position reads (a zero table would)
-            if self.num_blocks >= batch * blocks_per_seq:
-                self.bufs.block_table.copy_(contiguous_block_table(batch, blocks_per_seq * block_size, block_size,
-                                                                   self.device))
+            self.k_cache, self.v_cache, self.kv_strides = allocate_kv_cache(
+                self.layout, self.num_blocks, self.kv_table, self.bufs.block_table, self.device)
             self._compile(table.shape[1])
         else:
             # no cache, no kernel yet: bind_kv_caches fills the table and compiles for the cache's strides
@@ -543,7 +543,6 @@ class MegakernelBackend:
         elif self.engine.k_cache is not None:
             self.engine.k_cache.fill_(float("nan"))
             self.engine.v_cache.fill_(float("nan"))
-        from ..model.kv_cache import contiguous_block_table
         self.engine.bufs.block_table.copy_(contiguous_block_table(
             batch, self.engine.layout.max_seq_len, self.engine.layout.block_size, self.device))
 

@@ -29,7 +29,6 @@ from ..instructions.tensor_parallel.layout import allocate_tp_buffers, require_k
 from ..kernel.interpreter import ARG_NAMES, KernelOptions
 from ..kernel.stream import PEER_WORDS, TRACE_WORDS
 from ..model.config import ModelConfig
-from ..model.kv_cache import contiguous_block_table
 from ..model.tensor_parallel import shard_config, shard_weights
 from ..model.weights import ModelWeights
 from ..schedule import assign
@@ -57,7 +56,8 @@ class _Rank:
         self.num_blocks = self.kv_strides = self.k_cache = self.v_cache = None
         if num_blocks is not None:
             self.num_blocks = num_blocks
-            self.k_cache, self.v_cache, self.kv_strides = allocate_kv_cache(layout, num_blocks, self.kv_table, device)
+            self.k_cache, self.v_cache, self.kv_strides = allocate_kv_cache(layout, num_blocks, self.kv_table,
+                                                                            self.bufs.block_table, device)
         self.trace_buf = torch.zeros(layout.num_sms, table.shape[1], TRACE_WORDS, dtype=torch.int32, device=device)
         self.host_error = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         self.peers = torch.zeros(program.world_size, PEER_WORDS, dtype=torch.int64, device=device)
@@ -172,8 +172,6 @@ class TensorParallelEngine:
         rows = torch.tensor([peer_row(peer_tensors(rk.bufs)) for rk in self.ranks], dtype=torch.int64)
         for rk in self.ranks:
             rk.peers.copy_(rows)
-            rk.bufs.block_table.copy_(contiguous_block_table(batch, blocks_per_seq * block_size, block_size,
-                                                             rk.device))
             rk.compile(self.program, options)
         # every rank's kernel loaded (and launched once) before any launch that waits on another rank's: loading a
         # module may wait for the kernels running on the device (_Rank.warm_up)
@@ -285,9 +283,6 @@ class TensorParallelRank:
                              num_blocks=own)
             if kv_caches is not None:
                 self._rk.bind_kv_caches(*kv_caches)
-            elif own >= batch * blocks_per_seq:
-                self._rk.bufs.block_table.copy_(contiguous_block_table(batch, blocks_per_seq * block_size,
-                                                                       block_size, self.device))
             digest = program_digest(self.program.layout, self.program.world_size, self.program.lm_tiles,
                                     self.program.num_counters, table, lengths, options)
             torch.cuda.synchronize(self.device)      # the buffers settled before a peer maps them

@@ -126,32 +126,29 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
                         k_part=kvh, k_parts=c.num_kv_heads, wait_count=n, wait_id=qkv_done,
                         signal_id=counter_id(l, Stage.O_PROJ),
                         cost=rows * width * elem + B * (kv_bytes_per_split + FIXED_COST_BYTES))
-            n = matvec_stage(Opcode.GATE_UP, l, (counter_id(l, Stage.O_PROJ), c.num_kv_heads * len(slices)),
-                             counter_id(l, Stage.GATE_UP))
-            n = matvec_stage(Opcode.DOWN, l, (counter_id(l, Stage.GATE_UP), n), counter_id(l, Stage.DOWN))
-            prev = (counter_id(l, Stage.DOWN), n)
-            continue
-        for b, seqs in groups:
-            for kvh in range(c.num_kv_heads):
-                for s in range(S):
-                    add(opcode=Opcode.ATTN_PARTIAL, layer=l, a0=b, a1=kvh, a2=s, a3=S, seqs=seqs,
-                        wait_id=qkv_done, wait_count=n,
-                        signal_id=counter_id(l, Stage.ATTN_PARTIAL),
-                        cost=seqs * (kv_bytes_per_split + FIXED_COST_BYTES))
-        n_attn = len(groups) * c.num_kv_heads * S
-        if layout.fused_reduce:
-            # O_PROJ merges the splits while staging its input: one dependency hop less per layer
-            n = matvec_stage(Opcode.O_PROJ, l, (counter_id(l, Stage.ATTN_PARTIAL), n_attn),
-                             counter_id(l, Stage.O_PROJ), a3=S)
+            n = c.num_kv_heads * len(slices)
         else:
-            for b in range(B):
+            for b, seqs in groups:
                 for kvh in range(c.num_kv_heads):
-                    add(opcode=Opcode.ATTN_REDUCE, layer=l, a0=b, a1=kvh, a3=S,
-                        wait_id=counter_id(l, Stage.ATTN_PARTIAL), wait_count=n_attn,
-                        signal_id=counter_id(l, Stage.ATTN_REDUCE), cost=FIXED_COST_BYTES)
-            n_red = B * c.num_kv_heads
-            n = matvec_stage(Opcode.O_PROJ, l, (counter_id(l, Stage.ATTN_REDUCE), n_red),
-                             counter_id(l, Stage.O_PROJ))
+                    for s in range(S):
+                        add(opcode=Opcode.ATTN_PARTIAL, layer=l, a0=b, a1=kvh, a2=s, a3=S, seqs=seqs,
+                            wait_id=qkv_done, wait_count=n,
+                            signal_id=counter_id(l, Stage.ATTN_PARTIAL),
+                            cost=seqs * (kv_bytes_per_split + FIXED_COST_BYTES))
+            n_attn = len(groups) * c.num_kv_heads * S
+            if layout.fused_reduce:
+                # O_PROJ merges the splits while staging its input: one dependency hop less per layer
+                n = matvec_stage(Opcode.O_PROJ, l, (counter_id(l, Stage.ATTN_PARTIAL), n_attn),
+                                 counter_id(l, Stage.O_PROJ), a3=S)
+            else:
+                for b in range(B):
+                    for kvh in range(c.num_kv_heads):
+                        add(opcode=Opcode.ATTN_REDUCE, layer=l, a0=b, a1=kvh, a3=S,
+                            wait_id=counter_id(l, Stage.ATTN_PARTIAL), wait_count=n_attn,
+                            signal_id=counter_id(l, Stage.ATTN_REDUCE), cost=FIXED_COST_BYTES)
+                n_red = B * c.num_kv_heads
+                n = matvec_stage(Opcode.O_PROJ, l, (counter_id(l, Stage.ATTN_REDUCE), n_red),
+                                 counter_id(l, Stage.O_PROJ))
         n = matvec_stage(Opcode.GATE_UP, l, (counter_id(l, Stage.O_PROJ), n), counter_id(l, Stage.GATE_UP))
         n = matvec_stage(Opcode.DOWN, l, (counter_id(l, Stage.GATE_UP), n), counter_id(l, Stage.DOWN))
         prev = (counter_id(l, Stage.DOWN), n)

@@ -156,12 +156,18 @@ def test_packed_weights_of_another_model_or_type_are_refused():
 
 def test_an_engines_own_kv_cache_is_nan_filled_and_its_layers_are_in_the_kernels_table():
     """allocate_kv_cache (MegakernelEngine's and a tensor-parallel rank's own cache): [layers, blocks, block_size,
-    Hkv, D] bf16 of NaN, every layer's K and V address in the table (poisoned first), the per-layer strides."""
+    Hkv, D] bf16 of NaN, every layer's K and V address in the table (poisoned first), the per-layer strides, and
+    the contiguous block table where the blocks suffice (left alone where they do not)."""
     from megakernel.runtime.engine import allocate_kv_cache
     layout = _layout("tiny-llama", batch=2, max_seq_len=40, block_size=16)
     c = layout.config
     table = torch.full((c.num_layers, 2), -1, dtype=torch.int64)
-    k, v, strides = allocate_kv_cache(layout, 7, table, torch.device("cpu"))
+    poison = torch.full((2, layout.max_blocks_per_seq), -7, dtype=torch.int32)
+    block_table = poison.clone()
+    allocate_kv_cache(layout, 2 * layout.max_blocks_per_seq - 1, table, block_table, torch.device("cpu"))
+    assert torch.equal(block_table, poison), "a block table set where the blocks do not suffice"
+    k, v, strides = allocate_kv_cache(layout, 7, table, block_table, torch.device("cpu"))
+    assert torch.equal(block_table, contiguous_block_table(2, layout.max_seq_len, 16)), block_table
     assert k.shape == v.shape == (c.num_layers, 7, 16, c.num_kv_heads, c.head_dim)
     assert k.dtype == v.dtype == BF16 and k.data_ptr() != v.data_ptr()
     assert torch.isnan(k).all() and torch.isnan(v).all()
