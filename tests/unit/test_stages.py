@@ -40,7 +40,7 @@ from megakernel.instructions.layout import (SPLIT_BATCH, StepBuffers, StepLayout
 from megakernel.instructions.opcodes import Opcode
 from megakernel.instructions.record import Instruction
 from megakernel.instructions.split_k import k_splits, qkv_reduce_folded
-from megakernel.kernel.stream import PART_FLOATS, X_WHOLE_BYTES, StreamPlan
+from megakernel.kernel.stream import PART_FLOATS, X_WHOLE_BYTES, StreamPlan, x_col_bytes
 from megakernel.model import ops
 from megakernel.model.config import ModelConfig, RopeScaling
 from megakernel.model.weights import ModelWeights, random_weights
@@ -762,15 +762,26 @@ GPU_OPCODES = (Opcode.EMBED, Opcode.QKV, Opcode.ATTN_PARTIAL, Opcode.ATTN_REDUCE
 
 
 def _wide(case: StageCase) -> StageCase:
-    """The case with an FFN wide enough that batch x intermediate x float32 is more than the kernel stages
-    whole (X_WHOLE_BYTES): DOWN then stages and consumes its input one column slab at a time."""
+    """The case with an FFN wide enough that its staged input (intermediate x stream.x_col_bytes: bf16 per
+    sequence) is more than the kernel stages whole (X_WHOLE_BYTES): DOWN then stages and consumes its input one
+    column slab at a time."""
     s = case.shape
-    need = (X_WHOLE_BYTES // (4 * s.batch)) // 256 * 256 + 256
+    need = (X_WHOLE_BYTES // x_col_bytes(s.batch)) // 256 * 256 + 256
     return dataclasses.replace(case, shape=dataclasses.replace(s, intermediate_size=max(s.intermediate_size, need)))
 
 
-# batch 2-8 with an FFN of at least ~2-8k columns: DOWN's input staged in column slabs
+# batch 2-8 with an FFN of at least ~4-16k columns: DOWN's input staged in column slabs
 GPU_WIDE_CASES = GPU_CASES.filter(lambda c: c.shape.batch >= 2).map(_wide)
+
+
+@settings(max_examples=50)
+@given(case=GPU_WIDE_CASES)
+def test_the_slab_staging_cases_stage_down_in_slabs(case):
+    """The GPU slab-staging test's precondition, on the CPU so that a change of the staging budget or of the staged
+    bytes per column cannot leave that test drawing shapes whose DOWN input fits whole."""
+    config = case.to_config()
+    plan = StreamPlan.for_config(config, case.shape.batch)
+    assert not plan.geometry(config.intermediate_size).x_whole, (case.describe(), plan)
 
 
 @pytest.mark.gpu
