@@ -11,14 +11,16 @@ case "$what" in
   tests) python3 -m pytest -m "gpu and not perf" -q -p no:cacheprovider "$@" 2>&1 | tee "$OUT/tests.log" ;;
   tests-par)
     # (vLLM parity, ~4 min a model, has its own stage below: vllm; compute-sanitizer too: sanitizer)
-    sel=(-m "gpu and not perf and not vllm and not sanitizer" -q -p no:cacheprovider -o junit_family=xunit1)
+    # (-v: a test per line as it ends, so a run cut at the call's limit still shows what passed and what failed)
+    sel=(-m "gpu and not perf and not vllm and not sanitizer" -v -p no:cacheprovider -o junit_family=xunit1)
     python3 -m pytest "${sel[@]}" tests/unit/test_stages.py --junitxml="$OUT/junit_stages.xml" "$@" > "$OUT/tests_stages.log" 2>&1 &
     python3 -m pytest "${sel[@]}" tests/e2e --junitxml="$OUT/junit_e2e.xml" "$@" > "$OUT/tests_e2e.log" 2>&1 &
     python3 -m pytest "${sel[@]}" tests/unit --ignore=tests/unit/test_stages.py --junitxml="$OUT/junit_rest.xml" "$@" \
         > "$OUT/tests_rest.log" 2>&1 &
     wait
     for f in "$OUT"/tests_stages.log "$OUT"/tests_e2e.log "$OUT"/tests_rest.log; do
-      echo "== $f"; tail -n 15 "$f"; done ;;
+      echo "== $f: $(grep -c ' PASSED' "$f") passed, $(grep -c ' FAILED' "$f") failed, $(grep -c ' SKIPPED' "$f") skipped"
+      grep -E ' (FAILED|ERROR)' "$f"; tail -n 5 "$f"; done ;;
   bench)
     # the benchmark JSON keeps each case's ratios (extra_info: floor_fraction, speedups); one line per case here
     python3 -m pytest -m perf -q -p no:cacheprovider --benchmark-json="$OUT/perf.json" "$@" 2>&1 | tee "$OUT/perf.log"
