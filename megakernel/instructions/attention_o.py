@@ -61,7 +61,8 @@ def fused(layout) -> bool:
 
 def attention_residual(ctx: StageContext, l: int, lo: int, hi: int) -> torch.Tensor:
     """h[l] rows [lo, hi) of every sequence, [B, hi - lo] float32: read from h, or where the layout fuses the
-    attention and O_PROJ, x[l] plus the kv heads' partials of O added in head order (split_k.sum_ranges, MV_REDUCE's order)."""
+    attention and O_PROJ, x[l] plus the kv heads' partials of O added in head order (split_k.sum_ranges,
+    MV_REDUCE's order)."""
     from .split_k import sum_ranges              # (it imports matvec_stages, which imports this module)
     bufs = ctx.bufs
     if not fused(ctx.layout):

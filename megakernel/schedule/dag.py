@@ -7,10 +7,11 @@ store that happened before the stage it waits on (e.g. O_PROJ reads x[l], writte
 l-1, two stages before the ATTN_REDUCE it waits for). Where the layout stages matvec inputs in shared
 memory, O_PROJ waits on ATTN_PARTIAL directly and merges the splits itself (`StepLayout.fused_reduce`). Past
 SPLIT_BATCH, where attention.warp_attention says, an ATTN_PARTIAL takes several sequences (sequence_groups).
-With StepLayout.fuse_attn_o, ATTN_O tiles (attention_o.py) take the place of ATTN_PARTIAL and O_PROJ: they wait for QKV
-and signal O_PROJ's counter. Past the megakernel's batch, a matvec stage may be split over K (instructions/split_k.py): its K ranges' tiles
-signal the stage's *_PARTS counter, and MV_REDUCE tiles, which wait for all of them, signal the stage's counter;
-QKV's have no MV_REDUCE: the ATTN_PARTIALs wait for them and sum the partials themselves (qkv_reduce_folded).
+With StepLayout.fuse_attn_o, ATTN_O tiles (attention_o.py) take the place of ATTN_PARTIAL and O_PROJ: they
+wait for QKV and signal O_PROJ's counter. Past the megakernel's batch, a matvec stage may be split over K
+(instructions/split_k.py): its K ranges' tiles signal the stage's *_PARTS counter, and MV_REDUCE tiles, which
+wait for all of them, signal the stage's counter; QKV's have no MV_REDUCE: the ATTN_PARTIALs wait for them and sum
+the partials themselves (qkv_reduce_folded).
 
 `build_program(layout, lm_head=False)` is the same program without its last two stages (LM_HEAD,
 ARGMAX): the step ends when the last layer's DOWN has written x[L], and nothing advances tokens or
