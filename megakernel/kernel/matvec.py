@@ -25,7 +25,7 @@ from cutlass import Boolean, Float32, Int32, Int64
 
 from ..instructions.layout import ROW_GROUP
 from ..instructions.opcodes import Opcode
-from .ptx import (ex2, globaltimer_lo, ld_f32, load_shared_b32x2, load_shared_raw, max_index, mbarrier_arrive,
+from .ptx import (ex2, globaltimer_lo, ld_f32, load_shared_b32, load_shared_raw, max_index, mbarrier_arrive,
                   mma_bf16_16816, rsqrt, st_f32, st_i32, warp_max_index, warp_sum)
 from .ring_model import reader_warp
 from .stream import (ITEM_ROWS, PEER_LM_IDX, PEER_LM_MAX, PEER_RECV_DOWN, PEER_RECV_O, SLAB_COLS, SLOT_BYTES,
@@ -207,8 +207,13 @@ class MatvecStage:
                                     if c0 + rows >= a1 and sl == n_slab - 1 and g0 + rps >= rows:
                                         st_i32(rec + TR_LANDED_LAST * 4, globaltimer_lo())
                             for rg in range((nr + ITEM_ROWS - 1) // ITEM_ROWS):
-                                self.consume_item(lane, rg, part, slab, width, ring + slot * SLOT_BYTES, x_base, xw,
-                                                  col0, g0, nr, n_seg, sl, s)
+                                if width == SLAB_COLS and rg * ITEM_ROWS + 8 < nr:
+                                    # (the common item, every block present: a path without guards)
+                                    self.consume_item(lane, rg, part, slab, width, ring + slot * SLOT_BYTES, x_base,
+                                                      xw, col0, g0, nr, n_seg, sl, s, True)
+                                else:
+                                    self.consume_item(lane, rg, part, slab, width, ring + slot * SLOT_BYTES, x_base,
+                                                      xw, col0, g0, nr, n_seg, sl, s, False)
                             cute.arch.sync_warp()
                             if lane == 0:
                                 mbarrier_arrive(empty + mb)       # this part's reader is done with the slot
@@ -231,91 +236,125 @@ class MatvecStage:
 
     @cute.jit
     def consume_item(self, lane: Int32, rg: Int32, part: int, slab: Int32, width: Int32, slot_addr: Int32,
-                     x_base: Int32, xw: Int32, col0: Int32, g0: Int32, nr: Int32, n_seg: Int32, sl: Int32, s):
+                     x_base: Int32, xw: Int32, col0: Int32, g0: Int32, nr: Int32, n_seg: Int32, sl: Int32, s,
+                     whole: bool):
         """Row group rg x part `part` of a slot of nr rows: 16 rows (the second 8-row block absent where the slot
         ends after the first) x slab / P columns of slab sl, against every sequence's staged input; one partial
         per (row, sequence) into s.part at ((row * n_seg + sl * P + part) * B + b).
 
-        The slot holds, per 8-row block (slab * 16 bytes apart), 512-byte blocks of 32 columns in fragment
-        order: lane l's 16 bytes of one are its A registers of two MMAs (k = 0..15 and 16..31) for those 8
-        rows. The input of sequence n = l // 4 (zero for n >= B) is staged at row stride xw (words), the slab's
-        first column at col0, in bf16 in B-register order (store_x_quad): one 8-byte load per k-step gives lane
-        (n, t) its two B registers. Columns past the slab's width (a narrower last slab) load nothing and add
-        nothing."""
+        The slot holds, per 8-row block (slab * 16 bytes apart), 512-byte blocks of 32 columns in fragment order
+        (fragment_pack): lane (g, t) = (l // 4, l % 4) of a warp finds row g's columns 2t, 2t + 1, 2t + 8, 2t + 9,
+        then the same + 16, at 16 * l. Loaded as they lie, those 16 bytes are one m16n8k16 MMA's A registers when
+        the MMA's 16 rows are the block's 8 rows twice over, its 16 k the 32 columns in pairs: MMA row g takes
+        columns 0-7 and 16-23 of weight row g, row g + 8 columns 8-15 and 24-31. N column 2j holds sequence
+        4G + j's input at row g's columns, 2j + 1 at row g + 8's (one MMA per group G of 4 sequences), so that
+        sequence's row g is C[g][2j] + C[g + 8][2j + 1], both on lane (g, j). Each 8-row block is its own MMAs:
+        no register moves, an absent block's MMAs skipped, not zeroed. The input is staged bf16 at row stride xw
+        (words), the slab's first column at col0, in the order store_x_quad writes (per 16-column k-step, words
+        2t and 2t + 1 of a row are columns (2t, 2t + 1) and (2t + 8, 2t + 9)): one 4-byte load per k-step and
+        group. Lanes past the last sequence load their group's first: their C columns are never read. Columns past
+        the slab's width (a narrower last slab) load nothing and add nothing. `whole` (compile time): the slab is
+        SLAB_COLS wide and both 8-row blocks are in the slot, so every block is loaded and multiplied without a
+        guard (or the zeroing a guarded register needs to stay out of local memory)."""
         s_part = s.part
         B = self.B
+        NG = (B + 3) // 4                     # groups of 4 sequences: MMAs per 8-row block and 32 columns
         P = self.plan.parts
-        kp_slab = slab // 32                  # 512-byte blocks per 8-row block of the slot
-        kp_item = kp_slab // P                # ... per work item
-        kp0 = part * kp_item                  # the item's first block
-        kp_w = width // 32 - kp0              # ... and how many of its blocks hold columns of this slab
+        kp_slab = slab // 32
+        kp_item = kp_slab // P
+        kp0 = part * kp_item
+        kp_w = width // 32 - kp0
         if kp_w > kp_item:
             kp_w = kp_item
-        IKP = SLAB_COLS // 32 // P            # blocks of an item of the widest slab (the unrolled loop's length)
-        two = rg * ITEM_ROWS + 8 < nr         # the item's second 8-row block is in the slot
+        IKP = SLAB_COLS // 32 // P
+        two = rg * ITEM_ROWS + 8 < nr
+        if cutlass.const_expr(whole):
+            kp_w = Int32(IKP)
+            two = Boolean(True)
         n = lane // 4
         t = lane - n * 4
         top = slot_addr + (2 * rg * kp_slab + kp0) * 512 + lane * 16
-        # two independent accumulator chains (even and odd 32-column blocks) of 16 MMAs each, summed at the end:
-        # one chain of 32 dependent MMAs would be the item's latency
-        c = cute.make_rmem_tensor((8,), Float32)
-        for i in cutlass.range_constexpr(8):
+        bot = top + kp_slab * 512
+        xa = cute.make_rmem_tensor((NG,), Int32)      # the lane's input address of each group
+        for G in cutlass.range_constexpr(NG):
+            seq = G * 4 + n // 2
+            if seq >= B:
+                seq = Int32(G * 4)
+            xa[G] = x_base + (seq * xw + (col0 + kp0 * 32) // 2 + 2 * t + n % 2) * 4
+        # independent accumulator chains: (top, bottom block) x (even, odd 32-column block) x group, 4 each
+        c = cute.make_rmem_tensor((16 * NG,), Float32)
+        for i in cutlass.range_constexpr(16 * NG):
             c[i] = Float32(0.0)
-        xa = x_base + (n * xw + (col0 + kp0 * 32) // 2 + 2 * t) * 4
-        # groups of LOAD_KP blocks (all of an item's weights would not fit the registers beside the rest):
-        # each group's weight loads, then its MMAs
         LK = min(LOAD_KP, IKP)
         for hf in cutlass.range_constexpr(IKP // LK):
             a = cute.make_rmem_tensor((LK * 8,), Int32)
-            self.load_fragments(a, top, hf * LK, LK, kp_w, kp_slab, two)
-            for uu in cutlass.range_constexpr(LK):
-                u = hf * LK + uu
-                if u < kp_w:
-                    for kb in cutlass.range_constexpr(2):
-                        bw = cute.make_rmem_tensor((2,), Int32)    # columns [2t, 2t + 1], [2t + 8, 2t + 9]
-                        for e in cutlass.range_constexpr(2):
-                            bw[e] = Int32(0)
-                        if n < B:
-                            xq = load_shared_b32x2(xa + (u * 16 + kb * 8) * 4)
-                            for e in cutlass.range_constexpr(2):
-                                bw[e] = xq[e]
-                        q = uu * 8 + kb * 2
-                        ch = (u % 2) * 4
-                        d = mma_bf16_16816(a[q], a[q + 4], a[q + 1], a[q + 5], bw[0], bw[1],
-                                           c[ch], c[ch + 1], c[ch + 2], c[ch + 3])
-                        for i in cutlass.range_constexpr(4):
-                            c[ch + i] = d[i]
-        for i in cutlass.range_constexpr(4):
-            c[i] = c[i] + c[4 + i]
-        # C: rows n and n + 8 of the item, sequences 2t and 2t + 1
+            bx = cute.make_rmem_tensor((LK * 2 * NG,), Int32)
+            if cutlass.const_expr(whole):
+                for uu in cutlass.range_constexpr(LK):
+                    self.load_block(a, bx, uu, top, bot, xa, hf * LK + uu, True)
+                for uu in cutlass.range_constexpr(LK):
+                    self.mma_block(a, bx, c, uu, hf * LK + uu, True)
+            else:
+                # (the zeroing keeps the registers of a guarded load out of local memory)
+                for e in cutlass.range_constexpr(LK * 8):
+                    a[e] = Int32(0)
+                for e in cutlass.range_constexpr(LK * 2 * NG):
+                    bx[e] = Int32(0)
+                for uu in cutlass.range_constexpr(LK):
+                    if hf * LK + uu < kp_w:
+                        self.load_block(a, bx, uu, top, bot, xa, hf * LK + uu, two)
+                for uu in cutlass.range_constexpr(LK):
+                    if hf * LK + uu < kp_w:
+                        self.mma_block(a, bx, c, uu, hf * LK + uu, two)
         row = g0 + rg * ITEM_ROWS + n
         seg = sl * P + part
-        for e in cutlass.range_constexpr(2):
-            if 2 * t + e < B:
-                s_part[(row * n_seg + seg) * B + 2 * t + e] = c[e]
-        if two:
-            for e in cutlass.range_constexpr(2):
-                if 2 * t + e < B:
-                    s_part[((row + 8) * n_seg + seg) * B + 2 * t + e] = c[2 + e]
+        for G in cutlass.range_constexpr(NG):
+            if G * 4 + t < B:
+                e0 = G * 4                      # chain (top, even) of group G; (top, odd) is NG * 4 on
+                out = (row * n_seg + seg) * B + G * 4 + t
+                s_part[out] = (c[e0] + c[e0 + NG * 4]) + (c[e0 + 3] + c[e0 + NG * 4 + 3])
+                if two:
+                    e1 = e0 + NG * 8
+                    s_part[out + 8 * n_seg * B] = (c[e1] + c[e1 + NG * 4]) + (c[e1 + 3] + c[e1 + NG * 4 + 3])
 
     @cute.jit
-    def load_fragments(self, a: cute.Tensor, top: Int32, u0: int, n: int, kp_w: Int32, kp_slab: Int32,
-                       two: Boolean):
-        """The A registers of a 16-row item's 32-column blocks u0 .. u0 + n - 1 into a (8 words per block: the top
-        8-row block's 16 bytes, then the bottom's, which is kp_slab blocks on; zero where absent): `top` is the
-        lane's 16 bytes of the item's first block, blocks past kp_w hold no columns of the slab."""
-        for uu in cutlass.range_constexpr(n):
-            u = u0 + uu
-            for e in cutlass.range_constexpr(8):
-                a[uu * 8 + e] = Int32(0)
-            if u < kp_w:
-                v = load_shared_raw(top + u * 512)
-                for e in cutlass.range_constexpr(4):
-                    a[uu * 8 + e] = v[e]
-                if two:
-                    v = load_shared_raw(top + u * 512 + kp_slab * 512)
-                    for e in cutlass.range_constexpr(4):
-                        a[uu * 8 + 4 + e] = v[e]
+    def load_block(self, a: cute.Tensor, bx: cute.Tensor, uu: int, top: Int32, bot: Int32, xa: cute.Tensor,
+                        u: int, two: Boolean):
+        """consume_item's loads of 32-column block u into a[uu * 8 ..] (top 8-row block, then bottom where
+        `two`) and bx[uu * 2 * NG ..] (per group, the lane's input word of each k-step)."""
+        NG = (self.B + 3) // 4
+        v = load_shared_raw(top + u * 512)
+        for e in cutlass.range_constexpr(4):
+            a[uu * 8 + e] = v[e]
+        if two:
+            v = load_shared_raw(bot + u * 512)
+            for e in cutlass.range_constexpr(4):
+                a[uu * 8 + 4 + e] = v[e]
+        for G in cutlass.range_constexpr(NG):
+            bx[(uu * NG + G) * 2] = load_shared_b32(xa[G] + u * 64)
+            bx[(uu * NG + G) * 2 + 1] = load_shared_b32(xa[G] + u * 64 + 32)
+
+    @cute.jit
+    def mma_block(self, a: cute.Tensor, bx: cute.Tensor, c: cute.Tensor, uu: int, u: int, two: Boolean):
+        """consume_item's MMAs of block u, per group G: the top 8-row block into chain
+        ((u % 2) * NG + G) * 4, the bottom (where `two`) NG * 8 further on."""
+        NG = (self.B + 3) // 4
+        q = uu * 8
+        for G in cutlass.range_constexpr(NG):
+            b = (uu * NG + G) * 2
+            ch = ((u % 2) * NG + G) * 4
+            d = mma_bf16_16816(a[q], a[q + 1], a[q + 2], a[q + 3], bx[b], bx[b + 1], c[ch], c[ch + 1], c[ch + 2],
+                               c[ch + 3])
+            for i in cutlass.range_constexpr(4):
+                c[ch + i] = d[i]
+        if two:
+            for G in cutlass.range_constexpr(NG):
+                b = (uu * NG + G) * 2
+                ch = NG * 8 + ((u % 2) * NG + G) * 4
+                d = mma_bf16_16816(a[q + 4], a[q + 5], a[q + 6], a[q + 7], bx[b], bx[b + 1], c[ch], c[ch + 1],
+                                   c[ch + 2], c[ch + 3])
+                for i in cutlass.range_constexpr(4):
+                    c[ch + i] = d[i]
 
     @cute.jit
     def epilogue(self, tidx: Int32, warp: Int32, lane: Int32, c0: Int32, rows: Int32, n_seg: Int32, a0: Int32,

@@ -198,13 +198,6 @@ def st_shared_b32(addr: Int32, v: Int32):
 
 
 @cute.jit
-def load_shared_b32x2(addr: Int32):
-    """8 bytes of shared memory at an 8-byte aligned address as 2 raw 32-bit words."""
-    return cute.arch.inline_ptx("ld.shared.v2.b32 {{$w0}, {$w1}}, [{$r0}];", write_only_types=[Int32] * 2,
-                                read_only_args=[addr])
-
-
-@cute.jit
 def load_shared_raw(addr: Int32):
     """16 bytes of shared memory at a 16-byte aligned address as 4 raw 32-bit words (weights a bulk
     copy put there; unpack_bf16x8 converts them as it does the global loads')."""

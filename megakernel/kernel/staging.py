@@ -38,8 +38,8 @@ class InputStaging:
     def store_x_quad(self, s, b: Int32, c: Int32, stride: Int32, y: cute.Tensor):
         """Sequence b's input columns c .. c + 3 (float32 y; c a multiple of 4, counted from the staged window's
         first) rounded to bf16 and stored where consume_item's lanes read their B registers: per 16-column k-step
-        (8 words of the row, which starts `stride` words after the previous sequence's), lane quad t's 8 bytes are
-        the packed pairs [(2t, 2t + 1), (2t + 8, 2t + 9)]."""
+        (8 words of the row, which starts `stride` words after the previous sequence's), words 2t and 2t + 1 are
+        the packed pairs (2t, 2t + 1) and (2t + 8, 2t + 9)."""
         r = c % 16
         h = r // 8                   # columns 8..15 of the k-step: the second word of the pair
         t0 = (r % 8) // 2            # the lane quad of the first pair (the second pair's is t0 + 1)

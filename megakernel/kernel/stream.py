@@ -88,7 +88,7 @@ def is_matvec(op: Int32) -> Boolean:
     return op >= OP_QKV and op <= OP_LM_HEAD and op != OP_ATTN_PARTIAL and op != OP_ATTN_REDUCE
 
 
-ITEM_ROWS = 16              # rows of a consumer work item: the M of one m16n8k16 MMA, two 8-row fragment blocks
+ITEM_ROWS = 16              # rows of a consumer work item: two 8-row fragment blocks (each its own MMAs)
 SLAB_COLS = SLOT_BYTES // (ITEM_ROWS * 2)   # the widest slab: ITEM_ROWS rows of it fill a slot
 
 
