@@ -1,10 +1,12 @@
 """The fragment order of the streamed weights (megakernel.instructions.layout.fragment_pack), on the CPU.
 
-The consumer warps read each 512-byte block of 8 rows x 32 columns as 16 bytes per lane and hand the words
-to m16n8k16 MMAs as A registers without any shuffle: word kb * 2 + h of lane l must be the pair of columns
-16 kb + 8 h + 2 (l % 4) (+1) of row l // 4 (megakernel.kernel.matvec.consume_item). Rebuilding each MMA's A
-operand from the packed bytes the way the PTX ISA defines the m16n8k16 A fragment, and multiplying, must
-give W @ x; and the packing must be a row-block-local permutation (a tile's rows are the same bytes).
+The consumer warps read each 512-byte block of 8 rows x 32 columns as 16 bytes per lane: word kb * 2 + h of
+lane l is the pair of columns 16 kb + 8 h + 2 (l % 4) (+1) of row l // 4. The batch 1-8 consumers
+(megakernel.kernel.matvec.consume_item) hand those 4 words as they lie to one m16n8k16 MMA per 8-row block and
+group of 4 sequences (the MMA's rows g and g + 8 both weight row g, two N columns a sequence); the wgmma past
+batch 8 takes a 16-row group's A fragment from two 8-row blocks. Rebuilding each MMA's operands the way the PTX
+ISA defines the m16n8k16 fragments, and multiplying, must give W @ x either way; and the packing must be a
+row-block-local permutation (a tile's rows are the same bytes).
 """
 
 from __future__ import annotations
@@ -56,6 +58,67 @@ def test_packed_blocks_are_the_mma_a_operands(groups, kps, layers, seed):
                     c0 = 32 * kp + 16 * kb
                     y[16 * rg:16 * rg + 16] += a @ x[c0:c0 + 16]
         torch.testing.assert_close(y, w[layer].double() @ x, rtol=1e-12, atol=1e-12)
+
+
+def pair_a_operand(block_rows: torch.Tensor, kp: int) -> torch.Tensor:
+    """consume_item's A (16 x 16) for 32-column block kp of one 8-row block: lane l's 16 bytes as they lie are its
+    registers R0..R3 (PTX: R0 row g cols 2t, 2t + 1; R1 row g + 8, same cols; R2 row g cols 2t + 8, + 9; R3 row
+    g + 8, same cols)."""
+    words = block_rows.reshape(-1)[kp * 256:(kp + 1) * 256].reshape(32, 4, 2)
+    a = torch.full((16, 16), float("nan"), dtype=torch.float64)
+    for lane in range(32):
+        g, t = divmod(lane, 4)
+        for e in range(2):
+            a[g, 2 * t + e] = words[lane, 0, e]
+            a[g + 8, 2 * t + e] = words[lane, 1, e]
+            a[g, 2 * t + 8 + e] = words[lane, 2, e]
+            a[g + 8, 2 * t + 8 + e] = words[lane, 3, e]
+    return a
+
+
+def staged_words(x: torch.Tensor) -> torch.Tensor:
+    """[B, K] -> [B, K / 16, 8, 2]: the staged input in the order InputStaging.store_x_quad documents (per 16-column
+    k-step, word 2t the columns 2t, 2t + 1 and word 2t + 1 the columns 2t + 8, 2t + 9)."""
+    b, k = x.shape
+    v = x.reshape(b, k // 16, 2, 4, 2)                   # [seq, k-step, 8-column half h, t, e]
+    return v.permute(0, 1, 3, 2, 4).reshape(b, k // 16, 8, 2)
+
+
+def pair_b_operand(staged: torch.Tensor, kp: int, group: int) -> torch.Tensor:
+    """consume_item's B (16 x 8) of group `group` for 32-column block kp: lane (n, t) loads word 2t + n % 2 of
+    k-steps 2 kp and 2 kp + 1 of sequence 4 group + n // 2 (its group's first where that is past the batch)
+    (PTX: B register 0 rows 2t, 2t + 1 of column n, register 1 rows 2t + 8, + 9)."""
+    batch = staged.shape[0]
+    b = torch.full((16, 8), float("nan"), dtype=torch.float64)
+    for lane in range(32):
+        n, t = divmod(lane, 4)
+        seq = 4 * group + n // 2
+        if seq >= batch:
+            seq = 4 * group
+        for e in range(2):
+            b[2 * t + e, n] = staged[seq, 2 * kp, 2 * t + n % 2, e]
+            b[2 * t + 8 + e, n] = staged[seq, 2 * kp + 1, 2 * t + n % 2, e]
+    return b
+
+
+@given(blocks=st.integers(1, 3), kps=st.integers(1, 4), batch=st.integers(1, 8), seed=st.integers(0, 2**31 - 1))
+def test_each_row_block_is_one_mma_per_four_sequences(blocks, kps, batch, seed):
+    """Row g of sequence 4 G + j is C[g][2j] + C[g + 8][2j + 1] of group G's MMAs: W @ x, and the C columns that
+    lanes past the batch fill are never read."""
+    g = torch.Generator().manual_seed(seed)
+    rows, k = 8 * blocks, 32 * kps
+    w = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(batch, k, generator=g).to(torch.bfloat16)
+    p, staged = fragment_pack(w), staged_words(x.double())
+    y = torch.full((rows, batch), float("nan"), dtype=torch.float64)
+    for blk in range(blocks):
+        for group in range((batch + 3) // 4):
+            c = torch.zeros(16, 8, dtype=torch.float64)
+            for kp in range(kps):
+                c += pair_a_operand(p[8 * blk:8 * blk + 8].double(), kp) @ pair_b_operand(staged, kp, group)
+            for j in range(min(4, batch - 4 * group)):
+                y[8 * blk:8 * blk + 8, 4 * group + j] = c[:8, 2 * j] + c[8:, 2 * j + 1]
+    torch.testing.assert_close(y, w.double() @ x.double().T, rtol=1e-12, atol=1e-12)
 
 
 @given(blocks=st.integers(1, 6), kps=st.integers(1, 4), lo=st.integers(0, 5), seed=st.integers(0, 2**31 - 1))
