@@ -218,10 +218,10 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
             (Patch(LAYOUT, "return v.permute(*range(n), n, n + 2, n + 1, n + 5, n + 3, n + 4, n + 6)",
                    "return v.permute(*range(n), n, n + 2, n + 1, n + 5, n + 4, n + 3, n + 6)"),),
             (FRAGMENT_PROBE, VM_PROBE),
-            (Patch(K_MATVEC, "d = mma_bf16_16816(a[q], a[q + 4], a[q + 1], a[q + 5], bw[0], bw[1],",
-                   "d = mma_bf16_16816(a[q], a[q + 1], a[q + 4], a[q + 5], bw[0], bw[1],"),),
-            "the MMA's A operand registers in the wrong order: the second 8-row block's registers where the first "
-            "block's columns k+8 belong")
+            (Patch(K_MATVEC, "d = mma_bf16_16816(a[q], a[q + 1], a[q + 2], a[q + 3], bx[b], bx[b + 1],",
+                   "d = mma_bf16_16816(a[q], a[q + 2], a[q + 1], a[q + 3], bx[b], bx[b + 1],"),),
+            "the pair MMA's A registers in the wrong order (the first 8-row block's): a lane's columns 2t+16, 2t+17 "
+            "where 2t+8, 2t+9 belong")
     + [Mutation("split_k_reduce_drops_a_range",
                 "the partials of a split stage summed without the last K range (split_k.sum_ranges: MV_REDUCE's, and "
                 "the attention's for QKV, at batch 16-64)",
