@@ -7,10 +7,10 @@ The stage's record, operands and torch reference are in megakernel.instructions.
   2. the tile's weight slots arrive in the ring (megakernel.kernel.stream); at batch 1-8 (past it:
      megakernel.kernel.matvec_wide) each slot's P parts (whole slots at batch 2-8, halves at batch 1:
      stream.slot_parts) go to P consumer warps, each of which waits for
-     the slot, multiplies its part on the tensor cores (m16n8k16 MMAs: the weights, fragment-packed at load
-     time, are A, read 16 bytes per lane; the batch, padded to 8, is B, its input staged in bf16) into one
-     float32 partial per (row, slab, part, sequence), and
-     frees its part;
+     the slot, multiplies its part on the tensor cores (m16n8k16 MMAs, one per 8-row block and 4 sequences:
+     the weights, fragment-packed at load time, are A, 16 bytes per lane as they lie; the batch, two N columns
+     a sequence, is B, its input staged in bf16: consume_item) into one float32 partial per (row, slab, part,
+     sequence), and frees its part;
   3. per chunk of rows, one thread per output adds its partials in a fixed order (the same bits every
      run) and runs the epilogue: store, residual add, SiLU-and-multiply, or logits + tile argmax.
 """
