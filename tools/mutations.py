@@ -220,8 +220,7 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
             (FRAGMENT_PROBE, VM_PROBE),
             (Patch(K_MATVEC, "d = mma_bf16_16816(a[q], a[q + 1], a[q + 2], a[q + 3], bx[b], bx[b + 1],",
                    "d = mma_bf16_16816(a[q], a[q + 2], a[q + 1], a[q + 3], bx[b], bx[b + 1],"),),
-            "the pair MMA's A registers in the wrong order (the first 8-row block's): a lane's columns 2t+16, 2t+17 "
-            "where 2t+8, 2t+9 belong")
+            "the pair MMA's A registers in the wrong order: a lane's columns 2t+16, 2t+17 where 2t+8, 2t+9 belong")
     + [Mutation("split_k_reduce_drops_a_range",
                 "the partials of a split stage summed without the last K range (split_k.sum_ranges: MV_REDUCE's, and "
                 "the attention's for QKV, at batch 16-64)",

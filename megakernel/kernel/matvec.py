@@ -258,16 +258,16 @@ class MatvecStage:
         guard (or the zeroing a guarded register needs to stay out of local memory)."""
         s_part = s.part
         B = self.B
-        NG = (B + 3) // 4                     # groups of 4 sequences: MMAs per 8-row block and 32 columns
+        NG = self.seq_groups()
         P = self.plan.parts
-        kp_slab = slab // 32
-        kp_item = kp_slab // P
-        kp0 = part * kp_item
-        kp_w = width // 32 - kp0
+        kp_slab = slab // 32                  # 512-byte blocks per 8-row block of the slot
+        kp_item = kp_slab // P                # ... per work item
+        kp0 = part * kp_item                  # the item's first block
+        kp_w = width // 32 - kp0              # ... and how many of its blocks hold columns of this slab
         if kp_w > kp_item:
             kp_w = kp_item
-        IKP = SLAB_COLS // 32 // P
-        two = rg * ITEM_ROWS + 8 < nr
+        IKP = SLAB_COLS // 32 // P            # blocks of an item of the widest slab (the unrolled loop's length)
+        two = rg * ITEM_ROWS + 8 < nr         # the item's second 8-row block is in the slot
         if cutlass.const_expr(whole):
             kp_w = Int32(IKP)
             two = Boolean(True)
@@ -285,27 +285,24 @@ class MatvecStage:
         c = cute.make_rmem_tensor((16 * NG,), Float32)
         for i in cutlass.range_constexpr(16 * NG):
             c[i] = Float32(0.0)
+        # groups of LOAD_KP blocks (all of an item's weights would not fit the registers beside the rest):
+        # each group's weight and input loads, then its MMAs
         LK = min(LOAD_KP, IKP)
         for hf in cutlass.range_constexpr(IKP // LK):
             a = cute.make_rmem_tensor((LK * 8,), Int32)
             bx = cute.make_rmem_tensor((LK * 2 * NG,), Int32)
-            if cutlass.const_expr(whole):
-                for uu in cutlass.range_constexpr(LK):
-                    self.load_block(a, bx, uu, top, bot, xa, hf * LK + uu, True)
-                for uu in cutlass.range_constexpr(LK):
-                    self.mma_block(a, bx, c, uu, hf * LK + uu, True)
-            else:
+            if cutlass.const_expr(not whole):
                 # (the zeroing keeps the registers of a guarded load out of local memory)
                 for e in cutlass.range_constexpr(LK * 8):
                     a[e] = Int32(0)
                 for e in cutlass.range_constexpr(LK * 2 * NG):
                     bx[e] = Int32(0)
-                for uu in cutlass.range_constexpr(LK):
-                    if hf * LK + uu < kp_w:
-                        self.load_block(a, bx, uu, top, bot, xa, hf * LK + uu, two)
-                for uu in cutlass.range_constexpr(LK):
-                    if hf * LK + uu < kp_w:
-                        self.mma_block(a, bx, c, uu, hf * LK + uu, two)
+            for uu in cutlass.range_constexpr(LK):
+                if hf * LK + uu < kp_w:           # (always, for a whole item: kp_w and two are constants then)
+                    self.load_block(a, bx, uu, top, bot, xa, hf * LK + uu, two)
+            for uu in cutlass.range_constexpr(LK):
+                if hf * LK + uu < kp_w:
+                    self.mma_block(a, bx, c, uu, hf * LK + uu, two)
         row = g0 + rg * ITEM_ROWS + n
         seg = sl * P + part
         for G in cutlass.range_constexpr(NG):
@@ -317,12 +314,16 @@ class MatvecStage:
                     e1 = e0 + NG * 8
                     s_part[out + 8 * n_seg * B] = (c[e1] + c[e1 + NG * 4]) + (c[e1 + 3] + c[e1 + NG * 4 + 3])
 
+    def seq_groups(self) -> int:
+        """consume_item's groups of 4 sequences (two N columns each): MMAs per 8-row block and 32 columns."""
+        return (self.B + 3) // 4
+
     @cute.jit
     def load_block(self, a: cute.Tensor, bx: cute.Tensor, uu: int, top: Int32, bot: Int32, xa: cute.Tensor,
-                        u: int, two: Boolean):
+                   u: int, two: Boolean):
         """consume_item's loads of 32-column block u into a[uu * 8 ..] (top 8-row block, then bottom where
         `two`) and bx[uu * 2 * NG ..] (per group, the lane's input word of each k-step)."""
-        NG = (self.B + 3) // 4
+        NG = self.seq_groups()
         v = load_shared_raw(top + u * 512)
         for e in cutlass.range_constexpr(4):
             a[uu * 8 + e] = v[e]
@@ -336,25 +337,22 @@ class MatvecStage:
 
     @cute.jit
     def mma_block(self, a: cute.Tensor, bx: cute.Tensor, c: cute.Tensor, uu: int, u: int, two: Boolean):
-        """consume_item's MMAs of block u, per group G: the top 8-row block into chain
-        ((u % 2) * NG + G) * 4, the bottom (where `two`) NG * 8 further on."""
-        NG = (self.B + 3) // 4
-        q = uu * 8
-        for G in cutlass.range_constexpr(NG):
-            b = (uu * NG + G) * 2
-            ch = ((u % 2) * NG + G) * 4
+        """consume_item's MMAs of block u: the top 8-row block's into chains (u % 2) * NG + G, the bottom's (where
+        `two`) 2 NG further on (chain i is c[4 i ..])."""
+        self.mma_rows(a, bx, c, uu, uu * 8, (u % 2) * self.seq_groups())
+        if two:
+            self.mma_rows(a, bx, c, uu, uu * 8 + 4, (2 + u % 2) * self.seq_groups())
+
+    @cute.jit
+    def mma_rows(self, a: cute.Tensor, bx: cute.Tensor, c: cute.Tensor, uu: int, q: int, chain0: int):
+        """One 8-row block's MMAs (its A registers a[q .. q + 3]), group G's into chain chain0 + G."""
+        for G in cutlass.range_constexpr(self.seq_groups()):
+            b = (uu * self.seq_groups() + G) * 2
+            ch = (chain0 + G) * 4
             d = mma_bf16_16816(a[q], a[q + 1], a[q + 2], a[q + 3], bx[b], bx[b + 1], c[ch], c[ch + 1], c[ch + 2],
                                c[ch + 3])
             for i in cutlass.range_constexpr(4):
                 c[ch + i] = d[i]
-        if two:
-            for G in cutlass.range_constexpr(NG):
-                b = (uu * NG + G) * 2
-                ch = NG * 8 + ((u % 2) * NG + G) * 4
-                d = mma_bf16_16816(a[q + 4], a[q + 5], a[q + 6], a[q + 7], bx[b], bx[b + 1], c[ch], c[ch + 1],
-                                   c[ch + 2], c[ch + 3])
-                for i in cutlass.range_constexpr(4):
-                    c[ch + i] = d[i]
 
     @cute.jit
     def epilogue(self, tidx: Int32, warp: Int32, lane: Int32, c0: Int32, rows: Int32, n_seg: Int32, a0: Int32,
