@@ -4,7 +4,7 @@ megakernel.kernel, dispatched on the same enum."""
 
 from __future__ import annotations
 
-from . import argmax, attention, attention_o, embed, matvec_stages, split_k
+from . import argmax, attention, embed, matvec_stages, split_k
 from .deepseek import DEEPSEEK_STAGE_MODULES
 from .kimi_linear import KIMI_LINEAR_STAGE_MODULES
 from .tensor_parallel import TP_STAGE_MODULES
@@ -20,7 +20,6 @@ STAGE_MODULES = {
     Opcode.LM_HEAD: matvec_stages,
     Opcode.ATTN_PARTIAL: attention,
     Opcode.ATTN_REDUCE: attention,
-    Opcode.ATTN_O: attention_o,
     Opcode.ARGMAX: argmax,
     Opcode.MV_REDUCE: split_k,
     **DEEPSEEK_STAGE_MODULES,

@@ -173,38 +173,28 @@ def fold_qkv_rows(ctx: StageContext, l: int, b0: int, b1: int, kvh: int) -> None
 
 def partial_reference(ctx: StageContext, l: int, b: int, kvh: int, split: int, num_splits: int) -> None:
     """ATTN_PARTIAL's outputs for one sequence: split `split` of `num_splits` of kv head kvh."""
-    g = ctx.layout.config.gqa_group
-    heads = slice(kvh * g, (kvh + 1) * g)
-    lo, hi = split_range(int(ctx.bufs.positions[b]), split, num_splits)
-    last = split == num_splits - 1
-    lse, o = split_attention(ctx, l, b, kvh, lo, hi, new_token=last, append=last)
-    ctx.bufs.attn_part_lse[l, b, heads, split] = lse
-    ctx.bufs.attn_part_o[l, b, heads, split] = o
-
-
-def split_attention(ctx: StageContext, l: int, b: int, kvh: int, lo: int, hi: int, new_token: bool,
-                    append: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kv head kvh's query heads of sequence b against its cached positions [lo, hi), and the new token's k and v
-    where new_token -> (lse [G], o [G, D] normalized; -inf and zeros for no position). `append`: also write the new
-    token's (cache-rounded) k and v into its cache slot, which no attention of the step reads back."""
     c, bufs = ctx.layout.config, ctx.bufs
     g, d = c.gqa_group, c.head_dim
+    heads = slice(kvh * g, (kvh + 1) * g)
     pos = int(bufs.positions[b])
     q, k_new, v_new, k_store, v_store = new_token_qkv(ctx, l, b, kvh)
+    lo, hi = split_range(pos, split, num_splits)
     bs = ctx.layout.block_size
     t = torch.arange(lo, hi)
     blocks = bufs.block_table[b, t // bs].long()
     keys = f32(ctx.k_cache[l, blocks, t % bs, kvh])          # [n, D]
     vals = f32(ctx.v_cache[l, blocks, t % bs, kvh])
-    if new_token:
+    if split == num_splits - 1:
         keys = torch.cat([keys, k_new[None]])
         vals = torch.cat([vals, v_new[None]])
-    if append:
         blk = int(bufs.block_table[b, pos // bs])
         ctx.k_cache[l, blk, pos % bs, kvh] = k_store
         ctx.v_cache[l, blk, pos % bs, kvh] = v_store
     if keys.shape[0] == 0:
-        return torch.full((g,), -math.inf), torch.zeros(g, d)
+        bufs.attn_part_lse[l, b, heads, split] = -math.inf
+        bufs.attn_part_o[l, b, heads, split] = 0.0
+        return
     scores = (q @ keys.T) / math.sqrt(d)                     # [G, n]
     lse = torch.logsumexp(scores, dim=-1)
-    return lse, torch.exp(scores - lse[:, None]) @ vals
+    bufs.attn_part_lse[l, b, heads, split] = lse
+    bufs.attn_part_o[l, b, heads, split] = torch.exp(scores - lse[:, None]) @ vals

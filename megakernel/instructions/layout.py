@@ -85,7 +85,6 @@ class StepLayout:
     block_size: int
     max_blocks_per_seq: int
     num_sms: int
-    fuse_attn_o: bool = False              # the attention and O_PROJ as one stage (instructions/attention_o.py)
     fuse_attn_reduce: bool | None = None   # None: wherever the matvec input is staged (stages_input)
     slab_staging: bool = False             # stage inputs wider than X_STAGE_BYTES in column slabs
     fold_embed: bool = False               # layer 0's QKV stages embed[token] itself (embed_folded)
@@ -165,16 +164,6 @@ class StepLayout:
                              f"{self.batch} x K {max(c.hidden_size, c.q_size, c.intermediate_size)} x 4 bytes "
                              f"does not fit (at most {X_STAGE_BYTES}, with the CTA's other buffers within "
                              f"{SMEM_LIMIT})")
-        if self.fuse_attn_o:
-            if self.batch > SPLIT_BATCH or self.kv_splits != 1:
-                raise ValueError(f"fuse_attn_o takes batches up to {SPLIT_BATCH} with kv_splits=1 (each ATTN_O "
-                                 f"attends over the whole cache): got batch {self.batch}, kv_splits {self.kv_splits}")
-            if (c.gqa_group * c.head_dim) % COL_PASS:
-                raise ValueError(f"fuse_attn_o needs a kv head's query columns (group {c.gqa_group} x head_dim "
-                                 f"{c.head_dim}) to be a multiple of {COL_PASS}: they are one K range of Wo")
-            if not self.stages_input:
-                raise ValueError("fuse_attn_o needs the matvec inputs staged in shared memory: GATE_UP sums the "
-                                 "kv heads' partials of O into h[l] while staging it")
         if self.block_size < 1 or self.max_blocks_per_seq < 1:
             raise ValueError(f"block_size={self.block_size} and max_blocks_per_seq={self.max_blocks_per_seq} must be >= 1")
         if self.scratch_block < -1:

@@ -16,10 +16,6 @@ is then embed[token] (float32), what EMBED writes to x[0], read from the table d
 | DOWN    | down[l]           | act[l]                   | -                   | x[l+1] = h[l] + y               |
 | LM_HEAD | lm_head           | x[L]                     | RMSNorm final_norm  | logits = y; (max, argmax) tile  |
 
-With StepLayout.fuse_attn_o there are no O_PROJ tiles: ATTN_O (attention_o.py) writes O's partials per kv head,
-and h[l] is never stored: GATE_UP's input and DOWN's residual are x[l] plus those partials in head order
-(attention_o.attention_residual).
-
 Past KERNEL_SPLIT_BATCH (split_k.py), QKV, O_PROJ, GATE_UP and DOWN may be split over K: a tile of range
 k_part of k_parts multiplies its rows over that range of columns only (the input times the norm weight, without the
 row's RMS scale, which needs all of K) and stores the float32 partial into part_<stage>[l, k_part] instead of
@@ -33,7 +29,6 @@ from __future__ import annotations
 import torch
 
 from .attention import merge_splits
-from .attention_o import attention_residual, residual_regions
 from .context import StageContext, f32, matvec, rms_normalize
 from .layout import ROW_GROUP, streamed_rows
 from .opcodes import Opcode
@@ -92,8 +87,6 @@ def reads(ins: Instruction, layout) -> list:
         out = [("attn_part", l, 0, nb * c.num_heads * ins.a3)]
     elif op == Opcode.QKV and ins.a3 == 1:
         out = [("tokens", 0, 0, nb)]
-    elif op == Opcode.GATE_UP:
-        out = residual_regions(l, 0, k, layout)        # h[l] (fuse_attn_o: x[l] and O's partials)
     else:
         out = per_batch(_input_name(op), in_layer, 0, k, nb, k)
     lo, hi = ins.a0, ins.a0 + ins.a1
@@ -109,7 +102,7 @@ def residual_reads(op: Opcode, layer: int, lo: int, hi: int, layout) -> list:
     if op == Opcode.O_PROJ:
         return per_batch("x", layer, lo, hi, nb, c.hidden_size)
     if op == Opcode.DOWN:
-        return residual_regions(layer, lo, hi, layout)
+        return per_batch("h", layer, lo, hi, nb, c.hidden_size)
     return []
 
 
@@ -140,7 +133,7 @@ def norm_input(op: Opcode, layer: int, embed_input: bool, ctx: StageContext):
     if op == Opcode.QKV:
         return (f32(w.embed[b.tokens.long()]) if embed_input else b.x[layer]), w.attn_norm[layer]
     if op == Opcode.GATE_UP:
-        return attention_residual(ctx, layer, 0, c.hidden_size), w.mlp_norm[layer]
+        return b.h[layer], w.mlp_norm[layer]
     if op == Opcode.LM_HEAD:
         return b.x[c.num_layers], w.final_norm
     return (b.attn_out[layer] if op == Opcode.O_PROJ else b.act[layer]), None
@@ -179,7 +172,7 @@ def reference(ins: Instruction, ctx: StageContext) -> None:
             inp = b.attn_out[l]
         rows = w.o_proj[l, lo:hi]
     elif op == Opcode.GATE_UP:
-        inp = rms_normalize(attention_residual(ctx, l, 0, c.hidden_size), w.mlp_norm[l], eps)
+        inp = rms_normalize(b.h[l], w.mlp_norm[l], eps)
         rows = w.gate_up[l, lo:hi]
     elif op == Opcode.DOWN:
         inp = b.act[l]
@@ -206,7 +199,7 @@ def store_output(op: Opcode, l: int, lo: int, hi: int, tile: int, y, ctx: StageC
         act = torch.nn.functional.silu(y[:, :, 0]) * y[:, :, 1]
         b.act[l, :, lo // 2:hi // 2] = act.reshape(y.shape[0], -1)
     elif op == Opcode.DOWN:
-        b.x[l + 1, :, lo:hi] = attention_residual(ctx, l, lo, hi) + y
+        b.x[l + 1, :, lo:hi] = b.h[l, :, lo:hi] + y
     elif op == Opcode.LM_HEAD:
         b.logits[:, lo:hi] = y
         m, i = y.max(dim=1)                # torch returns the first index among equal maxima

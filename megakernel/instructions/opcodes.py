@@ -42,8 +42,6 @@ class Opcode(IntEnum):
     TP_LM_HEAD = 29      # rows of this rank's vocabulary; the tile's (max, argmax) into every rank's slot
     # Batch 16-64 (megakernel/instructions/split_k.py): a matvec stage split over K ranges
     MV_REDUCE = 30       # rows of a K-split stage: its ranges' partial sums added in range order, then its epilogue
-    # StepLayout.fuse_attn_o: the attention and O_PROJ of a layer as one stage (instructions/attention_o.py)
-    ATTN_O = 31          # one (kv head, slice of O's rows): the head's attention, then its columns of Wo -> part_o
 
 
 # Counter stages, one counter per (layer, stage): a producer adds 1 per finished instruction,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 
-from .attention_o import fused
 from .context import StageContext
 from .layout import ROW_GROUP, SPLIT_BATCH, tile_rows
 from .matvec_stages import (PART_BUFFERS, output_regions, part_regions, per_batch, residual_reads, rms_scale,
@@ -53,13 +52,10 @@ def split_tile_rows(layout, op: Opcode, e: int) -> int:
 
 
 def k_splits(layout, op: Opcode) -> int:
-    """The number of K ranges E a stage is split into: with StepLayout.fuse_attn_o, O_PROJ's ranges are the kv heads'
-    query columns (its ATTN_O tiles'); 1 for LM_HEAD and at the megakernel's batches; else the
+    """The number of K ranges E a stage is split into: 1 for LM_HEAD and at the megakernel's batches; else the
     divisor of K / 256 that minimises a cost model of the stage's time in bytes per SM: ceil(tiles / SMs) x a
     tile's bytes (weights, input once per row chunk as bf16, its float32 partial) + a reduce tile's partial reads.
     (docs/batch_path.md has the table this gives on the presets.)"""
-    if op == Opcode.O_PROJ and fused(layout):
-        return layout.config.num_kv_heads       # one K range per kv head's query columns (attention_o.py)
     if op not in PARTS_STAGE or layout.batch <= SPLIT_BATCH:
         return 1
     rows, k = weight_rows(op, layout)

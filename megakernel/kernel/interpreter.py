@@ -131,9 +131,6 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                  kv_strides: tuple[int, int, int] | None = None, options: KernelOptions = KernelOptions()):
         layout.validate()
         require_kernel_batch(layout.batch)
-        if layout.fuse_attn_o:
-            raise ValueError("StepLayout.fuse_attn_o: the ATTN_O stage runs on the instruction VM only (its device "
-                             "code is parked in profiles/experiments/attention_o_device.patch until measured)")
         c = layout.config
         self.layout, self.options = layout, options
         self.num_sms = layout.num_sms

@@ -7,11 +7,9 @@ store that happened before the stage it waits on (e.g. O_PROJ reads x[l], writte
 l-1, two stages before the ATTN_REDUCE it waits for). Where the layout stages matvec inputs in shared
 memory, O_PROJ waits on ATTN_PARTIAL directly and merges the splits itself (`StepLayout.fused_reduce`). Past
 SPLIT_BATCH, where attention.warp_attention says, an ATTN_PARTIAL takes several sequences (sequence_groups).
-With StepLayout.fuse_attn_o, ATTN_O tiles (attention_o.py) take the place of ATTN_PARTIAL and O_PROJ: they
-wait for QKV and signal O_PROJ's counter. Past the megakernel's batch, a matvec stage may be split over K
-(instructions/split_k.py): its K ranges' tiles signal the stage's *_PARTS counter, and MV_REDUCE tiles, which
-wait for all of them, signal the stage's counter; QKV's have no MV_REDUCE: the ATTN_PARTIALs wait for them and sum
-the partials themselves (qkv_reduce_folded).
+Past the megakernel's batch, a matvec stage may be split over K (instructions/split_k.py): its K ranges' tiles
+signal the stage's *_PARTS counter, and MV_REDUCE tiles, which wait for all of them, signal the stage's counter;
+QKV's have no MV_REDUCE: the ATTN_PARTIALs wait for them and sum the partials themselves (qkv_reduce_folded).
 
 `build_program(layout, lm_head=False)` is the same program without its last two stages (LM_HEAD,
 ARGMAX): the step ends when the last layer's DOWN has written x[L], and nothing advances tokens or
@@ -116,40 +114,27 @@ def build_program(layout: StepLayout, tile_rows_override: dict | None = None, *,
         else:
             n = matvec_stage(Opcode.QKV, l, prev, counter_id(l, Stage.QKV))
         qkv_done = counter_id(l, PARTS_STAGE[Opcode.QKV] if qkv_folded else Stage.QKV)
-        if layout.fuse_attn_o:
-            # the attention and O_PROJ as one stage (attention_o.py): per kv head, tiles of O's rows over the
-            # head's query columns, each attending itself; GATE_UP waits for them as it waits for O_PROJ
-            width = c.gqa_group * c.head_dim
-            slices = _tiles(c.hidden_size, tile_rows(c.hidden_size, max(1, layout.num_sms // c.num_kv_heads)))
+        for b, seqs in groups:
             for kvh in range(c.num_kv_heads):
-                for t, (lo, rows) in enumerate(slices):
-                    add(opcode=Opcode.ATTN_O, layer=l, a0=lo, a1=rows, a2=kvh * len(slices) + t, seqs=B,
-                        k_part=kvh, k_parts=c.num_kv_heads, wait_count=n, wait_id=qkv_done,
-                        signal_id=counter_id(l, Stage.O_PROJ),
-                        cost=rows * width * elem + B * (kv_bytes_per_split + FIXED_COST_BYTES))
-            n = c.num_kv_heads * len(slices)
+                for s in range(S):
+                    add(opcode=Opcode.ATTN_PARTIAL, layer=l, a0=b, a1=kvh, a2=s, a3=S, seqs=seqs,
+                        wait_id=qkv_done, wait_count=n,
+                        signal_id=counter_id(l, Stage.ATTN_PARTIAL),
+                        cost=seqs * (kv_bytes_per_split + FIXED_COST_BYTES))
+        n_attn = len(groups) * c.num_kv_heads * S
+        if layout.fused_reduce:
+            # O_PROJ merges the splits while staging its input: one dependency hop less per layer
+            n = matvec_stage(Opcode.O_PROJ, l, (counter_id(l, Stage.ATTN_PARTIAL), n_attn),
+                             counter_id(l, Stage.O_PROJ), a3=S)
         else:
-            for b, seqs in groups:
+            for b in range(B):
                 for kvh in range(c.num_kv_heads):
-                    for s in range(S):
-                        add(opcode=Opcode.ATTN_PARTIAL, layer=l, a0=b, a1=kvh, a2=s, a3=S, seqs=seqs,
-                            wait_id=qkv_done, wait_count=n,
-                            signal_id=counter_id(l, Stage.ATTN_PARTIAL),
-                            cost=seqs * (kv_bytes_per_split + FIXED_COST_BYTES))
-            n_attn = len(groups) * c.num_kv_heads * S
-            if layout.fused_reduce:
-                # O_PROJ merges the splits while staging its input: one dependency hop less per layer
-                n = matvec_stage(Opcode.O_PROJ, l, (counter_id(l, Stage.ATTN_PARTIAL), n_attn),
-                                 counter_id(l, Stage.O_PROJ), a3=S)
-            else:
-                for b in range(B):
-                    for kvh in range(c.num_kv_heads):
-                        add(opcode=Opcode.ATTN_REDUCE, layer=l, a0=b, a1=kvh, a3=S,
-                            wait_id=counter_id(l, Stage.ATTN_PARTIAL), wait_count=n_attn,
-                            signal_id=counter_id(l, Stage.ATTN_REDUCE), cost=FIXED_COST_BYTES)
-                n_red = B * c.num_kv_heads
-                n = matvec_stage(Opcode.O_PROJ, l, (counter_id(l, Stage.ATTN_REDUCE), n_red),
-                                 counter_id(l, Stage.O_PROJ))
+                    add(opcode=Opcode.ATTN_REDUCE, layer=l, a0=b, a1=kvh, a3=S,
+                        wait_id=counter_id(l, Stage.ATTN_PARTIAL), wait_count=n_attn,
+                        signal_id=counter_id(l, Stage.ATTN_REDUCE), cost=FIXED_COST_BYTES)
+            n_red = B * c.num_kv_heads
+            n = matvec_stage(Opcode.O_PROJ, l, (counter_id(l, Stage.ATTN_REDUCE), n_red),
+                             counter_id(l, Stage.O_PROJ))
         n = matvec_stage(Opcode.GATE_UP, l, (counter_id(l, Stage.O_PROJ), n), counter_id(l, Stage.GATE_UP))
         n = matvec_stage(Opcode.DOWN, l, (counter_id(l, Stage.GATE_UP), n), counter_id(l, Stage.DOWN))
         prev = (counter_id(l, Stage.DOWN), n)

@@ -69,7 +69,7 @@ class VMDecoder:
 
     def __init__(self, weights, batch: int, max_seq_len: int, block_size: int = 16, num_sms: int = 132,
                  policy: str = "balanced", kv_splits: int | None = None, num_blocks: int | None = None,
-                 lm_head: bool = True, fold_embed: bool = False, fuse_attn_o: bool = False):
+                 lm_head: bool = True, fold_embed: bool = False):
         from ..instructions.layout import StepLayout, allocate_buffers, default_kv_splits, pack_weights
         from ..instructions.record import serialize
         from .assign import assign
@@ -80,7 +80,7 @@ class VMDecoder:
         self.layout = StepLayout(config=config, batch=batch,
                                  kv_splits=kv_splits or default_kv_splits(config, batch, num_sms, blocks_per_seq * block_size),
                                  block_size=block_size, max_blocks_per_seq=blocks_per_seq, num_sms=num_sms,
-                                 fold_embed=fold_embed, fuse_attn_o=fuse_attn_o)
+                                 fold_embed=fold_embed)
         self.program = build_program(self.layout, lm_head=lm_head)
         self.queues = assign(self.program, policy)
         table, lengths = serialize(self.queues)

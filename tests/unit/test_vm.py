@@ -107,20 +107,8 @@ def test_vm_with_every_layer_matvec_split_over_k_equals_reference(preset, order)
                                 label=f"wide {preset} batch 16 split {splits}", prompt_lens=lens)
 
 
-# The attention and O_PROJ as one stage (StepLayout.fuse_attn_o, instructions/attention_o.py): a llama-like shape
-# whose kv head's query columns are one 256-column K range of Wo (tiny-qwen3's are), and tiny-qwen3 itself (QK-norm)
-@pytest.mark.parametrize("preset,policy,order,num_sms,block_size", [
-    ("tiny-qwen3", "balanced", "round-robin", 132, 16), ("tiny-qwen3", "round-robin", "reverse", 7, 6),
-    ("llama-like", "balanced", "reverse", 5, 16), ("llama-like", "round-robin", "round-robin", 132, 6)])
-def test_vm_with_the_attention_and_o_proj_fused_equals_reference(preset, policy, order, num_sms, block_size):
-    config = (dataclasses.replace(get_preset("tiny-qwen3"), qk_norm=False, rope_theta=500000.0)
-              if preset == "llama-like" else get_preset(preset))
-    _check_vm_against_reference(config, policy, order, num_sms, 1, block_size, True, seed=500 + num_sms,
-                                label=f"{preset} fuse_attn_o", fuse_attn_o=True)
-
-
 def _check_vm_against_reference(config, policy, order, num_sms, kv_splits, block_size, shuffled, seed, label,
-                                prompt_lens=PROMPT_LENS, fuse_attn_o=False):
+                                prompt_lens=PROMPT_LENS):
     """Prompts of `prompt_lens` tokens fed through the VM and the float32 reference decoder, then NEW_TOKENS
     greedy steps: logits within float32 tolerance every step, the same tokens (near-tie rule), the same KV cache
     slots written with the same values, ARGMAX advancing the step inputs in place."""
@@ -133,8 +121,7 @@ def _check_vm_against_reference(config, policy, order, num_sms, kv_splits, block
     num_blocks = batch * per_seq + (5 if shuffled else 0)
 
     vm = VMDecoder(weights, batch, max_seq_len, block_size=block_size, num_sms=num_sms, policy=policy,
-                   kv_splits=kv_splits, num_blocks=num_blocks, fuse_attn_o=fuse_attn_o)
-    assert vm.layout.fuse_attn_o == fuse_attn_o
+                   kv_splits=kv_splits, num_blocks=num_blocks)
     table = _block_table(batch, max_seq_len, block_size, num_blocks, shuffled, gen)
     assert tuple(table.shape) == (batch, vm.layout.max_blocks_per_seq)
     ref = ReferenceDecoder(weights)
