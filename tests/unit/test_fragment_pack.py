@@ -19,24 +19,30 @@ from hypothesis import strategies as st
 from megakernel.instructions.layout import fragment_pack, fragment_unpack
 
 
-def a_operand(packed_rows: torch.Tensor, kp: int, kb: int) -> torch.Tensor:
-    """The 16 x 16 A matrix of the MMA for 32-column block kp, half kb, of 16 packed rows, assembled from
-    what each lane loads: lane l's 16 bytes at 16 l of each row block's 512-byte block kp, words
-    (R0, R2) from the first row block and (R1, R3) from the second (PTX: a0,a1 row g col 2t+e; a2,a3 row
-    g+8; a4,a5 row g col 2t+8+e; a6,a7 row g+8 col 2t+8+e)."""
-    k = packed_rows.shape[1]
-    blocks = [packed_rows[8 * i:8 * i + 8].reshape(-1)[kp * 256:(kp + 1) * 256].reshape(32, 4, 2)
-              for i in range(2)]                    # [lane, word, half of the word]
-    a = torch.full((16, 16), float("nan"), dtype=packed_rows.dtype)
-    assert k % 32 == 0
+def mma_a(regs: torch.Tensor) -> torch.Tensor:
+    """The 16 x 16 A matrix of an m16n8k16 MMA from its registers as the lanes hold them, regs [lane, R0..R3,
+    half of the word] (PTX: R0 row g cols 2t, 2t + 1; R1 row g + 8, the same cols; R2 row g cols 2t + 8, + 9; R3
+    row g + 8, the same cols; g, t = lane // 4, lane % 4)."""
+    a = torch.full((16, 16), float("nan"), dtype=regs.dtype)
     for lane in range(32):
         g, t = divmod(lane, 4)
         for e in range(2):
-            a[g, 2 * t + e] = blocks[0][lane, kb * 2 + 0, e]        # R0
-            a[g + 8, 2 * t + e] = blocks[1][lane, kb * 2 + 0, e]    # R1
-            a[g, 2 * t + 8 + e] = blocks[0][lane, kb * 2 + 1, e]    # R2
-            a[g + 8, 2 * t + 8 + e] = blocks[1][lane, kb * 2 + 1, e]  # R3
+            a[g, 2 * t + e] = regs[lane, 0, e]
+            a[g + 8, 2 * t + e] = regs[lane, 1, e]
+            a[g, 2 * t + 8 + e] = regs[lane, 2, e]
+            a[g + 8, 2 * t + 8 + e] = regs[lane, 3, e]
     return a
+
+
+def a_operand(packed_rows: torch.Tensor, kp: int, kb: int) -> torch.Tensor:
+    """The 16 x 16 A matrix of the MMA for 32-column block kp, half kb, of 16 packed rows, assembled from
+    what each lane loads: lane l's 16 bytes at 16 l of each row block's 512-byte block kp, words
+    (R0, R2) from the first row block and (R1, R3) from the second."""
+    assert packed_rows.shape[1] % 32 == 0
+    blocks = [packed_rows[8 * i:8 * i + 8].reshape(-1)[kp * 256:(kp + 1) * 256].reshape(32, 4, 2)
+              for i in range(2)]                    # [lane, word, half of the word]
+    return mma_a(torch.stack([blocks[0][:, kb * 2], blocks[1][:, kb * 2], blocks[0][:, kb * 2 + 1],
+                              blocks[1][:, kb * 2 + 1]], dim=1))
 
 
 @given(groups=st.integers(1, 4), kps=st.integers(1, 6), layers=st.integers(1, 2), seed=st.integers(0, 2**31 - 1))
@@ -62,18 +68,8 @@ def test_packed_blocks_are_the_mma_a_operands(groups, kps, layers, seed):
 
 def pair_a_operand(block_rows: torch.Tensor, kp: int) -> torch.Tensor:
     """consume_item's A (16 x 16) for 32-column block kp of one 8-row block: lane l's 16 bytes as they lie are its
-    registers R0..R3 (PTX: R0 row g cols 2t, 2t + 1; R1 row g + 8, same cols; R2 row g cols 2t + 8, + 9; R3 row
-    g + 8, same cols)."""
-    words = block_rows.reshape(-1)[kp * 256:(kp + 1) * 256].reshape(32, 4, 2)
-    a = torch.full((16, 16), float("nan"), dtype=torch.float64)
-    for lane in range(32):
-        g, t = divmod(lane, 4)
-        for e in range(2):
-            a[g, 2 * t + e] = words[lane, 0, e]
-            a[g + 8, 2 * t + e] = words[lane, 1, e]
-            a[g, 2 * t + 8 + e] = words[lane, 2, e]
-            a[g + 8, 2 * t + 8 + e] = words[lane, 3, e]
-    return a
+    registers R0..R3."""
+    return mma_a(block_rows.reshape(-1)[kp * 256:(kp + 1) * 256].reshape(32, 4, 2))
 
 
 def staged_words(x: torch.Tensor) -> torch.Tensor:
