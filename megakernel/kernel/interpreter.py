@@ -55,7 +55,8 @@ from .ptx import (atomic_add_acq_rel, atomic_cas, cp_async_wait_all, globaltimer
                   load_acquire_sys, load_relaxed, mbarrier_init, mbarrier_init_fence, red_release_add,
                   red_release_add_sys, st_i32, store_relaxed, store_system_nonzero)
 from .stream import (ERR_RING, OP_TP_REDUCE, PEER_COUNTERS, PEER_WORDS, SLOT_BYTES, TRACE_WORDS,  # noqa: F401
-                     WIDE_WARPS, StreamPlan, WeightStream, dense_opcode, is_matvec, wide, wide_groups)
+                     WIDE_WARPS, StreamPlan, WeightStream, dense_opcode, is_matvec, max_in_flight, wide,
+                     wide_groups)
 from .stream import (TR_BEGIN, TR_CONSUMED, TR_END, TR_EPILOGUE, TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY,
                      TR_SM, TR_STAGED, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED)
 from .tensor_parallel import ExchangeStages
@@ -98,10 +99,16 @@ class KernelOptions:
     # row groups each consumer warp owns per chunk past SPLIT_BATCH (0: stream.wide_groups(batch)): for an A/B
     # sweep
     wide_groups: int = 0
+    # weight slots on their way at once per SM (0: stream.max_in_flight(batch, a layer's bytes per SM)): for an
+    # A/B sweep
+    max_in_flight: int = 0
 
     def __post_init__(self):
         if self.timeout_ns <= 0:
             raise ValueError(f"KernelOptions.timeout_ns={self.timeout_ns}: every wait needs a positive bound")
+        if self.max_in_flight < 0:
+            raise ValueError(f"KernelOptions.max_in_flight={self.max_in_flight}: 0 (by the batch and the layer's "
+                             "bytes) or a number of weight slots")
         if self.wide_groups not in (0, 1, 2):
             raise ValueError(f"KernelOptions.wide_groups={self.wide_groups}: 0 (by the batch and tiles), 1 or 2 row "
                              "groups per consumer warp")
@@ -178,6 +185,9 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
         self.qkv_folded = qkv_reduce_folded(layout)
         free = SMEM_LIMIT - self.smem_bytes(ring_slots=0)
         self.ring_slots = StreamPlan.ring_slots(free)
+        layer_bytes = 2 * sum(rows * k for rows, k in (weight_rows(op, layout) for op in SPLIT_STAGES))
+        self.in_flight = min(self.options.max_in_flight or max_in_flight(self.B, layer_bytes // self.num_sms),
+                             self.ring_slots)
 
     def scratch_words(self) -> dict[str, dict[str, int]]:
         """32-bit words of every shared-memory buffer but the ring, in allocation order, in three groups: the

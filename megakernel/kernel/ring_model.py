@@ -6,7 +6,7 @@ timings. It checks what the device code (megakernel.kernel.stream, .matvec) reli
     exactly u + 1 phases of the slot's full barrier completed, never u - 1 (the same parity: it would read the
     slot before its copy landed); the producer's wait to refill a slot for use u passes with exactly u phases
     of its empty barrier completed (every reader of use u - 1 gone), never u - 2;
-  - no deadlock: the producer's in-order refills, the at-most-MAX_IN_FLIGHT rule and the consumers' visiting
+  - no deadlock: the producer's in-order refills, the in-flight cap and the consumers' visiting
     order never wait on each other in a cycle;
   - every part of every slot is read once, by the warp the rule names.
 

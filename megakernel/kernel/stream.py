@@ -47,7 +47,7 @@ ERR_RING = 4                # error code: a weight-ring wait timed out
 # index * 256 + opcode, a matvec's input staged, begin, counter ready, end, a matvec's last slot consumed, the
 # producer's first and last slot issued, the first and last slot landed (as consumer warp 0 saw them); then three
 # durations (ns) of a matvec's slots: the producer's waits for a free ring slot (the consumers behind) and for the
-# slot MAX_IN_FLIGHT before to land (the copies' latency), and consumer warp 0's waits for its slots to land; last,
+# slot max_in_flight() before to land (the copies' latency), and consumer warp 0's waits for its slots to land; last,
 # when thread 0 was past a matvec's last epilogue (up to SPLIT_BATCH; the signal's barrier and release follow); in a
 # CTA's first record, the physical SM (%smid) it ran on
 (TR_OP, TR_STAGED, TR_BEGIN, TR_READY, TR_END, TR_CONSUMED, TR_ISSUED_FIRST, TR_ISSUED_LAST, TR_LANDED_FIRST,
@@ -123,11 +123,22 @@ def wide(batch: int) -> bool:
     return batch > SPLIT_BATCH
 
 
-# Weight slots a producer keeps issued and not yet landed: enough to keep an SM's share of the read bandwidth in
-# flight; more only lengthens the memory queue that every load and signal of the dependency chain waits in
-# (llama-3.2-1b with whole-slot items, one sweep: 3 slots 0.885 ms/step at batch 1 and 1.141 at batch 8; 2 / 4 /
-# 6 / the whole ring 0.890 / 0.894 / 0.902 / 0.898, and 1.154 at batch 8; profiles/RESULTS.md, 2026-12-03).
-MAX_IN_FLIGHT = 3
+# A layer's weight bytes per SM past which their read, not the dependency chain, bounds a step at batch 1-4
+# (llama-3.1-8b and llama-2-7b: 3.1-3.3 MiB; llama-3.2-1b 0.9, qwen3-0.6b 0.2)
+STREAM_BOUND_BYTES = 2 << 20
+
+
+def max_in_flight(batch: int, layer_bytes_per_sm: int) -> int:
+    """Weight slots a producer keeps issued and not yet landed. Two hold an SM's share of the read bandwidth on
+    their way; more only lengthen the memory queue that every load and signal of the dependency chain waits in.
+    Three where the stream bounds the step: a layer's weights past STREAM_BOUND_BYTES per SM, read by 15
+    consumer warps (batch 1-4; the 8 of batch 5-8 pace the ring themselves). One H100 sweep of 2 against 3
+    (ms/step; profiles/RESULTS.md, 2026-12-05, twenty-fourth session): qwen3-0.6b 0.764 / 0.805 at batch 1,
+    0.863 / 0.909 at 4, 1.051 / 1.083 at 8; llama-3.2-1b 0.945 / 0.988 at 1, 1.140 / 1.192 at 8; llama-3.1-8b
+    5.293 / 5.204 at 1, 5.640 / 5.513 at 2, 5.875 / 5.753 at 4, 5.895 / 5.991 at 8; llama-2-7b 4.704 / 4.650 at
+    1. One slot was level with two on qwen3-0.6b and lost on the others (llama-3.2-1b 1.068 at batch 1, 1.233 at
+    8); four and six never won."""
+    return 3 if batch <= 4 and layer_bytes_per_sm >= STREAM_BOUND_BYTES else 2
 
 
 X_PAD = 8                   # words after each sequence's staged input row up to SPLIT_BATCH: with rows of a whole
@@ -317,8 +328,8 @@ class WeightStream:
                 empty: Int32, abort_addr: Int32, w_qkv: Int64, w_o: Int64, w_gate_up: Int64, w_down: Int64,
                 w_lm_head: Int64, error: Int64, trace: Int64):
         """The producer warp's whole life: every matvec tile of the queue, slot by slot, each into the next
-        ring slot once the consumer warps that read its last use have left it and the slot MAX_IN_FLIGHT before
-        it has landed; then wait until every copy issued has landed (a CTA must not exit with a bulk copy in
+        ring slot once the consumer warps that read its last use have left it and the slot self.in_flight
+        before it has landed; then wait until every copy issued has landed (a CTA must not exit with a bulk copy in
         flight). Stops issuing when the consumers abort (abort_addr) or a
         slot stays occupied past the timeout (error word ERR_RING). The slot loops are the consumers' (chunk,
         slab, row group), stepped by additions: the producer is on the critical path whenever the ring has
@@ -366,7 +377,7 @@ class WeightStream:
                                 stop = self.wait_slot(empty + slot * 8, ((k // NS) % 2) ^ 1, abort_addr, error)
                                 if cutlass.const_expr(self.options.trace):
                                     t_free = t_free + (globaltimer_lo() - t0)
-                            kf = k - MAX_IN_FLIGHT          # at most MAX_IN_FLIGHT slots on their way at once
+                            kf = k - self.in_flight          # at most that many slots on their way at once
                             if stop == 0 and kf >= 0:
                                 if cutlass.const_expr(self.options.trace):
                                     t1 = globaltimer_lo()

@@ -415,7 +415,7 @@ class MegakernelEngine:
         (consumer warp 0 past its first and last slot's wait) and (stream_begin, stream_end): when its weight
         slots began and finished being issued to the copy engine. Nanoseconds from the step's earliest begin.
         Also a matvec's waits for the weight ring, in nanoseconds: `wait_free` and `wait_in_flight` (the
-        producer's, for a free slot and for the slot MAX_IN_FLIGHT before to land) and `wait_landed` (consumer
+        producer's, for a free slot and for the slot its in-flight cap before to land) and `wait_landed` (consumer
         warp 0's, for its slots to land)."""
         if not self.options.trace:
             raise RuntimeError("trace records need KernelOptions(trace=True)")

@@ -66,7 +66,8 @@ def _compile_without_spills(layout: StepLayout, program, options, what: str, kv_
 
 
 @pytest.mark.parametrize("spec,message", [("wide_groups=3", r"wide_groups=3: 0 \(by the batch and tiles\), 1 or 2"),
-                                          ("timeout_ns=0", r"timeout_ns=0: every wait needs a positive bound")])
+                                          ("timeout_ns=0", r"timeout_ns=0: every wait needs a positive bound"),
+                                          ("max_in_flight=-1", r"max_in_flight=-1: 0 \(by the batch and the")])
 def test_kernel_options_out_of_range_are_refused_when_parsed(spec, message):
     """A kernel option outside what the device code is built for is refused where it is parsed (`megakernel
     bench --kernel-options`, tools/gpu_sweep.py), before a compile or a launch."""

@@ -13,9 +13,9 @@ import pytest
 from megakernel.instructions.layout import StepLayout, default_kv_splits
 from megakernel.instructions.matvec_stages import MATVEC_OPCODES, weight_rows
 from megakernel.instructions.record import serialize
-from megakernel.kernel.interpreter import DecodeKernel
+from megakernel.kernel.interpreter import DecodeKernel, KernelOptions
 from megakernel.kernel.ring_model import RingProtocolError, reader_warp, simulate_ring
-from megakernel.kernel.stream import MAX_IN_FLIGHT
+from megakernel.kernel.stream import STREAM_BOUND_BYTES, max_in_flight
 from megakernel.model.presets import get_preset
 from megakernel.schedule import assign, build_program
 
@@ -24,8 +24,9 @@ NUM_SMS = 132
 
 @functools.lru_cache(maxsize=None)
 def ring_case(preset: str, batch: int, sm: int = 0, layers: int = 2):
-    """(chunks, ring slots, parts, warps) of one CTA of the real kernel: the slot counts of its queue's matvec
-    chunks in order (the first `layers` layers' instructions and the LM head's), from the kernel's own geometry."""
+    """(chunks, ring slots, parts, warps, in-flight cap) of one CTA of the real kernel: the slot counts of its
+    queue's matvec chunks in order (the first `layers` layers' instructions and the LM head's), from the kernel's
+    own geometry."""
     config = get_preset(preset)
     layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, NUM_SMS, 4096),
                         block_size=16, max_blocks_per_seq=16, num_sms=NUM_SMS)
@@ -39,21 +40,45 @@ def ring_case(preset: str, batch: int, sm: int = 0, layers: int = 2):
             continue
         _, k = weight_rows(ins.opcode, layout)
         chunks += kernel.plan.geometry(k).chunk_slots(ins.a1)
-    return tuple(chunks), kernel.ring_slots, kernel.plan.parts, kernel.warps
+    return tuple(chunks), kernel.ring_slots, kernel.plan.parts, kernel.warps, kernel.in_flight
 
 
 @pytest.mark.parametrize("preset,batch", [("llama-3.2-1b", 1), ("llama-3.2-1b", 4), ("llama-3.2-1b", 8),
                                           ("qwen3-0.6b", 1), ("qwen3-0.6b", 3), ("llama-3.1-8b", 1),
                                           ("llama-3.1-8b", 8), ("llama-2-7b", 2)])
 def test_the_kernels_reader_rule_keeps_every_wait_on_its_phase(preset, batch):
-    chunks, ring_slots, parts, warps = ring_case(preset, batch)
+    chunks, ring_slots, parts, warps, cap = ring_case(preset, batch)
     assert sum(chunks) > 2 * ring_slots, "the case must reuse every ring slot"
     for seed in range(4):
-        run = simulate_ring(list(chunks), ring_slots, parts, warps, MAX_IN_FLIGHT, seed=seed)
+        run = simulate_ring(list(chunks), ring_slots, parts, warps, cap, seed=seed)
         assert run.reads == run.slots * parts == sum(chunks) * parts
-        # the cap waits for slot k - MAX_IN_FLIGHT alone, and copies may land out of order (as bulk copies do)
-        assert MAX_IN_FLIGHT <= run.max_in_flight <= ring_slots, run
+        # the cap waits for slot k - cap alone, and copies may land out of order (as bulk copies do)
+        assert cap <= run.max_in_flight <= ring_slots, run
         assert run.waited > 0, "random timings that never made a reader wait test nothing"
+
+
+@pytest.mark.parametrize("preset,batch,cap", [("qwen3-0.6b", 1, 2), ("llama-3.2-1b", 1, 2), ("llama-3.2-1b", 4, 2),
+                                              ("llama-3.1-8b", 1, 3), ("llama-2-7b", 2, 3), ("llama-3.1-8b", 4, 3),
+                                              ("llama-3.1-8b", 8, 2)])
+def test_in_flight_cap_is_three_only_where_the_stream_bounds_the_step(preset, batch, cap):
+    """The kernel's cap (stream.max_in_flight) as the sweep chose it: two weight slots on their way per SM,
+    three where a layer's weights pass STREAM_BOUND_BYTES per SM at batch 1-4."""
+    assert ring_case(preset, batch)[4] == cap
+    assert max_in_flight(batch, STREAM_BOUND_BYTES) == (3 if batch <= 4 else 2)
+    assert max_in_flight(batch, STREAM_BOUND_BYTES - 1) == 2
+
+
+def test_max_in_flight_option_overrides_the_rule_up_to_the_ring():
+    """KernelOptions.max_in_flight (an A/B knob) replaces the rule, never past the ring's depth."""
+    config = get_preset("qwen3-0.6b")
+    layout = StepLayout(config=config, batch=1, kv_splits=4, block_size=16, max_blocks_per_seq=16,
+                        num_sms=NUM_SMS)
+    program = build_program(layout)
+    table, _ = serialize(assign(program, "balanced"))
+    caps = [DecodeKernel(layout, program.lm_tiles, program.num_counters, table.shape[1],
+                         options=KernelOptions(max_in_flight=n)) for n in (0, 1, 6, 10_000)]
+    assert [k.in_flight for k in caps[:3]] == [2, 1, 6]
+    assert caps[3].in_flight == caps[3].ring_slots < 10_000
 
 
 @pytest.mark.parametrize("preset,batch", [("llama-3.2-1b", 2), ("qwen3-0.6b", 4)])
@@ -61,11 +86,11 @@ def test_the_model_catches_the_rule_that_failed_on_the_gpu(preset, batch):
     """Slot number k to warp k % warps (one part per slot at batch 2-8): a warp waits for use u of a ring slot
     whose barrier still shows use u - 2's phase, of the same parity. (Where the ring's depth is a multiple of the
     warps the two rules coincide.)"""
-    chunks, ring_slots, parts, warps = ring_case(preset, batch)
+    chunks, ring_slots, parts, warps, cap = ring_case(preset, batch)
     assert parts == 1 and ring_slots % warps != 0
     with pytest.raises(RingProtocolError, match="passed its wait|deadlock"):
         for seed in range(8):
-            simulate_ring(list(chunks), ring_slots, parts, warps, MAX_IN_FLIGHT, seed=seed,
+            simulate_ring(list(chunks), ring_slots, parts, warps, cap, seed=seed,
                           reader=lambda k, p: k % warps)
 
 
