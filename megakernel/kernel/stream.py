@@ -47,7 +47,7 @@ ERR_RING = 4                # error code: a weight-ring wait timed out
 # index * 256 + opcode, a matvec's input staged, begin, counter ready, end, a matvec's last slot consumed, the
 # producer's first and last slot issued, the first and last slot landed (as consumer warp 0 saw them); then three
 # durations (ns) of a matvec's slots: the producer's waits for a free ring slot (the consumers behind) and for the
-# slot max_in_flight() before to land (the copies' latency), and consumer warp 0's waits for its slots to land; last,
+# slot the in-flight cap before to land (the copies' latency), and consumer warp 0's waits for its slots to land; last,
 # when thread 0 was past a matvec's last epilogue (up to SPLIT_BATCH; the signal's barrier and release follow); in a
 # CTA's first record, the physical SM (%smid) it ran on
 (TR_OP, TR_STAGED, TR_BEGIN, TR_READY, TR_END, TR_CONSUMED, TR_ISSUED_FIRST, TR_ISSUED_LAST, TR_LANDED_FIRST,
@@ -124,7 +124,7 @@ def wide(batch: int) -> bool:
 
 
 # A layer's weight bytes per SM past which their read, not the dependency chain, bounds a step at batch 1-4
-# (llama-3.1-8b and llama-2-7b: 3.1-3.3 MiB; llama-3.2-1b 0.9, qwen3-0.6b 0.2)
+# (llama-3.1-8b 3.2 MiB, llama-2-7b 2.9; llama-3.2-1b 0.9, qwen3-0.6b 0.2)
 STREAM_BOUND_BYTES = 2 << 20
 
 
@@ -329,8 +329,8 @@ class WeightStream:
                 w_lm_head: Int64, error: Int64, trace: Int64):
         """The producer warp's whole life: every matvec tile of the queue, slot by slot, each into the next
         ring slot once the consumer warps that read its last use have left it and the slot self.in_flight
-        before it has landed; then wait until every copy issued has landed (a CTA must not exit with a bulk copy in
-        flight). Stops issuing when the consumers abort (abort_addr) or a
+        before it has landed; then wait until every copy issued has landed (a CTA must not exit with a bulk copy
+        in flight). Stops issuing when the consumers abort (abort_addr) or a
         slot stays occupied past the timeout (error word ERR_RING). The slot loops are the consumers' (chunk,
         slab, row group), stepped by additions: the producer is on the critical path whenever the ring has
         just been freed, and a slot index decoded by divisions measured 7% slower (profiles/RESULTS.md)."""
