@@ -14,7 +14,8 @@ spread of its round medians (what a difference between two variants must exceed 
 The trace's lines per stage: the mean wait and work, the layer span, "hop" (from the end stamp of the last producer
 of the counter an instruction waited on to its ready stamp: the release's travel, the poll and the barrier after
 it), "tail" (a layer's last instruction's end after its median one's), and a matvec's stream and epilogue (thread
-0's epilogue body, then the signal's barrier and release)."""
+0's epilogue body, then the signal's barrier and release); under a matvec stage's line, "last to end": the same
+for each layer's instruction that ended last (the one the next stage waits for), with its rows."""
 import collections, os, statistics, sys
 import torch
 from megakernel.instructions.layout import pack_weights
@@ -125,6 +126,65 @@ def hop_waits(recs, instructions):
             hops[r["index"]] = r["ready"] - last_end[w]
     return hops
 
+def stream_breakdown(op, rs):
+    """A stage's records, its matvec phases as means (the weight stream, staging, slots, epilogue, ring waits), or
+    MV_REDUCE's and the wide ATTN_PARTIAL's phases; "" for other stages."""
+    # the weight stream (core 2): how long before the counter was ready its last slot had been issued
+    # (positive: the weights were on their way through the hop), and how long issuing took
+    stream = ""
+    st = [r for r in rs if "stream_end" in r]
+    if st:
+        ahead = statistics.mean(r["ready"] - r["stream_end"] for r in st)
+        issue = statistics.mean(r["stream_end"] - r["stream_begin"] for r in st)
+        stream = f"  issued {ahead/1e3:7.2f} us before ready, issuing took {issue/1e3:6.2f} us"
+    # MV_REDUCE and ATTN_PARTIAL (past batch 8) stamp their phases in a matvec's staging and last-slot fields
+    ph = [r for r in rs if "staged" in r and "streamed" in r]
+    if ph and not st and (op.startswith("MV_REDUCE") or op == "ATTN_PARTIAL"):
+        a = statistics.mean(r["staged"] - r["ready"] for r in ph)
+        b = statistics.mean(r["streamed"] - r["staged"] for r in ph)
+        c = statistics.mean(r["end"] - r["streamed"] for r in ph)
+        names = (("RMS scale", "loads, sums, stores", "barrier, signal") if op.startswith("MV_REDUCE")
+                 else ("phase A (q, k, v)", "phase B (softmax pass)", "phase C, signal"))
+        stream = f"  ({names[0]} {a/1e3:5.2f} us, {names[1]} {b/1e3:5.2f} us, {names[2]} {c/1e3:5.2f} us)"
+    else:
+        sg = [r for r in rs if "staged" in r]
+        if sg:
+            stream += f"  (ready->staged {statistics.mean(r['staged'] - r['ready'] for r in sg)/1e3:5.2f} us)"
+        sd = [r for r in rs if "streamed" in r]
+        if sd:
+            slots = statistics.mean(r["streamed"] - r["ready"] for r in sd)
+            tail = statistics.mean(r["end"] - r["streamed"] for r in sd)
+            stream += f"  (ready->last slot {slots/1e3:6.2f} us, epilogue {tail/1e3:5.2f} us"
+            ep = [r for r in sd if "epilogue_done" in r]
+            if ep:
+                # thread 0 past its epilogue, then the signal's barrier and release
+                body = statistics.mean(r["epilogue_done"] - r["streamed"] for r in ep)
+                signal = statistics.mean(r["end"] - r["epilogue_done"] for r in ep)
+                stream += f": body {body/1e3:5.2f}, barrier + release {signal/1e3:5.2f} us"
+            stream += ")"
+        ld = [r for r in rs if "landed_last" in r]
+        if ld:
+            first = statistics.mean(r["landed_first"] - r["ready"] for r in ld)
+            last = statistics.mean(r["landed_last"] - r["ready"] for r in ld)
+            stream += f"  (ready->slots landed {first/1e3:5.2f} .. {last/1e3:5.2f} us)"
+        # the weight ring's waits: the producer's for a free slot (the consumers behind the stream) and on the
+        # in-flight cap (the copies' latency), consumer warp 0's for its slots to land (the stream behind)
+        wr = [r for r in rs if "wait_free" in r and "wait_landed" in r]
+        if wr:
+            free, cap, landed = (statistics.mean(r[k] for r in wr) / 1e3
+                                 for k in ("wait_free", "wait_in_flight", "wait_landed"))
+            stream += f"  (ring waits: free slot {free:6.2f}, in flight {cap:6.2f}, landed {landed:6.2f} us)"
+    return stream
+
+
+def critical_records(rs, layers):
+    """Per layer, the stage's instruction that ended last (what the next stage's waiters wait for): rs holds a
+    per-layer stage's records, `layers` groups of equal size in start order by ready stamp."""
+    rs = sorted(rs, key=lambda r: r["ready"])
+    per = len(rs) // layers
+    return [max(rs[i:i + per], key=lambda r: r["end"]) for i in range(0, len(rs), per)]
+
+
 def trace(eng, start=32):
     prepare(eng, start)
     for _ in range(3): eng.launch()
@@ -157,54 +217,20 @@ def trace(eng, start=32):
             tails = [max(r["end"] for r in rs[i:i + per]) - statistics.median(r["end"] for r in rs[i:i + per])
                      for i in range(0, len(rs), per)]
             phase = f"  layer span {statistics.mean(spans)/1e3:6.2f} us, tail {statistics.mean(tails)/1e3:5.2f} us"
-        # the weight stream (core 2): how long before the counter was ready its last slot had been issued
-        # (positive: the weights were on their way through the hop), and how long issuing took
-        stream = ""
-        st = [r for r in rs if "stream_end" in r]
-        if st:
-            ahead = statistics.mean(r["ready"] - r["stream_end"] for r in st)
-            issue = statistics.mean(r["stream_end"] - r["stream_begin"] for r in st)
-            stream = f"  issued {ahead/1e3:7.2f} us before ready, issuing took {issue/1e3:6.2f} us"
-        # MV_REDUCE and ATTN_PARTIAL (past batch 8) stamp their phases in a matvec's staging and last-slot fields
-        ph = [r for r in rs if "staged" in r and "streamed" in r]
-        if ph and not st and (op.startswith("MV_REDUCE") or op == "ATTN_PARTIAL"):
-            a = statistics.mean(r["staged"] - r["ready"] for r in ph)
-            b = statistics.mean(r["streamed"] - r["staged"] for r in ph)
-            c = statistics.mean(r["end"] - r["streamed"] for r in ph)
-            names = (("RMS scale", "loads, sums, stores", "barrier, signal") if op.startswith("MV_REDUCE")
-                     else ("phase A (q, k, v)", "phase B (softmax pass)", "phase C, signal"))
-            stream = f"  ({names[0]} {a/1e3:5.2f} us, {names[1]} {b/1e3:5.2f} us, {names[2]} {c/1e3:5.2f} us)"
-        else:
-            sg = [r for r in rs if "staged" in r]
-            if sg:
-                stream += f"  (ready->staged {statistics.mean(r['staged'] - r['ready'] for r in sg)/1e3:5.2f} us)"
-            sd = [r for r in rs if "streamed" in r]
-            if sd:
-                slots = statistics.mean(r["streamed"] - r["ready"] for r in sd)
-                tail = statistics.mean(r["end"] - r["streamed"] for r in sd)
-                stream += f"  (ready->last slot {slots/1e3:6.2f} us, epilogue {tail/1e3:5.2f} us"
-                ep = [r for r in sd if "epilogue_done" in r]
-                if ep:
-                    # thread 0 past its epilogue, then the signal's barrier and release
-                    body = statistics.mean(r["epilogue_done"] - r["streamed"] for r in ep)
-                    signal = statistics.mean(r["end"] - r["epilogue_done"] for r in ep)
-                    stream += f": body {body/1e3:5.2f}, barrier + release {signal/1e3:5.2f} us"
-                stream += ")"
-            ld = [r for r in rs if "landed_last" in r]
-            if ld:
-                first = statistics.mean(r["landed_first"] - r["ready"] for r in ld)
-                last = statistics.mean(r["landed_last"] - r["ready"] for r in ld)
-                stream += f"  (ready->slots landed {first/1e3:5.2f} .. {last/1e3:5.2f} us)"
-            # the weight ring's waits: the producer's for a free slot (the consumers behind the stream) and on the
-            # in-flight cap (the copies' latency), consumer warp 0's for its slots to land (the stream behind)
-            wr = [r for r in rs if "wait_free" in r and "wait_landed" in r]
-            if wr:
-                free, cap, landed = (statistics.mean(r[k] for r in wr) / 1e3
-                                     for k in ("wait_free", "wait_in_flight", "wait_landed"))
-                stream += f"  (ring waits: free slot {free:6.2f}, in flight {cap:6.2f}, landed {landed:6.2f} us)"
+        stream = stream_breakdown(op, rs)
         hv = [hops[r["index"]] for r in rs if r["index"] in hops]
         hop = f"  hop {statistics.mean(hv)/1e3:5.2f} us" if hv else ""
         print(f"    {op:17s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us{phase}{hop}{stream}")
+        if phase and any("streamed" in r for r in rs):
+            # the same for each layer's last instruction to end: the tile the next stage waits for (the means
+            # above are of every tile), with its rows against the typical tile's
+            crit = critical_records(rs, layers)
+            rows = statistics.mean(eng.program.instructions[r["index"]].a1 for r in crit)
+            typical = statistics.median(eng.program.instructions[r["index"]].a1 for r in rs)
+            cwait = statistics.mean(r["ready"] - r["begin"] for r in crit)
+            cwork = statistics.mean(r["end"] - r["ready"] for r in crit)
+            print(f"      last to end      wait {cwait/1e3:7.2f} us  work {cwork/1e3:7.2f} us  rows {rows:.0f} "
+                  f"(median tile {typical:.0f}){stream_breakdown(op, crit)}")
 
 def main():
     usage = ("gpu_sweep.py MODEL BATCH [name:key=val,...] ... [--no-trace] [--trace=NAME,...] [--rounds=N] "

@@ -97,3 +97,38 @@ def test_hop_waits_measure_from_the_last_producers_end_to_each_waiting_consumers
             dict(index=4, opcode="ATTN_PARTIAL", begin=420, ready=430, end=950),
             dict(index=5, opcode="O_PROJ", begin=300, ready=1_000, end=2_000)]
     assert sweep.hop_waits(recs, ins) == {3: 60, 5: 100}
+
+
+def test_critical_records_are_each_layers_last_instruction_to_end(sweep):
+    """Per layer (groups by ready stamp), the record that ended last, whatever its position in the group."""
+    import random
+    rng = random.Random(5)
+    layers, per = 4, 6
+    recs, want = [], []
+    for layer in range(layers):
+        group = [{"ready": 1000 * layer + rng.randrange(100), "end": 1000 * layer + 200 + rng.randrange(500),
+                  "index": layer * per + i} for i in range(per)]
+        want.append(max(group, key=lambda r: r["end"])["index"])
+        recs += group
+    rng.shuffle(recs)
+    assert [r["index"] for r in sweep.critical_records(recs, layers)] == want
+
+
+def test_stream_breakdown_reports_a_matvecs_phases_as_means(sweep):
+    """The trace's matvec phases, relative to each record's ready stamp, averaged over the records given (every
+    tile of a stage, or each layer's last to end)."""
+    def rec(ready, **rel):
+        return {"ready": ready, **{k: ready + v for k, v in rel.items()}}
+    rs = [rec(10_000, stream_begin=-9_000, stream_end=-3_000, staged=600, streamed=2_000, epilogue_done=2_500,
+              end=3_500, landed_first=900, landed_last=1_900),
+          rec(50_000, stream_begin=-7_000, stream_end=-1_000, staged=1_000, streamed=4_000, epilogue_done=4_500,
+              end=5_500, landed_first=1_100, landed_last=3_900)]
+    for r in rs:
+        r.update(wait_free=2_000, wait_in_flight=400, wait_landed=100)
+    text = sweep.stream_breakdown("DOWN", rs)
+    assert "issued    2.00 us before ready, issuing took   6.00 us" in text
+    assert "(ready->staged  0.80 us)" in text
+    assert "(ready->last slot   3.00 us, epilogue  1.50 us: body  0.50, barrier + release  1.00 us)" in text
+    assert "(ready->slots landed  1.00 ..  2.90 us)" in text
+    assert "(ring waits: free slot   2.00, in flight   0.40, landed   0.10 us)" in text
+    assert sweep.stream_breakdown("EMBED", [{"ready": 0, "end": 5}]) == ""
