@@ -166,7 +166,14 @@ def stream_breakdown(op, rs):
         if ld:
             first = statistics.mean(r["landed_first"] - r["ready"] for r in ld)
             last = statistics.mean(r["landed_last"] - r["ready"] for r in ld)
-            stream += f"  (ready->slots landed {first/1e3:5.2f} .. {last/1e3:5.2f} us)"
+            stream += f"  (ready->slots landed {first/1e3:5.2f} .. {last/1e3:5.2f} us"
+            rl = [r for r in ld if "reached_last" in r]
+            if rl:
+                # when the last slot's reader reached its wait: long before it passed, the slot was late; just
+                # before, the reader was
+                reached = statistics.mean(r["reached_last"] - r["ready"] for r in rl)
+                stream += f", the last one's reader at its wait {reached/1e3:5.2f} us"
+            stream += ")"
         # the weight ring's waits: the producer's for a free slot (the consumers behind the stream) and on the
         # in-flight cap (the copies' latency), consumer warp 0's for its slots to land (the stream behind)
         wr = [r for r in rs if "wait_free" in r and "wait_landed" in r]

@@ -58,7 +58,7 @@ from .stream import (ERR_RING, OP_TP_REDUCE, PEER_COUNTERS, PEER_WORDS, SLOT_BYT
                      WIDE_WARPS, StreamPlan, WeightStream, dense_opcode, is_matvec, max_in_flight, wide,
                      wide_groups)
 from .stream import (TR_BEGIN, TR_CONSUMED, TR_END, TR_EPILOGUE, TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY,
-                     TR_SM, TR_STAGED, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED)
+                     TR_REACHED_LAST, TR_SM, TR_STAGED, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED)
 from .tensor_parallel import ExchangeStages
 from .tokens import ERR_TOKEN, TokenStages  # noqa: F401
 
@@ -498,7 +498,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                             st_i32(rec + TR_STAGED * 4, Int32(0))
                             st_i32(rec + TR_CONSUMED * 4, Int32(0))
                         for w in (TR_LANDED_FIRST, TR_LANDED_LAST, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED,
-                                  TR_EPILOGUE):
+                                  TR_EPILOGUE, TR_REACHED_LAST):
                             st_i32(rec + w * 4, Int32(0))
             i = i + 1
         # no K/V copy is left in flight when the CTA exits: an instruction that aborted after its copies

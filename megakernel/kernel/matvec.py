@@ -29,7 +29,8 @@ from .ptx import (ex2, globaltimer_lo, ld_f32, load_shared_b32, load_shared_raw,
                   mma_bf16_16816, rsqrt, st_f32, st_i32, warp_max_index, warp_sum)
 from .ring_model import reader_warp
 from .stream import (ITEM_ROWS, PEER_LM_IDX, PEER_LM_MAX, PEER_RECV_DOWN, PEER_RECV_O, SLAB_COLS, SLOT_BYTES,
-                     TR_CONSUMED, TR_EPILOGUE, TR_LANDED_FIRST, TR_LANDED_LAST, TR_STAGED, TR_WAIT_LANDED, X_PAD)
+                     TR_CONSUMED, TR_EPILOGUE, TR_LANDED_FIRST, TR_LANDED_LAST, TR_REACHED_LAST, TR_STAGED, TR_WAIT_LANDED,
+                     X_PAD)
 
 LOAD_KP = 4                # 32-column blocks whose weight loads are in flight at once (8 x 16 bytes per lane)
 
@@ -201,11 +202,13 @@ class MatvecStage:
                             if cutlass.const_expr(self.options.trace):
                                 t_landed = t_landed + (globaltimer_lo() - t0)
                                 if lane == 0 and part == 0:
-                                    # when the tile's first slot had landed, and its last
+                                    # when the tile's first slot had landed, and its last (and when its reader
+                                    # reached the wait)
                                     if c0 == 0 and sl == 0 and g0 == 0:
                                         st_i32(rec + TR_LANDED_FIRST * 4, globaltimer_lo())
                                     if c0 + rows >= a1 and sl == n_slab - 1 and g0 + rps >= rows:
                                         st_i32(rec + TR_LANDED_LAST * 4, globaltimer_lo())
+                                        st_i32(rec + TR_REACHED_LAST * 4, t0)
                             for rg in range((nr + ITEM_ROWS - 1) // ITEM_ROWS):
                                 if width == SLAB_COLS and rg * ITEM_ROWS + 8 < nr:
                                     # (the common item, every block present: a path without guards)

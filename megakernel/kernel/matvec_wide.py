@@ -45,7 +45,7 @@ from .ptx import (bulk_copy_g2s, globaltimer_lo, ld_bf16, ld_f32, load_f32x4, lo
                   mbarrier_arrive_expect_tx, policy_evict_last, rsqrt, st_bf16, st_f32, st_i32, warp_max_index,
                   wgmma_bf16_rs, wgmma_desc)
 from .stream import (ITEM_ROWS, M_TILE, SLAB_COLS, SLOT_BYTES, TR_CONSUMED, TR_LANDED_FIRST, TR_LANDED_LAST, TR_STAGED,
-                     TR_WAIT_LANDED, WGMMA_LBO, WGMMA_SBO, WIDE_WARPS, m_tiles, wide_ks_bytes)
+                     TR_REACHED_LAST, TR_WAIT_LANDED, WGMMA_LBO, WGMMA_SBO, WIDE_WARPS, m_tiles, wide_ks_bytes)
 
 OP_QKV, OP_O_PROJ, OP_GATE_UP = int(Opcode.QKV), int(Opcode.O_PROJ), int(Opcode.GATE_UP)
 OP_DOWN, OP_LM_HEAD = int(Opcode.DOWN), int(Opcode.LM_HEAD)
@@ -127,6 +127,7 @@ class WideMatvec:
                                 st_i32(rec + TR_LANDED_FIRST * 4, globaltimer_lo())
                             if c0 + rows >= a1 and sl == n_slab - 1 and g0 + ITEM_ROWS >= rows:
                                 st_i32(rec + TR_LANDED_LAST * 4, globaltimer_lo())
+                                st_i32(rec + TR_REACHED_LAST * 4, t0)
                     rg = g0 // ITEM_ROWS
                     S = rg // 4                   # the set of row groups 4 S .. 4 S + 3
                     cute.arch.sync_warp()

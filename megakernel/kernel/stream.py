@@ -45,13 +45,17 @@ X_WHOLE_BYTES = 64 * 1024   # a matvec input (all sequences, bf16) staged whole 
 ERR_RING = 4                # error code: a weight-ring wait timed out
 # The int32 words of an instruction's trace record (trace mode), as MegakernelEngine.trace_records decodes them:
 # index * 256 + opcode, a matvec's input staged, begin, counter ready, end, a matvec's last slot consumed, the
-# producer's first and last slot issued, the first and last slot landed (as consumer warp 0 saw them); then three
+# producer's first and last slot issued, the first and last slot landed (as the warps reading their first parts saw
+# them: past their waits); then three
 # durations (ns) of a matvec's slots: the producer's waits for a free ring slot (the consumers behind) and for the
 # slot the in-flight cap before to land (the copies' latency), and consumer warp 0's waits for its slots to land; last,
 # when thread 0 was past a matvec's last epilogue (up to SPLIT_BATCH; the signal's barrier and release follow); in a
-# CTA's first record, the physical SM (%smid) it ran on
+# CTA's first record, the physical SM (%smid) it ran on; then when the warp reading the last slot's first part
+# reached its wait (before it passed it: TR_LANDED_LAST), which tells a slot that landed late from a reader that came
+# late
 (TR_OP, TR_STAGED, TR_BEGIN, TR_READY, TR_END, TR_CONSUMED, TR_ISSUED_FIRST, TR_ISSUED_LAST, TR_LANDED_FIRST,
- TR_LANDED_LAST, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED, TR_EPILOGUE, TR_SM, TRACE_WORDS) = range(16)
+ TR_LANDED_LAST, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED, TR_EPILOGUE, TR_SM, TR_REACHED_LAST,
+ TRACE_WORDS) = range(17)
 
 OP_QKV, OP_O_PROJ, OP_DOWN, OP_LM_HEAD = int(Opcode.QKV), int(Opcode.O_PROJ), int(Opcode.DOWN), int(Opcode.LM_HEAD)
 OP_ATTN_PARTIAL, OP_ATTN_REDUCE = int(Opcode.ATTN_PARTIAL), int(Opcode.ATTN_REDUCE)

@@ -46,8 +46,8 @@ from ..instructions.opcodes import Opcode
 from ..instructions.record import serialize
 from ..kernel.interpreter import ARG_NAMES, ERR_ALIAS, ERR_POSITION, ERR_RING, ERR_TIMEOUT, ERR_TOKEN, KernelOptions
 from ..kernel.stream import (PEER_WORDS, TR_BEGIN, TR_CONSUMED, TR_END, TR_EPILOGUE, TR_ISSUED_FIRST, TR_ISSUED_LAST,
-                             TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY, TR_SM, TR_STAGED, TR_WAIT_FREE,
-                             TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED, TRACE_WORDS)
+                             TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY, TR_REACHED_LAST, TR_SM, TR_STAGED,
+                             TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED, TRACE_WORDS)
 from ..model.kv_cache import contiguous_block_table
 from ..model.weights import ModelWeights
 from ..schedule import assign, build_program, simulate
@@ -412,7 +412,8 @@ class MegakernelEngine:
         """Per-instruction (sm, smid, index, opcode, begin, ready, end) of the last launch (trace mode: sm the CTA's
         queue, smid the physical SM it ran on), and for a
         matvec `staged` (its input staged), `streamed` (its last slot consumed), (landed_first, landed_last)
-        (consumer warp 0 past its first and last slot's wait) and (stream_begin, stream_end): when its weight
+        (the warps reading its first and last slot past their waits; `reached_last`: the last one's reader at its
+        wait) and (stream_begin, stream_end): when its weight
         slots began and finished being issued to the copy engine. Nanoseconds from the step's earliest begin.
         Also a matvec's waits for the weight ring, in nanoseconds: `wait_free` and `wait_in_flight` (the
         producer's, for a free slot and for the slot its in-flight cap before to land) and `wait_landed` (consumer
@@ -445,8 +446,8 @@ def decode_trace(t: torch.Tensor, lengths: list[int]) -> list[dict]:
     always = {"begin": TR_BEGIN, "ready": TR_READY, "end": TR_END}
     matvec = [{"staged": TR_STAGED},                 # its input staged (the first window)
               {"streamed": TR_CONSUMED},             # its last weight slot consumed
-              # consumer warp 0 past the wait for its first and last slots
-              {"landed_first": TR_LANDED_FIRST, "landed_last": TR_LANDED_LAST},
+              # the readers of its first and last slots past their waits, and the last one's reader at its wait
+              {"landed_first": TR_LANDED_FIRST, "reached_last": TR_REACHED_LAST, "landed_last": TR_LANDED_LAST},
               # the producer warp: when it began and finished issuing the slots
               {"stream_begin": TR_ISSUED_FIRST, "stream_end": TR_ISSUED_LAST},
               # thread 0 past its last epilogue (up to SPLIT_BATCH), before the signal's barrier and release

@@ -11,8 +11,8 @@ import torch
 
 from megakernel.instructions.opcodes import Opcode
 from megakernel.kernel.stream import (TR_BEGIN, TR_CONSUMED, TR_END, TR_EPILOGUE, TR_ISSUED_FIRST, TR_ISSUED_LAST,
-                                      TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY, TR_SM, TR_STAGED, TR_WAIT_FREE,
-                                      TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED, TRACE_WORDS)
+                                      TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY, TR_REACHED_LAST, TR_SM,
+                                      TR_STAGED, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED, TRACE_WORDS)
 from megakernel.runtime.engine import decode_trace
 
 
@@ -40,10 +40,11 @@ def test_decode_trace_gives_signed_distances_from_the_earliest_begin_across_the_
                 if op == Opcode.GATE_UP:
                     # a matvec: the producer began issuing its slots before any consumer stamp of the step
                     rel.update(staged=begin + 1_200, streamed=begin + 8_000, landed_first=begin + 1_500,
-                               landed_last=begin + 7_900, stream_begin=-4_000 - rng.randrange(900),
+                               reached_last=begin + 6_100, landed_last=begin + 7_900, stream_begin=-4_000 - rng.randrange(900),
                                stream_end=begin + 7_000, epilogue_done=begin + 8_600)
                 words = {"begin": TR_BEGIN, "ready": TR_READY, "end": TR_END, "staged": TR_STAGED,
                          "streamed": TR_CONSUMED, "landed_first": TR_LANDED_FIRST, "landed_last": TR_LANDED_LAST,
+                         "reached_last": TR_REACHED_LAST,
                          "stream_begin": TR_ISSUED_FIRST, "stream_end": TR_ISSUED_LAST, "epilogue_done": TR_EPILOGUE}
                 t[sm, i, TR_OP] = (10 * sm + i) * 256 + int(op)
                 for name, ns in rel.items():
