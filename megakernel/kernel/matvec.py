@@ -29,8 +29,8 @@ from .ptx import (ex2, globaltimer_lo, ld_f32, load_shared_b32, load_shared_raw,
                   mma_bf16_16816, rsqrt, st_f32, st_i32, warp_max_index, warp_sum)
 from .ring_model import reader_warp
 from .stream import (ITEM_ROWS, PEER_LM_IDX, PEER_LM_MAX, PEER_RECV_DOWN, PEER_RECV_O, SLAB_COLS, SLOT_BYTES,
-                     TR_CONSUMED, TR_EPILOGUE, TR_LANDED_FIRST, TR_LANDED_LAST, TR_REACHED_LAST, TR_STAGED, TR_WAIT_LANDED,
-                     X_PAD)
+                     TR_CONSUMED, TR_EPILOGUE, TR_LANDED_FIRST, TR_LANDED_LAST, TR_REACHED_LAST, TR_STAGED,
+                     TR_WAIT_LANDED, X_PAD)
 
 LOAD_KP = 4                # 32-column blocks whose weight loads are in flight at once (8 x 16 bytes per lane)
 

@@ -40,7 +40,8 @@ def test_decode_trace_gives_signed_distances_from_the_earliest_begin_across_the_
                 if op == Opcode.GATE_UP:
                     # a matvec: the producer began issuing its slots before any consumer stamp of the step
                     rel.update(staged=begin + 1_200, streamed=begin + 8_000, landed_first=begin + 1_500,
-                               reached_last=begin + 6_100, landed_last=begin + 7_900, stream_begin=-4_000 - rng.randrange(900),
+                               reached_last=begin + 6_100, landed_last=begin + 7_900,
+                               stream_begin=-4_000 - rng.randrange(900),
                                stream_end=begin + 7_000, epilogue_done=begin + 8_600)
                 words = {"begin": TR_BEGIN, "ready": TR_READY, "end": TR_END, "staged": TR_STAGED,
                          "streamed": TR_CONSUMED, "landed_first": TR_LANDED_FIRST, "landed_last": TR_LANDED_LAST,
