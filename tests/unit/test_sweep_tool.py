@@ -56,8 +56,8 @@ def test_cache_positions_cover_the_timed_steps_and_the_asked_cache_in_whole_bloc
 
 
 def test_help_and_missing_arguments_stop_before_any_gpu_work(sweep, monkeypatch, capsys):
-    """--help prints the usage; a missing MODEL or BATCH exits with the usage line, before any weights
-    are made or the GPU is touched."""
+    """--help prints the usage; a missing MODEL or BATCH, a bad value or an unknown flag exits with the usage
+    line, before any weights are made or the GPU is touched."""
     monkeypatch.setattr(sweep, "random_weights", lambda *a, **k: pytest.fail("weights made"))
     monkeypatch.setattr(sweep.sys, "argv", ["gpu_sweep.py", "--help"])
     with pytest.raises(SystemExit) as done:
@@ -65,7 +65,10 @@ def test_help_and_missing_arguments_stop_before_any_gpu_work(sweep, monkeypatch,
     assert done.value.code == 0 and "Usage: gpu_sweep.py MODEL BATCH" in capsys.readouterr().out
     for argv in (["gpu_sweep.py"], ["gpu_sweep.py", "llama-3.2-1b"], ["gpu_sweep.py", "llama-3.2-1b", "x:timeout_ns=2"],
                  ["gpu_sweep.py", "--no-trace", "llama-3.2-1b"], ["gpu_sweep.py", "llama-3.2-1b", "1", "--context=8k"],
-                 ["gpu_sweep.py", "llama-3.2-1b", "1", "--rounds=0"]):
+                 ["gpu_sweep.py", "llama-3.2-1b", "1", "--rounds=0"],
+                 # an unknown flag (a misspelt one would otherwise be ignored)
+                 ["gpu_sweep.py", "llama-3.2-1b", "1", "--calibrate"],
+                 ["gpu_sweep.py", "llama-3.2-1b", "1", "--notrace"]):
         monkeypatch.setattr(sweep.sys, "argv", argv)
         with pytest.raises(SystemExit, match="usage: gpu_sweep.py MODEL BATCH"):
             sweep.main()
