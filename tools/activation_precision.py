@@ -96,7 +96,7 @@ def run(name: str, steps: int, batch: int, seed: int = 0) -> dict:
 
 
 def main() -> None:
-    positional(__doc__, USAGE, 0)
+    positional(__doc__, USAGE, 0, flags=("--presets", "--steps", "--batch"))
     presets = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--presets=")), "tiny-llama,tiny-qwen3")
     steps, batch = int_flag("--steps", 32, USAGE), int_flag("--batch", 2, USAGE)
     for name in presets.split(","):

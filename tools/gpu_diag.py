@@ -20,7 +20,8 @@ sys.path.insert(0, "tools")
 from gpu_sweep import parse, prepare  # noqa: E402
 from toolargs import positional  # noqa: E402
 
-args = positional(__doc__, "gpu_diag.py MODEL BATCH 'name:key=val,...' ... [--runs=N] [--pos=P]", 2, ints=(1,))
+args = positional(__doc__, "gpu_diag.py MODEL BATCH 'name:key=val,...' ... [--runs=N] [--pos=P]", 2, ints=(1,),
+                  flags=("--runs", "--pos"))
 flags = dict(a[2:].split("=") for a in sys.argv[1:] if a.startswith("--"))
 runs, pos = int(flags.get("runs", 3)), int(flags.get("pos", 32))
 model, B = args[0], int(args[1])

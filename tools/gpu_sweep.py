@@ -242,11 +242,7 @@ def trace(eng, start=32):
 def main():
     usage = ("gpu_sweep.py MODEL BATCH [name:key=val,...] ... [--no-trace] [--trace=NAME,...] [--rounds=N] "
              "[--context=N] [--cache=N]")
-    args = positional(__doc__, usage, 2, ints=(1,))
-    unknown = [a for a in sys.argv[1:] if a.startswith("--") and a != "--no-trace"
-               and a.split("=", 1)[0] not in ("--trace", "--rounds", "--context", "--cache")]
-    if unknown:
-        sys.exit(f"usage: {usage}  (no flag {unknown[0]!r}; --help explains)")
+    args = positional(__doc__, usage, 2, ints=(1,), flags=("--no-trace", "--trace", "--rounds", "--context", "--cache"))
     model, B = args[0], int(args[1])
     specs = args[2:] or ["default:"]
     context, rounds = int_flag("--context", CONTEXT, usage), int_flag("--rounds", ROUNDS, usage)

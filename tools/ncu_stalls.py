@@ -35,7 +35,7 @@ def load(path: str) -> tuple[list[str], list[list[str]]]:
 
 
 def main() -> None:
-    path = positional(__doc__, USAGE, 1)[0]
+    path = positional(__doc__, USAGE, 1, flags=("--top", "--sms"))[0]
     top, sms = int_flag("--top", 30, USAGE), int_flag("--sms", 132, USAGE)
     try:
         header, rows = load(path)

@@ -44,6 +44,16 @@ def test_tool_explains_itself_and_refuses_missing_arguments(tool):
         assert f"usage: {tool}" in got.stderr and "Traceback" not in got.stderr, got.stderr[-2000:]
 
 
+@pytest.mark.parametrize("tool", sorted(TOOLS))
+def test_tool_refuses_a_flag_it_does_not_take(tool):
+    """A flag the tool does not take (a misspelt one would otherwise change nothing, silently) stops it with its
+    usage line and the flag named, before any weights are made or a device is touched."""
+    got = _run(tool, "--no-such-flag=1")
+    assert got.returncode != 0, f"{tool}: accepted --no-such-flag"
+    assert f"usage: {tool}" in got.stderr and "no flag '--no-such-flag=1'" in got.stderr, got.stderr[-2000:]
+    assert "Traceback" not in got.stderr, got.stderr[-2000:]
+
+
 def test_ncu_stalls_reads_a_source_page(tmp_path):
     """tools/ncu_stalls.py on a source page in Nsight Compute's CSV form: the stall shares, the groups of
     instructions by execution count (a loop) and the top instruction, from made-up counts."""
