@@ -185,8 +185,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
         self.qkv_folded = qkv_reduce_folded(layout)
         free = SMEM_LIMIT - self.smem_bytes(ring_slots=0)
         self.ring_slots = StreamPlan.ring_slots(free)
-        layer_bytes = 2 * sum(rows * k for rows, k in (weight_rows(op, layout) for op in SPLIT_STAGES))
-        self.in_flight = min(self.options.max_in_flight or max_in_flight(self.B, layer_bytes // self.num_sms),
+        self.in_flight = min(self.options.max_in_flight or max_in_flight(self.B, 2 * c.layer_params() // self.num_sms),
                              self.ring_slots)
 
     def scratch_words(self) -> dict[str, dict[str, int]]:
