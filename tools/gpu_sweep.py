@@ -126,6 +126,11 @@ def hop_waits(recs, instructions):
             hops[r["index"]] = r["ready"] - last_end[w]
     return hops
 
+def mean_us(rs, later, earlier):
+    """The mean over records rs of stamp `later` minus stamp `earlier`, in microseconds."""
+    return statistics.mean(r[later] - r[earlier] for r in rs) / 1e3
+
+
 def stream_breakdown(op, rs):
     """A stage's records, its matvec phases as means (the weight stream, staging, slots, epilogue, ring waits), or
     MV_REDUCE's and the wide ATTN_PARTIAL's phases; "" for other stages."""
@@ -134,45 +139,38 @@ def stream_breakdown(op, rs):
     stream = ""
     st = [r for r in rs if "stream_end" in r]
     if st:
-        ahead = statistics.mean(r["ready"] - r["stream_end"] for r in st)
-        issue = statistics.mean(r["stream_end"] - r["stream_begin"] for r in st)
-        stream = f"  issued {ahead/1e3:7.2f} us before ready, issuing took {issue/1e3:6.2f} us"
+        stream = (f"  issued {mean_us(st, 'ready', 'stream_end'):7.2f} us before ready, "
+                  f"issuing took {mean_us(st, 'stream_end', 'stream_begin'):6.2f} us")
     # MV_REDUCE and ATTN_PARTIAL (past batch 8) stamp their phases in a matvec's staging and last-slot fields
     ph = [r for r in rs if "staged" in r and "streamed" in r]
     if ph and not st and (op.startswith("MV_REDUCE") or op == "ATTN_PARTIAL"):
-        a = statistics.mean(r["staged"] - r["ready"] for r in ph)
-        b = statistics.mean(r["streamed"] - r["staged"] for r in ph)
-        c = statistics.mean(r["end"] - r["streamed"] for r in ph)
+        a, b, c = mean_us(ph, "staged", "ready"), mean_us(ph, "streamed", "staged"), mean_us(ph, "end", "streamed")
         names = (("RMS scale", "loads, sums, stores", "barrier, signal") if op.startswith("MV_REDUCE")
                  else ("phase A (q, k, v)", "phase B (softmax pass)", "phase C, signal"))
-        stream = f"  ({names[0]} {a/1e3:5.2f} us, {names[1]} {b/1e3:5.2f} us, {names[2]} {c/1e3:5.2f} us)"
+        stream = f"  ({names[0]} {a:5.2f} us, {names[1]} {b:5.2f} us, {names[2]} {c:5.2f} us)"
     else:
         sg = [r for r in rs if "staged" in r]
         if sg:
-            stream += f"  (ready->staged {statistics.mean(r['staged'] - r['ready'] for r in sg)/1e3:5.2f} us)"
+            stream += f"  (ready->staged {mean_us(sg, 'staged', 'ready'):5.2f} us)"
         sd = [r for r in rs if "streamed" in r]
         if sd:
-            slots = statistics.mean(r["streamed"] - r["ready"] for r in sd)
-            tail = statistics.mean(r["end"] - r["streamed"] for r in sd)
-            stream += f"  (ready->last slot {slots/1e3:6.2f} us, epilogue {tail/1e3:5.2f} us"
+            stream += (f"  (ready->last slot {mean_us(sd, 'streamed', 'ready'):6.2f} us, "
+                       f"epilogue {mean_us(sd, 'end', 'streamed'):5.2f} us")
             ep = [r for r in sd if "epilogue_done" in r]
             if ep:
                 # thread 0 past its epilogue, then the signal's barrier and release
-                body = statistics.mean(r["epilogue_done"] - r["streamed"] for r in ep)
-                signal = statistics.mean(r["end"] - r["epilogue_done"] for r in ep)
-                stream += f": body {body/1e3:5.2f}, barrier + release {signal/1e3:5.2f} us"
+                stream += (f": body {mean_us(ep, 'epilogue_done', 'streamed'):5.2f}, "
+                           f"barrier + release {mean_us(ep, 'end', 'epilogue_done'):5.2f} us")
             stream += ")"
         ld = [r for r in rs if "landed_last" in r]
         if ld:
-            first = statistics.mean(r["landed_first"] - r["ready"] for r in ld)
-            last = statistics.mean(r["landed_last"] - r["ready"] for r in ld)
-            stream += f"  (ready->slots landed {first/1e3:5.2f} .. {last/1e3:5.2f} us"
+            stream += (f"  (ready->slots landed {mean_us(ld, 'landed_first', 'ready'):5.2f} .. "
+                       f"{mean_us(ld, 'landed_last', 'ready'):5.2f} us")
             rl = [r for r in ld if "reached_last" in r]
             if rl:
                 # when the last slot's reader reached its wait: long before it passed, the slot was late; just
                 # before, the reader was
-                reached = statistics.mean(r["reached_last"] - r["ready"] for r in rl)
-                stream += f", the last one's reader at its wait {reached/1e3:5.2f} us"
+                stream += f", the last one's reader at its wait {mean_us(rl, 'reached_last', 'ready'):5.2f} us"
             stream += ")"
         # the weight ring's waits: the producer's for a free slot (the consumers behind the stream) and on the
         # in-flight cap (the copies' latency), consumer warp 0's for its slots to land (the stream behind)
@@ -184,12 +182,11 @@ def stream_breakdown(op, rs):
     return stream
 
 
-def critical_records(rs, layers):
-    """Per layer, the stage's instruction that ended last (what the next stage's waiters wait for): rs holds a
-    per-layer stage's records, `layers` groups of equal size in start order by ready stamp."""
+def layer_groups(rs, layers):
+    """A per-layer stage's records, one group per layer: `layers` groups of equal size in order of ready stamp."""
     rs = sorted(rs, key=lambda r: r["ready"])
     per = len(rs) // layers
-    return [max(rs[i:i + per], key=lambda r: r["end"]) for i in range(0, len(rs), per)]
+    return [rs[i:i + per] for i in range(0, len(rs), per)]
 
 
 def trace(eng, start=32):
@@ -209,34 +206,29 @@ def trace(eng, start=32):
     hops = hop_waits(recs, eng.program.instructions)
     layers = eng.layout.config.num_layers
     for op, rs in by.items():
-        wait = sum(r["ready"] - r["begin"] for r in rs) / len(rs)
-        work = sum(r["end"] - r["ready"] for r in rs) / len(rs)
         # a per-layer stage (its instructions in start order, one group per layer): from its first
         # instruction's start to its last one's end, the mean over layers: the stage's share of the chain
-        phase = ""
+        phase, groups = "", []
         if len(rs) % layers == 0 and len(rs) > layers:
-            rs = sorted(rs, key=lambda r: r["ready"])
-            per = len(rs) // layers
-            spans = [max(r["end"] for r in rs[i:i + per]) - min(r["ready"] for r in rs[i:i + per])
-                     for i in range(0, len(rs), per)]
+            groups = layer_groups(rs, layers)
+            spans = [max(r["end"] for r in g) - min(r["ready"] for r in g) for g in groups]
             # its tail: the last instruction's end after the median one's (what the stage's waiters wait for beyond
             # a typical SM)
-            tails = [max(r["end"] for r in rs[i:i + per]) - statistics.median(r["end"] for r in rs[i:i + per])
-                     for i in range(0, len(rs), per)]
+            tails = [max(r["end"] for r in g) - statistics.median(r["end"] for r in g) for g in groups]
             phase = f"  layer span {statistics.mean(spans)/1e3:6.2f} us, tail {statistics.mean(tails)/1e3:5.2f} us"
         stream = stream_breakdown(op, rs)
         hv = [hops[r["index"]] for r in rs if r["index"] in hops]
         hop = f"  hop {statistics.mean(hv)/1e3:5.2f} us" if hv else ""
-        print(f"    {op:17s} n={len(rs):5d} wait {wait/1e3:7.2f} us  work {work/1e3:7.2f} us{phase}{hop}{stream}")
-        if phase and any("streamed" in r for r in rs):
+        print(f"    {op:17s} n={len(rs):5d} wait {mean_us(rs, 'ready', 'begin'):7.2f} us  "
+              f"work {mean_us(rs, 'end', 'ready'):7.2f} us{phase}{hop}{stream}")
+        if groups and any("streamed" in r for r in rs):
             # the same for each layer's last instruction to end: the tile the next stage waits for (the means
             # above are of every tile), with its rows against the typical tile's
-            crit = critical_records(rs, layers)
+            crit = [max(g, key=lambda r: r["end"]) for g in groups]
             rows = statistics.mean(eng.program.instructions[r["index"]].a1 for r in crit)
             typical = statistics.median(eng.program.instructions[r["index"]].a1 for r in rs)
-            cwait = statistics.mean(r["ready"] - r["begin"] for r in crit)
-            cwork = statistics.mean(r["end"] - r["ready"] for r in crit)
-            print(f"      last to end      wait {cwait/1e3:7.2f} us  work {cwork/1e3:7.2f} us  rows {rows:.0f} "
+            print(f"      last to end      wait {mean_us(crit, 'ready', 'begin'):7.2f} us  "
+                  f"work {mean_us(crit, 'end', 'ready'):7.2f} us  rows {rows:.0f} "
                   f"(median tile {typical:.0f}){stream_breakdown(op, crit)}")
 
 def main():

@@ -102,8 +102,9 @@ def test_hop_waits_measure_from_the_last_producers_end_to_each_waiting_consumers
     assert sweep.hop_waits(recs, ins) == {3: 60, 5: 100}
 
 
-def test_critical_records_are_each_layers_last_instruction_to_end(sweep):
-    """Per layer (groups by ready stamp), the record that ended last, whatever its position in the group."""
+def test_layer_groups_hold_each_layers_records_whatever_their_order(sweep):
+    """One group per layer by ready stamp, so each layer's last record to end (the trace's "last to end") is its
+    group's latest end, whatever its position in the group."""
     import random
     rng = random.Random(5)
     layers, per = 4, 6
@@ -114,7 +115,10 @@ def test_critical_records_are_each_layers_last_instruction_to_end(sweep):
         want.append(max(group, key=lambda r: r["end"])["index"])
         recs += group
     rng.shuffle(recs)
-    assert [r["index"] for r in sweep.critical_records(recs, layers)] == want
+    groups = sweep.layer_groups(recs, layers)
+    assert [sorted(r["index"] for r in g) for g in groups] == [list(range(i * per, i * per + per))
+                                                               for i in range(layers)]
+    assert [max(g, key=lambda r: r["end"])["index"] for g in groups] == want
 
 
 def test_stream_breakdown_reports_a_matvecs_phases_as_means(sweep):
