@@ -264,3 +264,32 @@ def test_thresholds_file_is_well_formed():
                     assert isinstance(value, float) and value > 0, where
                     if metric == "floor_fraction":
                         assert value < 1, f"{where}: no step beats the read floor"
+
+
+def test_every_h200_guard_traces_to_a_committed_run():
+    """Every H200 threshold is at most 90% of the best ratio a perf-suite run committed under profiles/
+    (perf_h200_*.json, pytest-benchmark's JSON with each case's extra_info) measured for its case: a guard raised
+    past what was ever measured, or to within run-to-run noise of it, would fail the GPU suite on a sound kernel."""
+    import json
+
+    runs = sorted(THRESHOLDS_FILE.parents[2].joinpath("profiles").glob("perf_h200_*.json"))
+    assert runs, "no committed H200 perf-suite run under profiles/"
+    best = {}
+    for run in runs:
+        for bench in json.loads(run.read_text())["benchmarks"]:
+            info = bench["extra_info"]
+            if "preset" not in info:
+                continue
+            for metric in METRICS:
+                if metric in info:
+                    key = (metric, info["preset"], int(info["batch"]), int(info.get("context", CONTEXT)))
+                    best[key] = max(best.get(key, 0.0), info[metric])
+    guards = load_toml(THRESHOLDS_FILE)["NVIDIA H200"]
+    for metric, presets in guards.items():
+        for case, by_batch in presets.items():
+            preset, _, context = case.partition("@")
+            for batch, value in by_batch.items():
+                key = (metric, preset, int(batch), int(context) if context else CONTEXT)
+                where = f"NVIDIA H200.{metric}.{case}.{batch} = {value}"
+                assert key in best, f"{where}: no committed run measured this case"
+                assert value <= 0.9 * best[key], f"{where}: above 90% of the best committed run ({best[key]:.3f})"
