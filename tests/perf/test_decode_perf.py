@@ -241,6 +241,12 @@ def test_graph_replay_is_one_kernel_launch_and_no_copy():
     assert torch.equal(engine.bufs.positions, positions + replays), f"{what}: positions {engine.bufs.positions}"
 
 
+def split_case(case: str) -> tuple[str, int]:
+    """(preset, context) of a thresholds key: "preset" (at CONTEXT) or "preset@context"."""
+    preset, _, context = case.partition("@")
+    return preset, int(context) if context else CONTEXT
+
+
 def test_thresholds_file_is_well_formed():
     """Every threshold names a known GPU metric, a preset, batch and context this file times (else it is never
     used), and a ratio in range: a fraction of the floor in (0, 1), a speedup > 0; torch-compile only where
@@ -253,8 +259,7 @@ def test_thresholds_file_is_well_formed():
         assert isinstance(metrics, dict) and set(metrics) <= set(METRICS), f"{gpu}: keys {sorted(metrics)}"
         for metric, presets in metrics.items():
             for case, by_batch in presets.items():
-                preset, _, context = case.partition("@")       # "preset" or "preset@context"
-                context = int(context) if context else CONTEXT
+                preset, context = split_case(case)
                 assert preset in PRESETS, f"{gpu}.{metric}: unknown preset {preset!r}"
                 for batch, value in by_batch.items():
                     where = f"{gpu}.{metric}.{case}.{batch} = {value!r}"
@@ -287,9 +292,9 @@ def test_every_h200_guard_traces_to_a_committed_run():
     guards = load_toml(THRESHOLDS_FILE)["NVIDIA H200"]
     for metric, presets in guards.items():
         for case, by_batch in presets.items():
-            preset, _, context = case.partition("@")
+            preset, context = split_case(case)
             for batch, value in by_batch.items():
-                key = (metric, preset, int(batch), int(context) if context else CONTEXT)
+                key = (metric, preset, int(batch), context)
                 where = f"NVIDIA H200.{metric}.{case}.{batch} = {value}"
                 assert key in best, f"{where}: no committed run measured this case"
                 assert value <= 0.9 * best[key], f"{where}: above 90% of the best committed run ({best[key]:.3f})"
