@@ -262,14 +262,14 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
        Mutation("ring_phase_flipped.kernel",
                 "consumers wait for the weight slot's full barrier with the parity of its previous use, so they read "
                 "a slot before its bulk copy has landed",
-                (Patch(K_MATVEC, "self.wait_full(full + mb, (k_slot // self.ring_slots) % 2, p.error)",
-                       "self.wait_full(full + mb, (k_slot // self.ring_slots + 1) % 2, p.error)"),),
+                (Patch(K_MATVEC, "self.wait_full(full + mb, phase, p.error)",
+                       "self.wait_full(full + mb, phase ^ 1, p.error)"),),
                 GPU_PROBES, kernel=True),
        Mutation("ring_slot_freed_before_read.kernel",
                 "a warp that reads a weight slot frees its part (arrives on the slot's empty barrier) as soon as the "
                 "slot has landed, before reading it, so the producer may refill the slot under its readers",
-                (Patch(K_MATVEC, "self.wait_full(full + mb, (k_slot // self.ring_slots) % 2, p.error)\n",
-                       "self.wait_full(full + mb, (k_slot // self.ring_slots) % 2, p.error)\n"
+                (Patch(K_MATVEC, "self.wait_full(full + mb, phase, p.error)\n",
+                       "self.wait_full(full + mb, phase, p.error)\n"
                        "                            if lane == 0:\n"
                        "                                mbarrier_arrive(empty + mb)\n"),
                  Patch(K_MATVEC, "                            cute.arch.sync_warp()\n"

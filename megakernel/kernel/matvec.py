@@ -53,7 +53,8 @@ class MatvecStage:
                a1: Int32, tile: Int32, a3: Int32, kpart: Int32, kparts: Int32, k_slot: Int32, ring: Int32,
                full: Int32, empty: Int32, p, s, rec: Int64) -> Int32:
         """One tile (rows a0 .. a0 + a1 - 1; columns of K range kpart of kparts) of a matvec stage; k_slot is
-        the CTA's slot count before it, returned advanced by the tile's slots. `p` holds the step's global
+        the CTA's slot count before it, returned advanced by the tile's slots (up to SPLIT_BATCH modulo 2 x
+        ring_slots: the ring index and the parity are all the consumers read of it). `p` holds the step's global
         addresses (StepArgs), `s` the shared-memory scratch (SharedScratch). xch != 0: a tensor-parallel
         exchange stage (stream.dense_opcode), whose partial sums (TP_O_PROJ, TP_DOWN; no residual) or tile maximum
         (TP_LM_HEAD, in slot rank x tiles per rank + tile) go to every rank (megakernel.kernel.tensor_parallel)."""
@@ -159,6 +160,14 @@ class MatvecStage:
             self.reset_tile_maximum(tidx, s)
         x_base = s.x_addr
         t_landed = Int32(0)               # (trace mode) this warp's waits for its slots to land, ns
+        # The walk's position is k_slot modulo 2 x ring_slots (a slot's ring index and its use's parity are all the
+        # consumers need of it), counted along instead of divided out per slot part: every warp walks every part,
+        # and at 15 warps a modulo is a chain of ~20 dependent instructions. A part's reader,
+        # reader_warp(slot, part, P, warps), is then a subtraction at most where slot * P + part < 2 * warps
+        # (every layout the engine builds: at most 12 slots, 2 parts with 15 warps at batch 1, 1 with 8 or 15 past it).
+        R, W = self.ring_slots, self.warps
+        one_sub = R * P <= 2 * W
+        k_slot = k_slot % (2 * R)
         for c0 in range(0, a1, chunk):
             rows = a1 - c0
             if rows > chunk:
@@ -187,18 +196,27 @@ class MatvecStage:
                             if tidx == 0 and c0 == 0 and sl == 0:
                                 st_i32(rec + TR_STAGED * 4, globaltimer_lo())     # the first window staged
                 for g0 in range(0, rows, rps):
-                    slot = k_slot % self.ring_slots
+                    slot = k_slot
+                    phase = Int32(0)
+                    if k_slot >= R:
+                        slot = k_slot - R
+                        phase = Int32(1)
                     # part p of ring slot r is read by warp (r * P + p) % warps in every use of the slot, in order,
                     # so a warp's wait for use u never sees the completed phase u - 2 of the same parity
                     for part in cutlass.range_constexpr(P):
-                        if warp == reader_warp(slot, part, P, self.warps):
+                        reader = slot * P + part
+                        if cutlass.const_expr(not one_sub):
+                            reader = reader_warp(slot, part, P, W)
+                        elif reader >= W:
+                            reader = reader - W
+                        if warp == reader:
                             nr = rows - g0
                             if nr > rps:
                                 nr = rps
                             mb = slot * 8
                             if cutlass.const_expr(self.options.trace):
                                 t0 = globaltimer_lo()
-                            self.wait_full(full + mb, (k_slot // self.ring_slots) % 2, p.error)
+                            self.wait_full(full + mb, phase, p.error)
                             if cutlass.const_expr(self.options.trace):
                                 t_landed = t_landed + (globaltimer_lo() - t0)
                                 if lane == 0 and part == 0:
@@ -213,14 +231,21 @@ class MatvecStage:
                                 if width == SLAB_COLS and rg * ITEM_ROWS + 8 < nr:
                                     # (the common item, every block present: a path without guards)
                                     self.consume_item(lane, rg, part, slab, width, ring + slot * SLOT_BYTES, x_base,
-                                                      xw, col0, g0, nr, n_seg, sl, s, True)
+                                                      xw, col0, g0, nr, n_seg, sl, s, 2)
+                                elif width == SLAB_COLS and rg * ITEM_ROWS + 8 == nr:
+                                    # (a full-width item of one 8-row block, e.g. every item of an 8-row tile:
+                                    # again no guards)
+                                    self.consume_item(lane, rg, part, slab, width, ring + slot * SLOT_BYTES, x_base,
+                                                      xw, col0, g0, nr, n_seg, sl, s, 1)
                                 else:
                                     self.consume_item(lane, rg, part, slab, width, ring + slot * SLOT_BYTES, x_base,
-                                                      xw, col0, g0, nr, n_seg, sl, s, False)
+                                                      xw, col0, g0, nr, n_seg, sl, s, 0)
                             cute.arch.sync_warp()
                             if lane == 0:
                                 mbarrier_arrive(empty + mb)       # this part's reader is done with the slot
                     k_slot = k_slot + 1
+                    if k_slot == 2 * R:
+                        k_slot = Int32(0)
             if not whole and c0 == 0 and has_norm:
                 self.rms_statistic(tidx, warp, lane, K, ss, s)
             self.consumer_sync()
@@ -240,7 +265,7 @@ class MatvecStage:
     @cute.jit
     def consume_item(self, lane: Int32, rg: Int32, part: int, slab: Int32, width: Int32, slot_addr: Int32,
                      x_base: Int32, xw: Int32, col0: Int32, g0: Int32, nr: Int32, n_seg: Int32, sl: Int32, s,
-                     whole: bool):
+                     blocks: int):
         """Row group rg x part `part` of a slot of nr rows: 16 rows (the second 8-row block absent where the slot
         ends after the first) x slab / P columns of slab sl, against every sequence's staged input; one partial
         per (row, sequence) into s.part at ((row * n_seg + sl * P + part) * B + b).
@@ -256,9 +281,10 @@ class MatvecStage:
         (words), the slab's first column at col0, in the order store_x_quad writes (per 16-column k-step, words
         2t and 2t + 1 of a row are columns (2t, 2t + 1) and (2t + 8, 2t + 9)): one 4-byte load per k-step and
         group. Lanes past the last sequence load their group's first: their C columns are never read. Columns past
-        the slab's width (a narrower last slab) load nothing and add nothing. `whole` (compile time): the slab is
-        SLAB_COLS wide and both 8-row blocks are in the slot, so every block is loaded and multiplied without a
-        guard (or the zeroing a guarded register needs to stay out of local memory)."""
+        the slab's width (a narrower last slab) load nothing and add nothing. `blocks` (compile time): 2 or 1, the
+        slab is SLAB_COLS wide and the item has both 8-row blocks, or only the first, so every block of it is loaded
+        and multiplied without a guard (or the zeroing a guarded register needs to stay out of local memory); 0,
+        the general item, each block guarded."""
         s_part = s.part
         B = self.B
         NG = self.seq_groups()
@@ -271,9 +297,9 @@ class MatvecStage:
             kp_w = kp_item
         IKP = SLAB_COLS // 32 // P            # blocks of an item of the widest slab (the unrolled loop's length)
         two = rg * ITEM_ROWS + 8 < nr         # the item's second 8-row block is in the slot
-        if cutlass.const_expr(whole):
+        if cutlass.const_expr(blocks > 0):
             kp_w = Int32(IKP)
-            two = Boolean(True)
+            two = Boolean(blocks == 2)
         n = lane // 4
         t = lane - n * 4
         top = slot_addr + (2 * rg * kp_slab + kp0) * 512 + lane * 16
@@ -294,14 +320,14 @@ class MatvecStage:
         for hf in cutlass.range_constexpr(IKP // LK):
             a = cute.make_rmem_tensor((LK * 8,), Int32)
             bx = cute.make_rmem_tensor((LK * 2 * NG,), Int32)
-            if cutlass.const_expr(not whole):
+            if cutlass.const_expr(blocks == 0):
                 # (the zeroing keeps the registers of a guarded load out of local memory)
                 for e in cutlass.range_constexpr(LK * 8):
                     a[e] = Int32(0)
                 for e in cutlass.range_constexpr(LK * 2 * NG):
                     bx[e] = Int32(0)
             for uu in cutlass.range_constexpr(LK):
-                if hf * LK + uu < kp_w:           # (always, for a whole item: kp_w and two are constants then)
+                if hf * LK + uu < kp_w:           # (always, for a full-width item: kp_w and two are constants then)
                     self.load_block(a, bx, uu, top, bot, xa, hf * LK + uu, two)
             for uu in cutlass.range_constexpr(LK):
                 if hf * LK + uu < kp_w:
