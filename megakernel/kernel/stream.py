@@ -141,9 +141,9 @@ def max_in_flight(batch: int, layer_bytes_per_sm: int) -> int:
     0.863 / 0.909 at 4, 1.051 / 1.083 at 8; llama-3.2-1b 0.945 / 0.988 at 1, 1.140 / 1.192 at 8; llama-3.1-8b
     5.293 / 5.204 at 1, 5.640 / 5.513 at 2, 5.875 / 5.753 at 4, 5.895 / 5.991 at 8; llama-2-7b 4.704 / 4.650 at
     1. One slot was level with two on qwen3-0.6b and lost on the others (llama-3.2-1b 1.068 at batch 1, 1.233 at
-    8); four and six never won. Fitted on the H100: on the H200 (a third more bandwidth) the one sweep, on the
-    2026-12-03 core, had two and three level at llama-3.2-1b batch 1 (0.890 / 0.885 ms); its next run sweeps
-    2 / 3 / 4 again."""
+    8); four and six never won. Fitted on the H100 and checked on the H200 (a third more bandwidth; 2026-12-05,
+    twenty-fifth session, 2 / 3 / 4): qwen3-0.6b 0.723 / 0.731 / 0.735 at batch 1; llama-3.2-1b 0.828 / 0.819 /
+    0.836 at 1, 0.987 / 0.998 / 1.005 at 8; llama-3.1-8b 4.052 / 3.900 / 3.931 at 1."""
     return 3 if batch <= 4 and layer_bytes_per_sm >= STREAM_BOUND_BYTES else 2
 
 
