@@ -10,8 +10,10 @@ timings. It checks what the device code (megakernel.kernel.stream, .matvec) reli
     order never wait on each other in a cycle;
   - every part of every slot is read once, by the warp the rule names.
 
-`reader_warp` is the rule itself, which the device code calls. Pure Python (no CuTe DSL), so the suite runs it
-on the real presets' slot sequences (tests/unit/test_ring_model.py), as the schedule's VM runs its queues.
+`reader_warp` is the rule itself, which the device code calls (or, where ring_slot * parts + part stays below
+2 x warps, as on every layout the engine builds, computes as that sum less warps at most). Pure Python (no CuTe
+DSL), so the suite runs it on the real presets' slot sequences (tests/unit/test_ring_model.py), as the schedule's
+VM runs its queues.
 """
 
 from __future__ import annotations
