@@ -18,12 +18,11 @@ from megakernel.model.weights import random_weights
 from megakernel.runtime.engine import MegakernelEngine
 sys.path.insert(0, "tools")
 from gpu_sweep import parse, prepare  # noqa: E402
-from toolargs import positional  # noqa: E402
+from toolargs import int_flag, positional  # noqa: E402
 
-args = positional(__doc__, "gpu_diag.py MODEL BATCH 'name:key=val,...' ... [--runs=N] [--pos=P]", 2, ints=(1,),
-                  flags=("--runs", "--pos"))
-flags = dict(a[2:].split("=") for a in sys.argv[1:] if a.startswith("--"))
-runs, pos = int(flags.get("runs", 3)), int(flags.get("pos", 32))
+USAGE = "gpu_diag.py MODEL BATCH 'name:key=val,...' ... [--runs=N] [--pos=P]"
+args = positional(__doc__, USAGE, 2, ints=(1,), flags=("--runs", "--pos"))
+runs, pos = int_flag("--runs", 3, USAGE), int_flag("--pos", 32, USAGE)
 model, B = args[0], int(args[1])
 specs = args[2:] or ["default:"]
 cfg = get_preset(model)

@@ -17,7 +17,7 @@ TOOLS = {
     "gpu_profile.py": ("Usage (GPU host): python3 tools/gpu_profile.py MODEL BATCH OUT_DIR",
                        [[], ["llama-3.2-1b", "1"]]),
     "gpu_trace.py": ("python3 tools/gpu_trace.py MODEL [BATCH]", [[], ["llama-3.2-1b", "b"]]),
-    "gpu_diag.py": ("Usage: gpu_diag.py MODEL BATCH", [[], ["llama-3.2-1b"]]),
+    "gpu_diag.py": ("Usage: gpu_diag.py MODEL BATCH", [[], ["llama-3.2-1b"], ["llama-3.2-1b", "1", "--runs=x"]]),
     "ncu_step.py": ("python3 tools/ncu_step.py MODEL BATCH [OPTIONS]",
                     [[], ["llama-3.2-1b"], ["llama-3.2-1b", "1", "no_such_option=1"]]),
     "gpu_smoke.py": ("python3 tools/gpu_smoke.py [PRESET ...]", None),
