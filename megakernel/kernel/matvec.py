@@ -165,9 +165,10 @@ class MatvecStage:
         # and at 15 warps a modulo is a chain of ~20 dependent instructions. A part's reader,
         # reader_warp(slot, part, P, warps), is then a subtraction at most where slot * P + part < 2 * warps
         # (every layout the engine builds: at most 12 slots, 2 parts with 15 warps at batch 1, 1 with 8 or 15 past it).
+        # (k_slot arrives below 2 x ring_slots: the CTA's count starts at 0, and in a kernel of these batches only
+        # this path advances it)
         R, W = self.ring_slots, self.warps
         one_sub = R * P <= 2 * W
-        k_slot = k_slot % (2 * R)
         for c0 in range(0, a1, chunk):
             rows = a1 - c0
             if rows > chunk:
