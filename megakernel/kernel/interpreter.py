@@ -325,7 +325,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
         s_bar = smem.allocate_tensor(Int64, cute.make_layout((2 * self.ring_slots,)), byte_alignment=8)
         s = Fields(x_addr=Int32(bufs["x"].iterator.toint()), pre_addr=Int32(bufs["pre"].iterator.toint()),
                    xbar_addr=Int32(bufs["xbar"].iterator.toint()), **bufs)
-        s_ctrl, s_queue = bufs["ctrl"], bufs["queue"]        # epoch, abort, queue length, stop, input copies
+        s_ctrl, s_queue = bufs["ctrl"], bufs["queue"]        # epoch, abort, queue length, stop, input copies, hop
         ring = Int32(s_ring.iterator.toint())
         full = Int32(s_bar.iterator.toint())                 # ring_slots full barriers, then the empty ones
         empty = full + self.ring_slots * 8
@@ -344,6 +344,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
             s_ctrl[1] = Int32(0)
             s_ctrl[3] = Int32(0)
             s_ctrl[4] = Int32(0)
+            s_ctrl[5] = Int32(0)      # 1 while the consumers cross a hop (stream.HOP_IN_FLIGHT)
         s_alias = bufs["alias"]          # per sequence: 1 where its new KV slot aliases (scan_aliasing)
         for b in range(tidx, self.B, self.threads):
             s_alias[b] = Int32(0)

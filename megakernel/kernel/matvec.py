@@ -153,6 +153,9 @@ class MatvecStage:
             if has_norm:
                 self.rms_statistic(tidx, warp, lane, K, ss, s)
             self.consumer_sync()
+            if tidx == 0:
+                s_ctrl = s.ctrl
+                s_ctrl[5] = Int32(0)              # the input is staged: the stream's full cap again (HOP_IN_FLIGHT)
             if cutlass.const_expr(self.options.trace):
                 if tidx == 0:
                     st_i32(rec + TR_STAGED * 4, globaltimer_lo())       # the input staged
@@ -193,6 +196,9 @@ class MatvecStage:
                         self.stage(tidx, layer, K, merge, from_embed, has_norm and c0 == 0, in_addr, norm_addr, p,
                                    s, ss, w0 * slab, ww, xw)
                         self.consumer_sync()
+                        if tidx == 0 and c0 == 0 and sl == 0:
+                            s_ctrl = s.ctrl
+                            s_ctrl[5] = Int32(0)          # the first window is staged (HOP_IN_FLIGHT)
                         if cutlass.const_expr(self.options.trace):
                             if tidx == 0 and c0 == 0 and sl == 0:
                                 st_i32(rec + TR_STAGED * 4, globaltimer_lo())     # the first window staged
@@ -250,6 +256,9 @@ class MatvecStage:
             if not whole and c0 == 0 and has_norm:
                 self.rms_statistic(tidx, warp, lane, K, ss, s)
             self.consumer_sync()
+            if tidx == 0 and c0 + rows >= a1:
+                s_ctrl = s.ctrl
+                s_ctrl[5] = Int32(1)              # past the tile's last slot: the hop begins (HOP_IN_FLIGHT)
             if cutlass.const_expr(self.options.trace):
                 if tidx == 0:
                     st_i32(rec + TR_CONSUMED * 4, globaltimer_lo())     # every warp past the chunk's last slot

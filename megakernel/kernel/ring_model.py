@@ -6,8 +6,8 @@ timings. It checks what the device code (megakernel.kernel.stream, .matvec) reli
     exactly u + 1 phases of the slot's full barrier completed, never u - 1 (the same parity: it would read the
     slot before its copy landed); the producer's wait to refill a slot for use u passes with exactly u phases
     of its empty barrier completed (every reader of use u - 1 gone), never u - 2;
-  - no deadlock: the producer's in-order refills, the in-flight cap and the consumers' visiting
-    order never wait on each other in a cycle;
+  - no deadlock: the producer's in-order refills, the in-flight cap (a smaller one while the consumers cross a
+    hop: stream.HOP_IN_FLIGHT) and the consumers' visiting order never wait on each other in a cycle;
   - every part of every slot is read once, by the warp the rule names.
 
 `reader_warp` is the rule itself, which the device code calls (or, where ring_slot * parts + part stays below
@@ -43,6 +43,7 @@ class RingRun:
     reads: int = 0
     max_in_flight: int = 0
     waited: int = 0
+    hop_issued: int = 0       # slots issued while the consumers crossed a hop (under hop_in_flight)
 
 
 class _Barrier:
@@ -65,11 +66,15 @@ class _Barrier:
 
 def simulate_ring(chunks: list[int], ring_slots: int, parts: int, warps: int, max_in_flight: int,
                   seed: int = 0, reader=None, land_ns: tuple[int, int] = (500, 2000),
-                  read_ns: tuple[int, int] = (100, 1500)) -> RingRun:
+                  read_ns: tuple[int, int] = (100, 1500), hop_in_flight: int | None = None,
+                  hop_ns: tuple[int, int] = (300, 3000)) -> RingRun:
     """Run one CTA's ring over `chunks` (the slot counts of the queue's matvec chunks in order: the consumer
     warps meet at a barrier after each, as the epilogue of a chunk makes them) with random landing and reading
     times; RingProtocolError on any violation (see the module docstring). `reader(slot_number, part)` -> warp
-    replaces the rule (reader_warp of the slot's ring slot) to test another."""
+    replaces the rule (reader_warp of the slot's ring slot) to test another. With `hop_in_flight`, every chunk's
+    barrier starts a hop (the epilogue, the signal, the wait and the next input's staging: hop_ns) in which no
+    consumer reads and the producer keeps at most that many slots on its way instead of max_in_flight (every
+    chunk, where the device holds only after a tile's last one: a superset of its hops)."""
     if reader is None:
         def reader(k, p):
             return reader_warp(k % ring_slots, p, parts, warps)
@@ -104,6 +109,8 @@ def simulate_ring(chunks: list[int], ring_slots: int, parts: int, warps: int, ma
     busy = [False] * warps                          # a warp reading a slot part
     at_barrier = [False] * warps
     blocked = [False] * warps                       # a warp's current read found its slot not landed
+    hop = False                                     # the consumers are crossing a hop (hop_in_flight)
+    cap_wait: list = [None]                         # (slot the producer's cap wait is on, read during a hop)
 
     def producer_step() -> bool:
         """Issue the next slot if its waits pass; True if it did."""
@@ -117,17 +124,23 @@ def simulate_ring(chunks: list[int], ring_slots: int, parts: int, warps: int, ma
         if empty[r].completed != u:
             raise RingProtocolError(f"producer refilled ring slot {r} for use {u} with {empty[r].completed} "
                                     f"phases of its empty barrier complete (its readers of use {u - 1} not all gone)")
-        kf = k - max_in_flight
+        if cap_wait[0] is None:
+            # the device reads the hold once per slot, past the empty wait, then blocks on that slot's full barrier
+            cap_wait[0] = (k - (hop_in_flight if hop else max_in_flight), hop)
+        kf, during_hop = cap_wait[0]
         if kf >= 0 and kf not in landed:
             return False                            # (the device waits on slot kf's full barrier)
+        cap_wait[0] = None
         issued += 1
+        run.hop_issued += during_hop
         run.max_in_flight = max(run.max_in_flight, issued - len(landed))
         later(rng.randint(*land_ns), "land", k)
         return True
 
     def warp_step(w: int) -> bool:
         """Advance warp w if it can; True if it did."""
-        if busy[w] or pc[w] >= len(programs[w]):
+        nonlocal hop
+        if busy[w] or hop or pc[w] >= len(programs[w]):
             return False
         item = programs[w][pc[w]]
         if item is None:                            # the chunk's barrier: all warps meet
@@ -137,6 +150,9 @@ def simulate_ring(chunks: list[int], ring_slots: int, parts: int, warps: int, ma
                     if at_barrier[v]:
                         at_barrier[v] = False
                         pc[v] += 1
+                if hop_in_flight is not None:
+                    hop = True
+                    later(rng.randint(*hop_ns), "staged", 0)
                 return True
             return False
         k, p = item
@@ -163,7 +179,9 @@ def simulate_ring(chunks: list[int], ring_slots: int, parts: int, warps: int, ma
         if not events:
             break
         now, _, kind, who = heapq.heappop(events)
-        if kind == "land":
+        if kind == "staged":
+            hop = False
+        elif kind == "land":
             landed.add(who)
             full[who % ring_slots].arrive()
         else:

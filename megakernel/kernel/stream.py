@@ -3,7 +3,9 @@ of its matvec instructions into a ring of shared-memory slots, as far ahead as t
 
 Weights never depend on activations, so the producer never waits on a step counter: while the consumer
 warps wait for the stage they read (a dependency hop, ~5 us), the ring fills with the next instructions'
-weights, across instruction and layer boundaries, and HBM stays busy.
+weights, across instruction and layer boundaries, and HBM stays busy. It keeps max_in_flight slots on their
+way, HOP_IN_FLIGHT while the consumers cross a hop (their stores, signal, wait and next input queue behind
+fewer copies); either cap waits only for a copy to land, never on the consumers.
 
 A slot is one bulk-copy unit: `rows` consecutive rows of a tile times one column slab of the matrix, in
 the fragment order of the packed weights (megakernel.instructions.layout.fragment_pack): per 8-row block,
@@ -146,6 +148,16 @@ def max_in_flight(batch: int, layer_bytes_per_sm: int) -> int:
     0.836 at 1, 0.987 / 0.998 / 1.005 at 8; llama-3.1-8b 4.052 / 3.900 / 3.931 at 1."""
     return 3 if batch <= 4 and layer_bytes_per_sm >= STREAM_BOUND_BYTES else 2
 
+
+HOP_IN_FLIGHT = 1           # weight slots on their way per SM while the consumers cross a hop, up to SPLIT_BATCH:
+                            # from every warp past a tile's last slot (its epilogue's stores, the signal's release,
+                            # the wait for the next stage's counter) until the next matvec's input is staged, the
+                            # chain's stores and loads queue behind fewer copies; max_in_flight again past it. One
+                            # H100 sweep against max_in_flight throughout, the same logits bit for bit (ms/step;
+                            # profiles/RESULTS.md, 2026-12-05, twenty-seventh session): qwen3-0.6b 0.672 / 0.727 at
+                            # batch 1 (one slot throughout 0.692), 0.945 / 0.991 at 8; llama-3.2-1b 0.932 / 0.963
+                            # at 1, 1.128 / 1.165 at 8; llama-3.1-8b 5.168 / 5.332 at 1. The signal's barrier +
+                            # release fell from 1.1-1.8 to 0.8-0.9 us a hop (0.54 with no copies at all).
 
 X_PAD = 8                   # words after each sequence's staged input row up to SPLIT_BATCH: with rows of a whole
                             # number of 128-byte lines plus 32 bytes, the 8-byte B loads of the four sequences of a
@@ -335,7 +347,7 @@ class WeightStream:
                 w_lm_head: Int64, error: Int64, trace: Int64):
         """The producer warp's whole life: every matvec tile of the queue, slot by slot, each into the next
         ring slot once the consumer warps that read its last use have left it and the slot self.in_flight
-        before it has landed; then wait until every copy issued has landed (a CTA must not exit with a bulk copy
+        (HOP_IN_FLIGHT while the consumers cross a hop: s_ctrl[5]) before it has landed; then wait until every copy issued has landed (a CTA must not exit with a bulk copy
         in flight). Stops issuing when the consumers abort (abort_addr) or a
         slot stays occupied past the timeout (error word ERR_RING). The slot loops are the consumers' (chunk,
         slab, row group), stepped by additions: the producer is on the critical path whenever the ring has
@@ -383,7 +395,13 @@ class WeightStream:
                                 stop = self.wait_slot(empty + slot * 8, ((k // NS) % 2) ^ 1, abort_addr, error)
                                 if cutlass.const_expr(self.options.trace):
                                     t_free = t_free + (globaltimer_lo() - t0)
-                            kf = k - self.in_flight          # at most that many slots on their way at once
+                            cap = Int32(self.in_flight)
+                            if cutlass.const_expr(not self.wide):
+                                # HOP_IN_FLIGHT while the consumers store, signal, wait and stage (s_ctrl[5], 16
+                                # bytes past the abort word)
+                                if cute.arch.shuffle_sync(load_shared_volatile(abort_addr + 16), 0) != 0:
+                                    cap = Int32(HOP_IN_FLIGHT)
+                            kf = k - cap                     # at most that many slots on their way at once
                             if stop == 0 and kf >= 0:
                                 if cutlass.const_expr(self.options.trace):
                                     t1 = globaltimer_lo()

@@ -7,6 +7,7 @@ on the GPU (slot number k read by warp k % warps: profiles/RESULTS.md, 2026-12-0
 from __future__ import annotations
 
 import functools
+import random
 
 import pytest
 
@@ -15,7 +16,7 @@ from megakernel.instructions.matvec_stages import MATVEC_OPCODES, weight_rows
 from megakernel.instructions.record import serialize
 from megakernel.kernel.interpreter import DecodeKernel, KernelOptions
 from megakernel.kernel.ring_model import RingProtocolError, reader_warp, simulate_ring
-from megakernel.kernel.stream import STREAM_BOUND_BYTES, max_in_flight
+from megakernel.kernel.stream import HOP_IN_FLIGHT, STREAM_BOUND_BYTES, max_in_flight
 from megakernel.model.presets import get_preset
 from megakernel.schedule import assign, build_program
 
@@ -50,11 +51,13 @@ def test_the_kernels_reader_rule_keeps_every_wait_on_its_phase(preset, batch):
     chunks, ring_slots, parts, warps, cap = ring_case(preset, batch)
     assert sum(chunks) > 2 * ring_slots, "the case must reuse every ring slot"
     for seed in range(4):
-        run = simulate_ring(list(chunks), ring_slots, parts, warps, cap, seed=seed)
+        # (up to SPLIT_BATCH the producer keeps HOP_IN_FLIGHT slots on their way while the consumers cross a hop)
+        run = simulate_ring(list(chunks), ring_slots, parts, warps, cap, seed=seed, hop_in_flight=HOP_IN_FLIGHT)
         assert run.reads == run.slots * parts == sum(chunks) * parts
         # the cap waits for slot k - cap alone, and copies may land out of order (as bulk copies do)
         assert cap <= run.max_in_flight <= ring_slots, run
         assert run.waited > 0, "random timings that never made a reader wait test nothing"
+        assert run.hop_issued > 0, "a run that never issued a slot during a hop does not test the hold"
 
 
 @pytest.mark.parametrize("preset,batch,cap", [("qwen3-0.6b", 1, 2), ("llama-3.2-1b", 1, 2), ("llama-3.2-1b", 4, 2),
@@ -100,3 +103,24 @@ def test_reader_warp_is_the_rule_of_the_parity_argument():
         owners = {(r, p): reader_warp(r, p, parts, warps) for r in range(ring_slots) for p in range(parts)}
         assert all(0 <= w < warps for w in owners.values())
         assert len(set(owners.values())) == min(warps, ring_slots * parts)
+
+
+@pytest.mark.parametrize("hop_cap", [1, 2])
+def test_a_smaller_cap_while_the_consumers_cross_a_hop_keeps_the_protocol(hop_cap):
+    """The hold (stream.HOP_IN_FLIGHT slots on their way while the consumers cross a hop) only ever waits for a
+    slot to land, never on the consumers, so it cannot close a cycle: random rings, parts, warps and caps, every
+    chunk a hop, no violation, and slots issued during the hops; a hold of no slot at all (the producer waiting
+    for a slot it has not issued) is the deadlock the model must see."""
+    rng = random.Random(11)
+    during = 0
+    for _ in range(40):
+        ring_slots, parts = rng.randint(4, 12), rng.choice([1, 2])
+        warps = rng.choice([8, 15])
+        chunks = [rng.randint(1, 8) for _ in range(rng.randint(4, 12))]
+        cap = rng.randint(hop_cap, 3)
+        run = simulate_ring(chunks, ring_slots, parts, warps, cap, seed=rng.randrange(1 << 30), hop_in_flight=hop_cap)
+        assert run.reads == sum(chunks) * parts and run.max_in_flight <= ring_slots
+        during += run.hop_issued
+    assert during > 0
+    with pytest.raises(RingProtocolError, match="deadlock"):
+        simulate_ring([4, 4, 4], 6, 2, 15, 2, seed=1, hop_in_flight=0)
