@@ -110,11 +110,11 @@ def simulate_ring(chunks: list[int], ring_slots: int, parts: int, warps: int, ma
     at_barrier = [False] * warps
     blocked = [False] * warps                       # a warp's current read found its slot not landed
     hop = False                                     # the consumers are crossing a hop (hop_in_flight)
-    cap_wait: list = [None]                         # (slot the producer's cap wait is on, read during a hop)
+    cap_wait = None                                 # (slot the producer's cap wait is on, read during a hop)
 
     def producer_step() -> bool:
         """Issue the next slot if its waits pass; True if it did."""
-        nonlocal issued
+        nonlocal issued, cap_wait
         if issued >= total:
             return False
         k = issued
@@ -124,13 +124,13 @@ def simulate_ring(chunks: list[int], ring_slots: int, parts: int, warps: int, ma
         if empty[r].completed != u:
             raise RingProtocolError(f"producer refilled ring slot {r} for use {u} with {empty[r].completed} "
                                     f"phases of its empty barrier complete (its readers of use {u - 1} not all gone)")
-        if cap_wait[0] is None:
+        if cap_wait is None:
             # the device reads the hold once per slot, past the empty wait, then blocks on that slot's full barrier
-            cap_wait[0] = (k - (hop_in_flight if hop else max_in_flight), hop)
-        kf, during_hop = cap_wait[0]
+            cap_wait = (k - (hop_in_flight if hop else max_in_flight), hop)
+        kf, during_hop = cap_wait
         if kf >= 0 and kf not in landed:
             return False                            # (the device waits on slot kf's full barrier)
-        cap_wait[0] = None
+        cap_wait = None
         issued += 1
         run.hop_issued += during_hop
         run.max_in_flight = max(run.max_in_flight, issued - len(landed))

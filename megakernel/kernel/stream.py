@@ -349,9 +349,9 @@ class WeightStream:
         ring slot once the consumer warps that read its last use have left it and the slot self.in_flight
         (HOP_IN_FLIGHT while the consumers cross a hop: s_ctrl[5]) before it has landed; then wait until every
         copy issued has landed (a CTA must not exit with a bulk copy in flight). Stops issuing when the consumers
-        abort (abort_addr) or a slot stays occupied past the timeout (error word ERR_RING). The slot loops are the consumers' (chunk,
-        slab, row group), stepped by additions: the producer is on the critical path whenever the ring has
-        just been freed, and a slot index decoded by divisions measured 7% slower (profiles/RESULTS.md)."""
+        abort (abort_addr) or a slot stays occupied past the timeout (error word ERR_RING). The slot loops are the
+        consumers' (chunk, slab, row group), stepped by additions: the producer is on the critical path whenever
+        the ring has just been freed, and a slot index decoded by divisions measured 7% slower (profiles/RESULTS.md)."""
         NS = self.ring_slots
         k = Int32(0)
         stop = Int32(0)
