@@ -55,7 +55,7 @@ from .ptx import (atomic_add_acq_rel, atomic_cas, cp_async_wait_all, globaltimer
                   load_acquire_sys, load_relaxed, mbarrier_init, mbarrier_init_fence, red_release_add,
                   red_release_add_sys, st_i32, store_relaxed, store_system_nonzero)
 from .stream import (ERR_RING, OP_TP_REDUCE, PEER_COUNTERS, PEER_WORDS, SLOT_BYTES, TRACE_WORDS,  # noqa: F401
-                     WIDE_WARPS, StreamPlan, WeightStream, dense_opcode, is_matvec, max_in_flight, wide,
+                     HOP_WORD, WIDE_WARPS, StreamPlan, WeightStream, dense_opcode, is_matvec, max_in_flight, wide,
                      wide_groups)
 from .stream import (TR_BEGIN, TR_CONSUMED, TR_END, TR_EPILOGUE, TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY,
                      TR_REACHED_LAST, TR_SM, TR_STAGED, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED)
@@ -344,7 +344,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
             s_ctrl[1] = Int32(0)
             s_ctrl[3] = Int32(0)
             s_ctrl[4] = Int32(0)
-            s_ctrl[5] = Int32(0)      # 1 while the consumers cross a hop (stream.HOP_IN_FLIGHT)
+            s_ctrl[HOP_WORD] = Int32(0)   # 1 while the consumers cross a hop (stream.HOP_IN_FLIGHT)
         s_alias = bufs["alias"]          # per sequence: 1 where its new KV slot aliases (scan_aliasing)
         for b in range(tidx, self.B, self.threads):
             s_alias[b] = Int32(0)

@@ -158,6 +158,7 @@ HOP_IN_FLIGHT = 1           # weight slots on their way per SM while the consume
                             # batch 1 (one slot throughout 0.692), 0.945 / 0.991 at 8; llama-3.2-1b 0.932 / 0.963
                             # at 1, 1.128 / 1.165 at 8; llama-3.1-8b 5.168 / 5.332 at 1. The signal's barrier +
                             # release fell from 1.1-1.8 to 0.8-0.9 us a hop (0.54 with no copies at all).
+HOP_WORD = 5                # the word of the CTA's control block (s_ctrl) that is 1 while the consumers cross a hop
 
 X_PAD = 8                   # words after each sequence's staged input row up to SPLIT_BATCH: with rows of a whole
                             # number of 128-byte lines plus 32 bytes, the 8-byte B loads of the four sequences of a
@@ -347,11 +348,12 @@ class WeightStream:
                 w_lm_head: Int64, error: Int64, trace: Int64):
         """The producer warp's whole life: every matvec tile of the queue, slot by slot, each into the next
         ring slot once the consumer warps that read its last use have left it and the slot self.in_flight
-        (HOP_IN_FLIGHT while the consumers cross a hop: s_ctrl[5]) before it has landed; then wait until every
-        copy issued has landed (a CTA must not exit with a bulk copy in flight). Stops issuing when the consumers
-        abort (abort_addr) or a slot stays occupied past the timeout (error word ERR_RING). The slot loops are the
-        consumers' (chunk, slab, row group), stepped by additions: the producer is on the critical path whenever
-        the ring has just been freed, and a slot index decoded by divisions measured 7% slower (profiles/RESULTS.md)."""
+        (HOP_IN_FLIGHT while the consumers cross a hop: s_ctrl[HOP_WORD]) before it has landed; then wait until
+        every copy issued has landed (a CTA must not exit with a bulk copy in flight). Stops issuing when the
+        consumers abort (abort_addr) or a slot stays occupied past the timeout (error word ERR_RING). The slot loops
+        are the consumers' (chunk, slab, row group), stepped by additions: the producer is on the critical path
+        whenever the ring has just been freed, and a slot index decoded by divisions measured 7% slower
+        (profiles/RESULTS.md)."""
         NS = self.ring_slots
         k = Int32(0)
         stop = Int32(0)
@@ -397,9 +399,10 @@ class WeightStream:
                                     t_free = t_free + (globaltimer_lo() - t0)
                             cap = Int32(self.in_flight)
                             if cutlass.const_expr(not self.wide):
-                                # HOP_IN_FLIGHT while the consumers store, signal, wait and stage (s_ctrl[5], 16
-                                # bytes past the abort word)
-                                if cute.arch.shuffle_sync(load_shared_volatile(abort_addr + 16), 0) != 0:
+                                # HOP_IN_FLIGHT while the consumers store, signal, wait and stage (s_ctrl[HOP_WORD];
+                                # abort_addr is s_ctrl[1]'s)
+                                hop = load_shared_volatile(abort_addr + 4 * (HOP_WORD - 1))
+                                if cute.arch.shuffle_sync(hop, 0) != 0:
                                     cap = Int32(HOP_IN_FLIGHT)
                             kf = k - cap                     # at most that many slots on their way at once
                             if stop == 0 and kf >= 0:
