@@ -28,9 +28,9 @@ from ..instructions.opcodes import Opcode
 from .ptx import (ex2, globaltimer_lo, ld_f32, load_shared_b32, load_shared_raw, max_index, mbarrier_arrive,
                   mma_bf16_16816, rsqrt, st_f32, st_i32, warp_max_index, warp_sum)
 from .ring_model import reader_warp
-from .stream import (HOP_WORD, ITEM_ROWS, PEER_LM_IDX, PEER_LM_MAX, PEER_RECV_DOWN, PEER_RECV_O, SLAB_COLS, SLOT_BYTES,
+from .stream import (ITEM_ROWS, PEER_LM_IDX, PEER_LM_MAX, PEER_RECV_DOWN, PEER_RECV_O, SLAB_COLS, SLOT_BYTES,
                      TR_CONSUMED, TR_EPILOGUE, TR_LANDED_FIRST, TR_LANDED_LAST, TR_REACHED_LAST, TR_STAGED,
-                     TR_WAIT_LANDED, X_PAD)
+                     TR_WAIT_LANDED, X_PAD, mark_hop)
 
 LOAD_KP = 4                # 32-column blocks whose weight loads are in flight at once (8 x 16 bytes per lane)
 
@@ -154,8 +154,7 @@ class MatvecStage:
                 self.rms_statistic(tidx, warp, lane, K, ss, s)
             self.consumer_sync()
             if tidx == 0:
-                s_ctrl = s.ctrl
-                s_ctrl[HOP_WORD] = Int32(0)       # the input is staged: the stream's full cap again (HOP_IN_FLIGHT)
+                mark_hop(s, 0)                    # the input is staged: the stream's full cap again
             if cutlass.const_expr(self.options.trace):
                 if tidx == 0:
                     st_i32(rec + TR_STAGED * 4, globaltimer_lo())       # the input staged
@@ -197,8 +196,7 @@ class MatvecStage:
                                    s, ss, w0 * slab, ww, xw)
                         self.consumer_sync()
                         if tidx == 0 and c0 == 0 and sl == 0:
-                            s_ctrl = s.ctrl
-                            s_ctrl[HOP_WORD] = Int32(0)   # the first window is staged (HOP_IN_FLIGHT)
+                            mark_hop(s, 0)                # the first window is staged
                         if cutlass.const_expr(self.options.trace):
                             if tidx == 0 and c0 == 0 and sl == 0:
                                 st_i32(rec + TR_STAGED * 4, globaltimer_lo())     # the first window staged
@@ -257,8 +255,7 @@ class MatvecStage:
                 self.rms_statistic(tidx, warp, lane, K, ss, s)
             self.consumer_sync()
             if tidx == 0 and c0 + rows >= a1:
-                s_ctrl = s.ctrl
-                s_ctrl[HOP_WORD] = Int32(1)       # past the tile's last slot: the hop begins (HOP_IN_FLIGHT)
+                mark_hop(s, 1)                    # past the tile's last slot: the hop begins
             if cutlass.const_expr(self.options.trace):
                 if tidx == 0:
                     st_i32(rec + TR_CONSUMED * 4, globaltimer_lo())     # every warp past the chunk's last slot

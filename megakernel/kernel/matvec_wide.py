@@ -45,7 +45,8 @@ from .ptx import (bulk_copy_g2s, globaltimer_lo, ld_bf16, ld_f32, load_f32x4, lo
                   mbarrier_arrive_expect_tx, policy_evict_last, rsqrt, st_bf16, st_f32, st_i32, warp_max_index,
                   wgmma_bf16_rs, wgmma_desc)
 from .stream import (ITEM_ROWS, M_TILE, SLAB_COLS, SLOT_BYTES, TR_CONSUMED, TR_LANDED_FIRST, TR_LANDED_LAST, TR_STAGED,
-                     TR_REACHED_LAST, TR_WAIT_LANDED, WGMMA_LBO, WGMMA_SBO, WIDE_WARPS, m_tiles, wide_ks_bytes)
+                     TR_REACHED_LAST, TR_WAIT_LANDED, WGMMA_LBO, WGMMA_SBO, WIDE_WARPS, m_tiles, mark_hop,
+                     wide_ks_bytes)
 
 OP_QKV, OP_O_PROJ, OP_GATE_UP = int(Opcode.QKV), int(Opcode.O_PROJ), int(Opcode.GATE_UP)
 OP_DOWN, OP_LM_HEAD = int(Opcode.DOWN), int(Opcode.LM_HEAD)
@@ -111,6 +112,8 @@ class WideMatvec:
                     if c0 > 0 or sl > 0:
                         self.consumer_sync()      # the previous window is read: this one may overwrite it
                     self.input_window(tidx, src, ssq, rstd and c0 == 0 and sl == 0, k0 + w0 * slab, ww, p, s)
+                    if tidx == 0 and c0 == 0 and sl == 0:
+                        mark_hop(s, 0)                # the first window is staged
                     if cutlass.const_expr(self.options.trace):
                         if tidx == 0 and c0 == 0 and sl == 0:
                             st_i32(rec + TR_STAGED * 4, globaltimer_lo())
@@ -153,6 +156,8 @@ class WideMatvec:
                                 mbarrier_arrive(empty + ((first + m) % self.ring_slots) * 8)
                     k_slot = k_slot + 1
             self.consumer_sync()
+            if tidx == 0 and c0 + rows >= a1:
+                mark_hop(s, 1)                        # past the tile's last slot: the hop begins
             if cutlass.const_expr(self.options.trace):
                 if tidx == 0:
                     st_i32(rec + TR_CONSUMED * 4, globaltimer_lo())

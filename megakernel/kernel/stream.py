@@ -149,16 +149,27 @@ def max_in_flight(batch: int, layer_bytes_per_sm: int) -> int:
     return 3 if batch <= 4 and layer_bytes_per_sm >= STREAM_BOUND_BYTES else 2
 
 
-HOP_IN_FLIGHT = 1           # weight slots on their way per SM while the consumers cross a hop, up to SPLIT_BATCH:
-                            # from every warp past a tile's last slot (its epilogue's stores, the signal's release,
-                            # the wait for the next stage's counter) until the next matvec's input is staged, the
-                            # chain's stores and loads queue behind fewer copies; max_in_flight again past it. One
-                            # H100 sweep against max_in_flight throughout, the same logits bit for bit (ms/step;
-                            # profiles/RESULTS.md, 2026-12-05, twenty-seventh session): qwen3-0.6b 0.672 / 0.727 at
-                            # batch 1 (one slot throughout 0.692), 0.945 / 0.991 at 8; llama-3.2-1b 0.932 / 0.963
-                            # at 1, 1.128 / 1.165 at 8; llama-3.1-8b 5.168 / 5.332 at 1. The signal's barrier +
-                            # release fell from 1.1-1.8 to 0.8-0.9 us a hop (0.54 with no copies at all).
+HOP_IN_FLIGHT = 1           # weight slots on their way per SM while the consumers cross a hop: from every warp past
+                            # a tile's last slot (its epilogue's stores, the signal's release, the wait for the next
+                            # stage's counter) until the next matvec's input (its first window) is staged, the
+                            # chain's stores and loads queue behind fewer copies; max_in_flight again past it. H100
+                            # sweeps against max_in_flight throughout, the same logits bit for bit (ms/step;
+                            # profiles/RESULTS.md): up to SPLIT_BATCH (2026-12-05, twenty-seventh session)
+                            # qwen3-0.6b 0.672 / 0.727 at batch 1 (one slot throughout 0.692), 0.945 / 0.991 at 8;
+                            # llama-3.2-1b 0.932 / 0.963 at 1, 1.128 / 1.165 at 8; llama-3.1-8b 5.168 / 5.332 at 1.
+                            # The signal's barrier + release fell from 1.1-1.8 to 0.8-0.9 us a hop (0.54 with no
+                            # copies at all). Past it (2026-12-06, twenty-ninth session): llama-3.2-1b 1.270 /
+                            # 1.317 at 16, 1.477 / 1.510 at 32, 1.682 / 1.728 at 64; qwen3-0.6b 1.410 / 1.454 at
+                            # 32; llama-3.1-8b 7.107 / 7.203 at 32. Two slots instead of one lost (llama-3.1-8b
+                            # 5.265 / 5.189 at 1, 5.698 / 5.613 at 4; llama-2-7b 4.541 / 4.527 at 1).
 HOP_WORD = 5                # the word of the CTA's control block (s_ctrl) that is 1 while the consumers cross a hop
+
+
+def mark_hop(s, crossing: int):
+    """The consumers' thread 0 tells the producer where the chain is (s_ctrl[HOP_WORD]): 1 once every warp is past
+    a tile's last slot, 0 once the next matvec's input (its first window) is staged."""
+    s_ctrl = s.ctrl
+    s_ctrl[HOP_WORD] = Int32(crossing)
 
 X_PAD = 8                   # words after each sequence's staged input row up to SPLIT_BATCH: with rows of a whole
                             # number of 128-byte lines plus 32 bytes, the 8-byte B loads of the four sequences of a
@@ -398,12 +409,11 @@ class WeightStream:
                                 if cutlass.const_expr(self.options.trace):
                                     t_free = t_free + (globaltimer_lo() - t0)
                             cap = Int32(self.in_flight)
-                            if cutlass.const_expr(not self.wide):
-                                # HOP_IN_FLIGHT while the consumers store, signal, wait and stage (s_ctrl[HOP_WORD];
-                                # abort_addr is s_ctrl[1]'s)
-                                hop = load_shared_volatile(abort_addr + 4 * (HOP_WORD - 1))
-                                if cute.arch.shuffle_sync(hop, 0) != 0:
-                                    cap = Int32(HOP_IN_FLIGHT)
+                            # HOP_IN_FLIGHT while the consumers store, signal, wait and stage (s_ctrl[HOP_WORD];
+                            # abort_addr is s_ctrl[1]'s)
+                            hop = load_shared_volatile(abort_addr + 4 * (HOP_WORD - 1))
+                            if cute.arch.shuffle_sync(hop, 0) != 0:
+                                cap = Int32(HOP_IN_FLIGHT)
                             kf = k - cap                     # at most that many slots on their way at once
                             if stop == 0 and kf >= 0:
                                 if cutlass.const_expr(self.options.trace):

@@ -51,7 +51,7 @@ def test_the_kernels_reader_rule_keeps_every_wait_on_its_phase(preset, batch):
     chunks, ring_slots, parts, warps, cap = ring_case(preset, batch)
     assert sum(chunks) > 2 * ring_slots, "the case must reuse every ring slot"
     for seed in range(4):
-        # (up to SPLIT_BATCH the producer keeps HOP_IN_FLIGHT slots on their way while the consumers cross a hop)
+        # (the producer keeps HOP_IN_FLIGHT slots on their way while the consumers cross a hop)
         run = simulate_ring(list(chunks), ring_slots, parts, warps, cap, seed=seed, hop_in_flight=HOP_IN_FLIGHT)
         assert run.reads == run.slots * parts == sum(chunks) * parts
         # the cap waits for slot k - cap alone, and copies may land out of order (as bulk copies do)
