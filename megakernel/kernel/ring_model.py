@@ -10,6 +10,10 @@ timings. It checks what the device code (megakernel.kernel.stream, .matvec) reli
     hop: stream.HOP_IN_FLIGHT) and the consumers' visiting order never wait on each other in a cycle;
   - every part of every slot is read once, by the warp the rule names.
 
+Past SPLIT_BATCH (megakernel.kernel.matvec_wide) every consumer warp waits for every slot and a warpgroup keeps a
+set of four slots until the set's last has landed (`wide_programs`, `simulate_wide_ring`): the same checks, and a
+ring too shallow for a set is the deadlock the model must see.
+
 `reader_warp` is the rule itself, which the device code calls (or, where ring_slot * parts + part stays below
 2 x warps, as on every layout the engine builds, computes as that sum less warps at most). Pure Python (no CuTe
 DSL), so the suite runs it on the real presets' slot sequences (tests/unit/test_ring_model.py), as the schedule's
@@ -64,6 +68,16 @@ class _Barrier:
         return self.completed % 2 != parity
 
 
+@dataclass(frozen=True)
+class _Step:
+    """One item of a consumer warp's program: wait for `slot` to land (its use's phase), then, if `read`, read for
+    a random time; then arrive on the empty barrier of each slot in `release`."""
+
+    slot: int
+    release: tuple[int, ...]
+    read: tuple[int, int] | None       # (slot, part) read, counted; None: pass the slot on without reading
+
+
 def simulate_ring(chunks: list[int], ring_slots: int, parts: int, warps: int, max_in_flight: int,
                   seed: int = 0, reader=None, land_ns: tuple[int, int] = (500, 2000),
                   read_ns: tuple[int, int] = (100, 1500), hop_in_flight: int | None = None,
@@ -78,21 +92,67 @@ def simulate_ring(chunks: list[int], ring_slots: int, parts: int, warps: int, ma
     if reader is None:
         def reader(k, p):
             return reader_warp(k % ring_slots, p, parts, warps)
-    rng = random.Random(seed)
-    full = [_Barrier(1) for _ in range(ring_slots)]
-    empty = [_Barrier(parts) for _ in range(ring_slots)]
-    total = sum(chunks)
     # each warp's program, in the device code's order: chunk by chunk, slot by slot, part by part, the parts
     # the rule gives it; a barrier of all consumer warps after every chunk
-    programs: list[list[tuple[int, int] | None]] = [[] for _ in range(warps)]
+    programs: list[list[_Step | None]] = [[] for _ in range(warps)]
     k0 = 0
     for n in chunks:
         for k in range(k0, k0 + n):
             for p in range(parts):
-                programs[reader(k, p)].append((k, p))
+                programs[reader(k, p)].append(_Step(k, (k,), (k, p)))
         for prog in programs:
             prog.append(None)                       # the chunk's barrier
         k0 += n
+    return _run_ring(programs, sum(chunks), ring_slots, parts, parts, max_in_flight, seed, land_ns, read_ns,
+                     hop_in_flight, hop_ns)
+
+
+def wide_programs(chunks: list[tuple[int, int]], warps: int) -> list[list[_Step | None]]:
+    """The consumer warps' programs past SPLIT_BATCH (megakernel.kernel.matvec_wide), over `chunks` of (slabs, row
+    groups): slab by slab, each slab's row groups one slot each. Every warp waits for every slot; row groups go in
+    sets of 4 (set S = rg // 4, warpgroup S % 2 of the two, 4 warps each): the other warpgroup's warps pass a slot on
+    at once, the set's own warps keep theirs until the set's last slot has landed (its fourth, or the slab's last
+    row group), multiply the set and then release all of its slots; a barrier of all warps after every chunk."""
+    programs: list[list[_Step | None]] = [[] for _ in range(warps)]
+    k = 0
+    for slabs, groups in chunks:
+        for _ in range(slabs):
+            for rg in range(groups):
+                last = rg % 4 == 3 or rg == groups - 1
+                first = k - rg % 4
+                for w in range(warps):
+                    if (rg // 4) % 2 != w // 4:
+                        programs[w].append(_Step(k, (k,), None))
+                    elif last:
+                        programs[w].append(_Step(k, tuple(range(first, k + 1)), (k, w % 4)))
+                    else:
+                        programs[w].append(_Step(k, (), None))
+                k += 1
+        for prog in programs:
+            prog.append(None)
+    return programs
+
+
+def simulate_wide_ring(chunks: list[tuple[int, int]], ring_slots: int, warps: int, max_in_flight: int,
+                       seed: int = 0, land_ns: tuple[int, int] = (500, 2000), read_ns: tuple[int, int] = (100, 1500),
+                       hop_in_flight: int | None = None, hop_ns: tuple[int, int] = (300, 3000)) -> RingRun:
+    """simulate_ring for the consumers past SPLIT_BATCH (wide_programs): each slot's empty barrier counts one
+    arrival of every warp; `reads` counts the sets multiplied, one per (set's last slot, warp of its warpgroup)."""
+    total = sum(slabs * groups for slabs, groups in chunks)
+    return _run_ring(wide_programs(chunks, warps), total, ring_slots, warps, 4, max_in_flight, seed, land_ns,
+                     read_ns, hop_in_flight, hop_ns)
+
+
+def _run_ring(programs: list[list[_Step | None]], total: int, ring_slots: int, arrivals: int, parts: int,
+              max_in_flight: int, seed: int, land_ns: tuple[int, int], read_ns: tuple[int, int],
+              hop_in_flight: int | None, hop_ns: tuple[int, int]) -> RingRun:
+    """The event loop shared by both: `programs` per consumer warp, `arrivals` per empty barrier's phase, `parts`
+    the read ids' range per slot (each read (slot, part) done at most once)."""
+    rng = random.Random(seed)
+    warps = len(programs)
+    full = [_Barrier(1) for _ in range(ring_slots)]
+    empty = [_Barrier(arrivals) for _ in range(ring_slots)]
+    released = [0] * total
     read = [[0] * parts for _ in range(total)]
     run = RingRun(slots=total)
     now = 0
@@ -111,6 +171,11 @@ def simulate_ring(chunks: list[int], ring_slots: int, parts: int, warps: int, ma
     blocked = [False] * warps                       # a warp's current read found its slot not landed
     hop = False                                     # the consumers are crossing a hop (hop_in_flight)
     cap_wait = None                                 # (slot the producer's cap wait is on, read during a hop)
+
+    def release(step: _Step):
+        for j in step.release:
+            released[j] += 1
+            empty[j % ring_slots].arrive()
 
     def producer_step() -> bool:
         """Issue the next slot if its waits pass; True if it did."""
@@ -155,7 +220,7 @@ def simulate_ring(chunks: list[int], ring_slots: int, parts: int, warps: int, ma
                     later(rng.randint(*hop_ns), "staged", 0)
                 return True
             return False
-        k, p = item
+        k = item.slot
         r, u = k % ring_slots, k // ring_slots
         if not full[r].passes(u % 2):
             blocked[w] = True
@@ -165,9 +230,13 @@ def simulate_ring(chunks: list[int], ring_slots: int, parts: int, warps: int, ma
                                     f"{full[r].completed} phases of the full barrier complete")
         run.waited += blocked[w]
         blocked[w] = False
+        if item.read is None:                       # passed on (or kept for its set) at once
+            release(item)
+            pc[w] += 1
+            return True
         busy[w] = True
-        read[k][p] += 1
-        later(rng.randint(*read_ns), "read", w * total * parts + k * parts + p)
+        read[k][item.read[1]] += 1
+        later(rng.randint(*read_ns), "read", w)
         return True
 
     while True:
@@ -185,18 +254,18 @@ def simulate_ring(chunks: list[int], ring_slots: int, parts: int, warps: int, ma
             landed.add(who)
             full[who % ring_slots].arrive()
         else:
-            w, rest = divmod(who, total * parts)
-            k, p = divmod(rest, parts)
-            busy[w] = False
-            pc[w] += 1
+            busy[who] = False
+            release(programs[who][pc[who]])
+            pc[who] += 1
             run.reads += 1
-            empty[k % ring_slots].arrive()
     stuck = [w for w in range(warps) if pc[w] < len(programs[w])]
     if issued < total or stuck:
         raise RingProtocolError(f"deadlock: {issued} of {total} slots issued, warps {stuck} stopped at "
                                 f"{[programs[w][pc[w]] for w in stuck]}")
     for k in range(total):
+        if released[k] != arrivals:
+            raise RingProtocolError(f"slot {k} released {released[k]} times, not {arrivals}")
         for p in range(parts):
-            if read[k][p] != 1:
+            if read[k][p] > 1:
                 raise RingProtocolError(f"part {p} of slot {k} read {read[k][p]} times")
     return run

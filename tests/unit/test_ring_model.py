@@ -15,8 +15,8 @@ from megakernel.instructions.layout import StepLayout, default_kv_splits
 from megakernel.instructions.matvec_stages import MATVEC_OPCODES, weight_rows
 from megakernel.instructions.record import serialize
 from megakernel.kernel.interpreter import DecodeKernel, KernelOptions
-from megakernel.kernel.ring_model import RingProtocolError, reader_warp, simulate_ring
-from megakernel.kernel.stream import HOP_IN_FLIGHT, STREAM_BOUND_BYTES, max_in_flight
+from megakernel.kernel.ring_model import RingProtocolError, reader_warp, simulate_ring, simulate_wide_ring
+from megakernel.kernel.stream import HOP_IN_FLIGHT, ITEM_ROWS, STREAM_BOUND_BYTES, WIDE_WARPS, max_in_flight
 from megakernel.model.presets import get_preset
 from megakernel.schedule import assign, build_program
 
@@ -58,6 +58,60 @@ def test_the_kernels_reader_rule_keeps_every_wait_on_its_phase(preset, batch):
         assert cap <= run.max_in_flight <= ring_slots, run
         assert run.waited > 0, "random timings that never made a reader wait test nothing"
         assert run.hop_issued > 0, "a run that never issued a slot during a hop does not test the hold"
+
+
+@functools.lru_cache(maxsize=None)
+def wide_ring_case(preset: str, batch: int, sm: int = 0, layers: int = 2):
+    """(chunks as (slabs, row groups), ring slots, warps, in-flight cap) of one CTA of the real kernel past
+    SPLIT_BATCH: its queue's matvec chunks in order (the first `layers` layers' and the LM head's), each K the
+    instruction's own (a K range's width where the stage is split over K)."""
+    config = get_preset(preset)
+    layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, NUM_SMS, 4096),
+                        block_size=16, max_blocks_per_seq=16, num_sms=NUM_SMS)
+    program = build_program(layout)
+    queues = assign(program, "balanced")
+    table, _ = serialize(queues)
+    kernel = DecodeKernel(layout, program.lm_tiles, program.num_counters, table.shape[1])
+    assert kernel.wide and kernel.warps == WIDE_WARPS
+    chunks = []
+    for ins in queues[sm]:
+        if ins.opcode not in MATVEC_OPCODES or (ins.layer >= layers and ins.opcode.name != "LM_HEAD"):
+            continue
+        _, k = weight_rows(ins.opcode, layout)
+        if ins.k_parts > 1:
+            k = kernel.split_widths[int(ins.opcode)]
+        g = kernel.plan.geometry(k)
+        assert g.rows_per_slot == ITEM_ROWS, "the wide consumers take a row group (ITEM_ROWS rows) a slot"
+        for c0 in range(0, ins.a1, g.chunk_rows):
+            chunks.append((g.n_slab, -(-min(g.chunk_rows, ins.a1 - c0) // ITEM_ROWS)))
+    return tuple(chunks), kernel.ring_slots, kernel.warps, kernel.in_flight
+
+
+@pytest.mark.parametrize("preset,batch", [("llama-3.2-1b", 16), ("llama-3.2-1b", 64), ("qwen3-0.6b", 32),
+                                          ("llama-3.1-8b", 32)])
+def test_the_wide_consumers_sets_keep_every_wait_on_its_phase_through_the_hold(preset, batch):
+    """Past batch 8 every consumer warp waits for every slot and a warpgroup keeps a set's four slots until the
+    set's last has landed; with the producer holding to HOP_IN_FLIGHT slots through every hop (stream.py, as up to
+    batch 8) no wait passes on the wrong phase, every slot is released by all warps, nothing deadlocks."""
+    chunks, ring_slots, warps, cap = wide_ring_case(preset, batch)
+    slots = sum(slabs * groups for slabs, groups in chunks)
+    sets = sum(slabs * -(-groups // 4) for slabs, groups in chunks)
+    assert slots > 2 * ring_slots, "the case must reuse every ring slot"
+    for seed in range(3):
+        run = simulate_wide_ring(list(chunks), ring_slots, warps, cap, seed=seed, hop_in_flight=HOP_IN_FLIGHT)
+        assert run.slots == slots and run.reads == sets * 4, run
+        assert cap <= run.max_in_flight <= ring_slots, run
+        assert run.waited > 0 and run.hop_issued > 0, run
+
+
+def test_the_wide_model_sees_a_ring_too_shallow_for_a_set():
+    """A warpgroup keeps a set's slots until its fourth has landed: a ring of three slots deadlocks (the model
+    must see it), one of four does not, under any cap."""
+    with pytest.raises(RingProtocolError, match="deadlock"):
+        simulate_wide_ring([(2, 8)], 3, WIDE_WARPS, 2, seed=0, hop_in_flight=1)
+    for cap in (1, 2, 4):
+        run = simulate_wide_ring([(2, 8), (1, 5)], 4, WIDE_WARPS, cap, seed=cap, hop_in_flight=1)
+        assert run.reads == (2 * 2 + 2) * 4
 
 
 @pytest.mark.parametrize("preset,batch,cap", [("qwen3-0.6b", 1, 2), ("llama-3.2-1b", 1, 2), ("llama-3.2-1b", 4, 2),
