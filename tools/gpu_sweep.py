@@ -182,6 +182,20 @@ def stream_breakdown(op, rs):
     return stream
 
 
+def end_spread(groups):
+    """(tail, p90) of a per-layer stage in us, means over its layers' groups of records: the last instruction's end
+    after the median one's (what the stage's waiters wait for beyond a typical SM), and the 90th percentile's end
+    after the median's. A tail far past the p90 is a few late tiles (a wait on them could start without them); a
+    tail near it, ends spread over all of them."""
+    tails, p90s = [], []
+    for g in groups:
+        ends = [r["end"] for r in g]
+        med = statistics.median(ends)
+        tails.append(max(ends) - med)
+        p90s.append(statistics.quantiles(ends, n=10, method="inclusive")[8] - med)
+    return statistics.mean(tails) / 1e3, statistics.mean(p90s) / 1e3
+
+
 def layer_groups(rs, layers):
     """A per-layer stage's records, one group per layer: `layers` groups of equal size in order of ready stamp."""
     rs = sorted(rs, key=lambda r: r["ready"])
@@ -212,10 +226,8 @@ def trace(eng, start=32):
         if len(rs) % layers == 0 and len(rs) > layers:
             groups = layer_groups(rs, layers)
             spans = [max(r["end"] for r in g) - min(r["ready"] for r in g) for g in groups]
-            # its tail: the last instruction's end after the median one's (what the stage's waiters wait for beyond
-            # a typical SM)
-            tails = [max(r["end"] for r in g) - statistics.median(r["end"] for r in g) for g in groups]
-            phase = f"  layer span {statistics.mean(spans)/1e3:6.2f} us, tail {statistics.mean(tails)/1e3:5.2f} us"
+            tail, p90 = end_spread(groups)
+            phase = f"  layer span {statistics.mean(spans)/1e3:6.2f} us, tail {tail:5.2f} us (p90 {p90:5.2f})"
         stream = stream_breakdown(op, rs)
         hv = [hops[r["index"]] for r in rs if r["index"] in hops]
         hop = f"  hop {statistics.mean(hv)/1e3:5.2f} us" if hv else ""

@@ -1,4 +1,5 @@
-"""tools/gpu_sweep.py's CPU parts: the variant spec parser and the interleaved timing rounds."""
+"""tools/gpu_sweep.py's CPU parts: the variant spec parser, the interleaved timing rounds and the trace's
+reading of a stage's end times."""
 
 from __future__ import annotations
 
@@ -42,6 +43,23 @@ def test_interleaved_rounds_visit_every_variant_in_turn(sweep):
     assert got["a"] == (6.0, 2.0, 9.0)
     # b: rounds [5, 4] [6, 7] [5.5, 5] -> 4.5, 6.5, 5.25; median of all 5.25
     assert got["b"] == (5.25, 4.5, 6.5)
+
+
+def test_end_spread_tells_a_few_late_tiles_from_ends_spread_over_all(sweep):
+    """A stage's tail (last end after the median's) against its 90th percentile's: one late tile of 21 leaves the
+    p90 at the pack while the tail is its lateness; ends spread evenly put both near each other. Means over layers,
+    in us from ns stamps."""
+    import random
+
+    rng = random.Random(5)
+    pack = [{"end": 10_000 + rng.randrange(100)} for _ in range(20)]
+    straggler = [pack + [{"end": 11_500}], pack + [{"end": 12_500}]]
+    tail, p90 = sweep.end_spread(straggler)
+    med = sorted(r["end"] for r in straggler[0])[10]
+    assert tail == pytest.approx((11_500 + 12_500) / 2 / 1e3 - med / 1e3) and p90 < 0.1 < 1.0 < tail
+    even = [[{"end": 10_000 + 100 * i} for i in range(21)]]
+    tail, p90 = sweep.end_spread(even)
+    assert tail == pytest.approx(1.0) and p90 == pytest.approx(0.8)
 
 
 def test_cache_positions_cover_the_timed_steps_and_the_asked_cache_in_whole_blocks(sweep):
