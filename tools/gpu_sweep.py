@@ -13,7 +13,8 @@ during the sweep falls on all variants alike. Per variant: the median of all its
 spread of its round medians (what a difference between two variants must exceed to mean anything).
 The trace's lines per stage: the mean wait and work, the layer span, "hop" (from the end stamp of the last producer
 of the counter an instruction waited on to its ready stamp: the release's travel, the poll and the barrier after
-it), "tail" (a layer's last instruction's end after its median one's), and a matvec's stream and epilogue (thread
+it), "tail" (a layer's last instruction's end after its median one's; "p90" beside it, the 90th percentile's: a
+tail far past it is a few late tiles), and a matvec's stream and epilogue (thread
 0's epilogue body, then the signal's barrier and release); under a matvec stage's line, "last to end": the same
 for each layer's instruction that ended last (the one the next stage waits for), with its rows."""
 import collections, os, statistics, sys
