@@ -24,10 +24,10 @@ NUM_SMS = 132
 
 
 @functools.lru_cache(maxsize=None)
-def ring_case(preset: str, batch: int, sm: int = 0, layers: int = 2):
-    """(chunks, ring slots, parts, warps, in-flight cap) of one CTA of the real kernel: the slot counts of its
-    queue's matvec chunks in order (the first `layers` layers' instructions and the LM head's), from the kernel's
-    own geometry."""
+def kernel_case(preset: str, batch: int, sm: int = 0, layers: int = 2):
+    """(the real kernel, its geometry's K of each matvec instruction of one CTA's queue in order) for the first
+    `layers` layers' instructions and the LM head's: K the instruction's own (a K range's width where the stage
+    is split over K, as only past SPLIT_BATCH)."""
     config = get_preset(preset)
     layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, NUM_SMS, 4096),
                         block_size=16, max_blocks_per_seq=16, num_sms=NUM_SMS)
@@ -35,11 +35,23 @@ def ring_case(preset: str, batch: int, sm: int = 0, layers: int = 2):
     queues = assign(program, "balanced")
     table, _ = serialize(queues)
     kernel = DecodeKernel(layout, program.lm_tiles, program.num_counters, table.shape[1])
-    chunks = []
+    matvecs = []
     for ins in queues[sm]:
         if ins.opcode not in MATVEC_OPCODES or (ins.layer >= layers and ins.opcode.name != "LM_HEAD"):
             continue
         _, k = weight_rows(ins.opcode, layout)
+        if ins.k_parts > 1:
+            k = kernel.split_widths[int(ins.opcode)]
+        matvecs.append((ins, k))
+    return kernel, tuple(matvecs)
+
+
+def ring_case(preset: str, batch: int):
+    """(chunks, ring slots, parts, warps, in-flight cap) of one CTA of the real kernel: the slot counts of its
+    queue's matvec chunks in order, from the kernel's own geometry."""
+    kernel, matvecs = kernel_case(preset, batch)
+    chunks = []
+    for ins, k in matvecs:
         chunks += kernel.plan.geometry(k).chunk_slots(ins.a1)
     return tuple(chunks), kernel.ring_slots, kernel.plan.parts, kernel.warps, kernel.in_flight
 
@@ -60,26 +72,13 @@ def test_the_kernels_reader_rule_keeps_every_wait_on_its_phase(preset, batch):
         assert run.hop_issued > 0, "a run that never issued a slot during a hop does not test the hold"
 
 
-@functools.lru_cache(maxsize=None)
-def wide_ring_case(preset: str, batch: int, sm: int = 0, layers: int = 2):
+def wide_ring_case(preset: str, batch: int):
     """(chunks as (slabs, row groups), ring slots, warps, in-flight cap) of one CTA of the real kernel past
-    SPLIT_BATCH: its queue's matvec chunks in order (the first `layers` layers' and the LM head's), each K the
-    instruction's own (a K range's width where the stage is split over K)."""
-    config = get_preset(preset)
-    layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, NUM_SMS, 4096),
-                        block_size=16, max_blocks_per_seq=16, num_sms=NUM_SMS)
-    program = build_program(layout)
-    queues = assign(program, "balanced")
-    table, _ = serialize(queues)
-    kernel = DecodeKernel(layout, program.lm_tiles, program.num_counters, table.shape[1])
+    SPLIT_BATCH: its queue's matvec chunks in order."""
+    kernel, matvecs = kernel_case(preset, batch)
     assert kernel.wide and kernel.warps == WIDE_WARPS
     chunks = []
-    for ins in queues[sm]:
-        if ins.opcode not in MATVEC_OPCODES or (ins.layer >= layers and ins.opcode.name != "LM_HEAD"):
-            continue
-        _, k = weight_rows(ins.opcode, layout)
-        if ins.k_parts > 1:
-            k = kernel.split_widths[int(ins.opcode)]
+    for ins, k in matvecs:
         g = kernel.plan.geometry(k)
         assert g.rows_per_slot == ITEM_ROWS, "the wide consumers take a row group (ITEM_ROWS rows) a slot"
         for c0 in range(0, ins.a1, g.chunk_rows):
