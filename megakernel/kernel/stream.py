@@ -167,9 +167,22 @@ HOP_WORD = 5                # the word of the CTA's control block (s_ctrl) that 
 
 def mark_hop(s, crossing: int):
     """The consumers' thread 0 tells the producer where the chain is (s_ctrl[HOP_WORD]): 1 once every warp is past
-    a tile's last slot, 0 once the next matvec's input (its first window) is staged."""
-    s_ctrl = s.ctrl
-    s_ctrl[HOP_WORD] = Int32(crossing)
+    a tile's last slot, 0 once the next matvec's input (its first window) is staged. The word is written and read
+    (read_hop) by shared-memory atomics: no barrier orders the two warps' accesses (either value is a right cap for
+    the slot the producer is about to issue), and compute-sanitizer's racecheck reports a plain store and load of
+    it as a hazard."""
+    cute.arch.atomic_exch(s.ctrl.iterator + HOP_WORD, Int32(crossing), sem="relaxed", scope="cta")
+
+
+@cute.jit
+def read_hop(lane: Int32, ctrl_addr: Int32) -> Int32:
+    """The producer warp's read of s_ctrl[HOP_WORD] (mark_hop) at shared address ctrl_addr: lane 0's atomic,
+    broadcast to the warp."""
+    hop = Int32(0)
+    if lane == 0:
+        hop = cute.arch.atomic_or(cute.make_ptr(Int32, ctrl_addr + 4 * HOP_WORD, cute.AddressSpace.smem), Int32(0),
+                                  sem="relaxed", scope="cta")
+    return cute.arch.shuffle_sync(hop, 0)
 
 X_PAD = 8                   # words after each sequence's staged input row up to SPLIT_BATCH: with rows of a whole
                             # number of 128-byte lines plus 32 bytes, the 8-byte B loads of the four sequences of a
@@ -411,8 +424,7 @@ class WeightStream:
                             cap = Int32(self.in_flight)
                             # HOP_IN_FLIGHT while the consumers store, signal, wait and stage (s_ctrl[HOP_WORD];
                             # abort_addr is s_ctrl[1]'s)
-                            hop = load_shared_volatile(abort_addr + 4 * (HOP_WORD - 1))
-                            if cute.arch.shuffle_sync(hop, 0) != 0:
+                            if read_hop(lane, abort_addr - 4) != 0:
                                 cap = Int32(HOP_IN_FLIGHT)
                             kf = k - cap                     # at most that many slots on their way at once
                             if stop == 0 and kf >= 0:

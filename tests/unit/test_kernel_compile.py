@@ -96,6 +96,10 @@ def test_weights_stream_through_bulk_copies_into_shared_memory(name, batch):
     assert re.search(r"\bUBLKCP\b", art["sass"]), f"{what}: no UBLKCP in the SASS"
     assert re.search(r"\bSYNCS\.", art["sass"]), f"{what}: no mbarrier instruction in the SASS"
     assert re.search(r"\bLDS\.128\b", art["sass"]), f"{what}: no 128-bit shared load in the SASS"
+    # the hop word (stream.mark_hop / read_hop): shared-memory atomics on both sides, which racecheck does not
+    # report, where a plain store and load of it were 100 hazards (H100, 2026-12-06)
+    assert re.search(r"\bATOMS\.EXCH\b", art["sass"]) and re.search(r"\bATOMS\.OR\b", art["sass"]), \
+        f"{what}: the hop word is not written and read by shared-memory atomics"
     assert not re.findall(r"ld\.global\.nc\.L1::no_allocate\S*", art["ptx"]), \
         f"{what}: a consumer still loads weights from global memory"
     dk = art["device_code"]
@@ -230,6 +234,8 @@ def test_wide_batches_stream_and_multiply(name, batch):
     dk = art["device_code"]
     assert dk.wide and dk.warps == 8, what
     assert re.search(r"\bUBLKCP\b", art["sass"]), f"{what}: no UBLKCP in the SASS"
+    assert re.search(r"\bATOMS\.EXCH\b", art["sass"]) and re.search(r"\bATOMS\.OR\b", art["sass"]), \
+        f"{what}: the hop word is not written and read by shared-memory atomics"
     assert 4 <= dk.ring_slots and dk.smem_bytes() <= 227 * 1024, what
     if name != "tiny-llama":
         assert dk.split_widths, f"{what}: no stage split over K"
