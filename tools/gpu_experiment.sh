@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Run a parked experiment (profiles/experiments/NAME.patch) on the GPU host in one call: copy the working tree to
 # a scratch folder, apply the patch there, and run the commands its header lists in order (the lines that start with
-# "python3 tools/gpu_sweep.py" or "python3 -m pytest", optionally after VAR=value settings of their environment: each
-# in a process of its own): the sweeps check each variant's logits against the first's, the tests are the patch's
-# own GPU tests. The tree this script runs from is not changed. Logs under $OUT/experiment_NAME.log. --only=1,3
-# runs only those commands (numbered from 1 in the header's order), so one patch's can be spread over calls.
+# "python3 tools/gpu_sweep.py", "python3 tools/sanitize.py" or "python3 -m pytest", optionally after VAR=value settings
+# of their environment: each in a process of its own): the sweeps check each variant's logits against the first's,
+# the sanitizer runs and the tests check the patched kernel. The tree this script runs from is not changed. Logs
+# under $OUT/experiment_NAME.log. --only=1,3 runs only those commands (numbered from 1 in the header's order), so one
+# patch's can be spread over calls.
 # Usage on the GPU host: bash tools/gpu_experiment.sh profiles/experiments/NAME.patch [--only=N,...] [--dry-run]
 set -uo pipefail
 patch=${1:-}
 if [ -z "$patch" ] || [ "$patch" = "-h" ] || [ "$patch" = "--help" ]; then
-  sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; [ -n "$patch" ]; exit $?
+  sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; [ -n "$patch" ]; exit $?
 fi
 usage="usage: gpu_experiment.sh PATCH [--only=N,...] [--dry-run]"
 [ -f "$patch" ] || { echo "$usage  (no such file: $patch)" >&2; exit 2; }
@@ -21,10 +22,10 @@ for a in "${@:2}"; do
     *) echo "$usage  (unknown argument: $a)" >&2; exit 2 ;;
   esac
 done
-mapfile -t sweeps < <(grep -E '^[[:space:]]*([A-Z][A-Z0-9_]*=[^[:space:]]+[[:space:]]+)*python3 (tools/gpu_sweep\.py|-m pytest) ' \
+mapfile -t sweeps < <(grep -E '^[[:space:]]*([A-Z][A-Z0-9_]*=[^[:space:]]+[[:space:]]+)*python3 (tools/gpu_sweep\.py|tools/sanitize\.py|-m pytest) ' \
                       "$patch" | sed 's/^[[:space:]]*//')
 if [ ${#sweeps[@]} -eq 0 ]; then
-  echo "usage: gpu_experiment.sh PATCH  ($patch lists no 'python3 tools/gpu_sweep.py' or 'python3 -m pytest' line)" >&2
+  echo "usage: gpu_experiment.sh PATCH  ($patch lists no 'python3 tools/gpu_sweep.py', 'python3 tools/sanitize.py' or 'python3 -m pytest' line)" >&2
   exit 2
 fi
 if [ -n "$only" ]; then

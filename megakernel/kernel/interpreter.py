@@ -1,5 +1,5 @@
 """The persistent decode megakernel (core v2): one CTA per SM interprets its queue of fused-stage
-instructions with 15 consumer warps (8 at batch 5-8), while a producer warp streams the queue's weights
+instructions with 15 consumer warps (8 past SPLIT_BATCH), while a producer warp streams the queue's weights
 ahead of them.
 
 A CTA's warps:
@@ -164,11 +164,13 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
         self.qk_norm = bool(c.qk_norm)
         self.E = self.D // 32                     # head elements per lane
         self.scale_log2 = LOG2E / math.sqrt(self.D)
-        # 15 consumer warps at batch 1-4: with the producer 16 warps, 4 per SM sub-partition, so 128 registers
-        # each (16 consumer warps, 17 in all, leave 96, and the kernel spills at some shapes); 8 at batch 5-8,
-        # whose staging and epilogue loops over the batch need more registers still
-        # (WIDE_WARPS past SPLIT_BATCH, each owning a row group of every chunk)
-        self.warps = 15 if self.B <= 4 else WIDE_WARPS
+        # 15 consumer warps up to SPLIT_BATCH: with the producer 16 warps, 4 per SM sub-partition, so 128
+        # registers each (16 consumer warps, 17 in all, leave 96, and the kernel spills at some shapes). At batch
+        # 5-8 with bf16 staged inputs the kernels fit them too (116-126 registers, no spills), and against 8 warps
+        # there (H100, ms/step, 2026-12-06, profiles/RESULTS.md): qwen3-0.6b 0.908 / 0.941 at 8, llama-3.1-8b
+        # 5.887 / 5.968 at 8, llama-3.2-1b 1.035 / 1.056 at 5, level at 8 (1.131 / 1.127). Past SPLIT_BATCH
+        # WIDE_WARPS, each owning a row group of every chunk.
+        self.warps = WIDE_WARPS if wide(self.B) else 15
         self.cthreads = 32 * self.warps
         self.threads = self.cthreads + 32         # + the producer warp
         # the widths of the K ranges of the stages split over K (split_k.py; none up to SPLIT_BATCH)

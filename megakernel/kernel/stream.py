@@ -137,8 +137,8 @@ STREAM_BOUND_BYTES = 2 << 20
 def max_in_flight(batch: int, layer_bytes_per_sm: int) -> int:
     """Weight slots a producer keeps issued and not yet landed. Two hold an SM's share of the read bandwidth on
     their way; more only lengthen the memory queue that every load and signal of the dependency chain waits in.
-    Three where the stream bounds the step: a layer's weights past STREAM_BOUND_BYTES per SM, read by 15
-    consumer warps (batch 1-4; the 8 of batch 5-8 pace the ring themselves). One H100 sweep of 2 against 3
+    Three where the stream bounds the step: a layer's weights past STREAM_BOUND_BYTES per SM, at batch 1-4 (when
+    this was swept, batch 5-8 had 8 consumer warps, which paced the ring themselves). One H100 sweep of 2 against 3
     (ms/step; profiles/RESULTS.md, 2026-12-05, twenty-fourth session): qwen3-0.6b 0.764 / 0.805 at batch 1,
     0.863 / 0.909 at 4, 1.051 / 1.083 at 8; llama-3.2-1b 0.945 / 0.988 at 1, 1.140 / 1.192 at 8; llama-3.1-8b
     5.293 / 5.204 at 1, 5.640 / 5.513 at 2, 5.875 / 5.753 at 4, 5.895 / 5.991 at 8; llama-2-7b 4.704 / 4.650 at

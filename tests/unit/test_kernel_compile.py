@@ -161,7 +161,7 @@ def test_no_local_memory_spills_on_real_presets(name, batch):
 
 
 # The batches between, as the engine lays them out. Register pressure changes with the batch (the work
-# item's shape, accumulators, 16 or 8 consumer warps), so every batch is compiled.
+# item's shape, accumulators, 15 or 8 consumer warps), so every batch is compiled.
 MID_CASES = [(name, batch) for name in REAL_PRESETS for batch in range(2, 8)]
 
 

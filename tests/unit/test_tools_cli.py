@@ -87,19 +87,21 @@ def test_gpu_experiment_applies_a_parked_patch_and_lists_its_sweeps(tmp_path):
                      "  python3 tools/gpu_sweep.py tiny-qwen3 2 default: --no-trace\n"
                      "  PROBE_SETTING=4 python3 tools/gpu_sweep.py tiny-llama 8 default: --no-trace\n"
                      "  python3 -m pytest -m gpu -q tests/unit/test_stages.py -k probe\n"
+                     "  python3 tools/sanitize.py --tools=racecheck --batches=1\n"
                      "  not python3 tools/gpu_sweep.py tiny-llama 4: a sentence that mentions one\n\n"
                      "diff --git a/probe_note.txt b/probe_note.txt\nnew file mode 100644\n--- /dev/null\n"
                      "+++ b/probe_note.txt\n@@ -0,0 +1 @@\n+probe\n")
     got = run(str(patch), "--dry-run")
     assert got.returncode == 0, got.stderr
-    lines = [l.strip() for l in got.stdout.splitlines() if "python3 tools/gpu_sweep.py" in l or "python3 -m" in l]
-    assert len(lines) == 4 and "t:trace=1" in lines[0] and "tiny-qwen3" in lines[1], got.stdout
+    lines = [l.strip() for l in got.stdout.splitlines() if "python3 tools/" in l or "python3 -m" in l]
+    assert len(lines) == 5 and "t:trace=1" in lines[0] and "tiny-qwen3" in lines[1], got.stdout
     assert lines[2].startswith("PROBE_SETTING=4 python3"), got.stdout     # (a sweep in its own environment)
     assert lines[3].startswith("python3 -m pytest -m gpu"), got.stdout    # (the patch's own GPU tests, in order)
+    assert lines[4] == "python3 tools/sanitize.py --tools=racecheck --batches=1", got.stdout
     got = run(str(patch), "--only=2", "--dry-run")
     lines = [l.strip() for l in got.stdout.splitlines() if l.strip().startswith("python3 tools/gpu_sweep.py")]
     assert got.returncode == 0 and len(lines) == 1 and "tiny-qwen3" in lines[0], got.stdout + got.stderr
-    for bad in ("--only=5", "--only=0", "--only=x", "--frobnicate"):
+    for bad in ("--only=6", "--only=0", "--only=x", "--frobnicate"):
         got = run(str(patch), bad, "--dry-run")
         assert got.returncode == 2 and "usage: gpu_experiment.sh" in got.stderr, (bad, got.stderr)
     assert not (REPO / "probe_note.txt").exists()
