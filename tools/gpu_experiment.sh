@@ -22,10 +22,12 @@ for a in "${@:2}"; do
     *) echo "$usage  (unknown argument: $a)" >&2; exit 2 ;;
   esac
 done
-mapfile -t sweeps < <(grep -E '^[[:space:]]*([A-Z][A-Z0-9_]*=[^[:space:]]+[[:space:]]+)*python3 (tools/gpu_sweep\.py|tools/sanitize\.py|-m pytest) ' \
-                      "$patch" | sed 's/^[[:space:]]*//')
+commands='python3 (tools/gpu_sweep\.py|tools/sanitize\.py|-m pytest) '
+mapfile -t sweeps < <(grep -E "^[[:space:]]*([A-Z][A-Z0-9_]*=[^[:space:]]+[[:space:]]+)*$commands" "$patch" |
+                      sed 's/^[[:space:]]*//')
 if [ ${#sweeps[@]} -eq 0 ]; then
-  echo "usage: gpu_experiment.sh PATCH  ($patch lists no 'python3 tools/gpu_sweep.py', 'python3 tools/sanitize.py' or 'python3 -m pytest' line)" >&2
+  echo "usage: gpu_experiment.sh PATCH  ($patch lists no 'python3 tools/gpu_sweep.py'," \
+       "'python3 tools/sanitize.py' or 'python3 -m pytest' line)" >&2
   exit 2
 fi
 if [ -n "$only" ]; then
