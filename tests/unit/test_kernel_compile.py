@@ -83,6 +83,13 @@ def test_kernel_compiles_for_sm90a(name, batch):
     assert re.search(r"\.entry\s+kernel_", art["ptx"]), f"{what}: no kernel entry in the PTX"
 
 
+def assert_hop_word_atomic(art, what):
+    """The hop word (stream.mark_hop / read_hop) written and read by shared-memory atomics, which racecheck does not
+    report, where a plain store and load of it were 100 hazards (H100, 2026-12-06)."""
+    assert re.search(r"\bATOMS\.EXCH\b", art["sass"]) and re.search(r"\bATOMS\.OR\b", art["sass"]), \
+        f"{what}: the hop word is not written and read by shared-memory atomics"
+
+
 @pytest.mark.parametrize("name,batch", CASES)
 def test_weights_stream_through_bulk_copies_into_shared_memory(name, batch):
     """The producer's cp.async.bulk (SASS UBLKCP) completing on mbarriers (try_wait.parity: SYNCS), and the
@@ -96,10 +103,7 @@ def test_weights_stream_through_bulk_copies_into_shared_memory(name, batch):
     assert re.search(r"\bUBLKCP\b", art["sass"]), f"{what}: no UBLKCP in the SASS"
     assert re.search(r"\bSYNCS\.", art["sass"]), f"{what}: no mbarrier instruction in the SASS"
     assert re.search(r"\bLDS\.128\b", art["sass"]), f"{what}: no 128-bit shared load in the SASS"
-    # the hop word (stream.mark_hop / read_hop): shared-memory atomics on both sides, which racecheck does not
-    # report, where a plain store and load of it were 100 hazards (H100, 2026-12-06)
-    assert re.search(r"\bATOMS\.EXCH\b", art["sass"]) and re.search(r"\bATOMS\.OR\b", art["sass"]), \
-        f"{what}: the hop word is not written and read by shared-memory atomics"
+    assert_hop_word_atomic(art, what)
     assert not re.findall(r"ld\.global\.nc\.L1::no_allocate\S*", art["ptx"]), \
         f"{what}: a consumer still loads weights from global memory"
     dk = art["device_code"]
@@ -234,8 +238,7 @@ def test_wide_batches_stream_and_multiply(name, batch):
     dk = art["device_code"]
     assert dk.wide and dk.warps == 8, what
     assert re.search(r"\bUBLKCP\b", art["sass"]), f"{what}: no UBLKCP in the SASS"
-    assert re.search(r"\bATOMS\.EXCH\b", art["sass"]) and re.search(r"\bATOMS\.OR\b", art["sass"]), \
-        f"{what}: the hop word is not written and read by shared-memory atomics"
+    assert_hop_word_atomic(art, what)
     assert 4 <= dk.ring_slots and dk.smem_bytes() <= 227 * 1024, what
     if name != "tiny-llama":
         assert dk.split_widths, f"{what}: no stage split over K"
