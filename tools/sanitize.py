@@ -4,6 +4,10 @@ their mbarrier), and a table of the errors each found in the kernel.
 
 Usage (GPU host, compute-sanitizer on PATH or in $CUDA_HOME/bin):
     python3 tools/sanitize.py [--tools=memcheck,racecheck,synccheck,initcheck] [--steps=N] [--batches=1,3,16]
+                              [--log-dir=DIR]
+A tool that reports kernel errors is shown with its errors counted by workload engine and its first few error
+records whole (the threads and accesses of a race); --log-dir=DIR keeps each tool's whole output in
+DIR/sanitize_TOOL.log.
 Exit status 1 where any tool reports a kernel error, 2 for bad arguments or no compute-sanitizer.
 
 How kernel errors are told apart from host API errors: compute-sanitizer also reports every CUDA API call that
@@ -32,7 +36,8 @@ STEPS = 3
 PRESETS = ("tiny-llama", "tiny-qwen3")
 BATCHES = (1, 3, 16)
 WAIT_BOUND_NS = 600_000_000_000          # 10 minutes: no wait may end before a slow CTA signals
-USAGE = "sanitize.py [--tools=memcheck,racecheck,synccheck,initcheck] [--steps=N] [--batches=1,3,16]"
+USAGE = ("sanitize.py [--tools=memcheck,racecheck,synccheck,initcheck] [--steps=N] [--batches=1,3,16] "
+         "[--log-dir=DIR]")
 
 _RECORD = re.compile(r"^========= (?!COMPUTE-SANITIZER|Target application returned)(?P<text>\S.*)$")
 _API = re.compile(r"Program hit .* on CUDA API call to (?P<call>\w+)")
@@ -41,14 +46,22 @@ _API = re.compile(r"Program hit .* on CUDA API call to (?P<call>\w+)")
 _SUMMARY = re.compile(r"^========= (?:ERROR SUMMARY: (?P<n>\d+) errors?|RACECHECK SUMMARY: (?P<h>\d+) hazards?)")
 
 
+_WORKLOAD = re.compile(r"^workload: (?P<what>.*?): building the engine")
+RECORDS_SHOWN = 3            # kernel error records a failed tool's report shows whole (threads, accesses, backtrace)
+
+
 @dataclass
 class SanitizerReport:
-    """What one compute-sanitizer run reported: the error summary's count, the API-call errors by function, and
-    the first line of every other error record (an error of device code)."""
+    """What one compute-sanitizer run reported: the error summary's count, the API-call errors by function, the
+    first line of every other error record (an error of device code), those errors counted by the workload engine
+    that was running (its "building the engine" line the last before the record), and the first RECORDS_SHOWN of
+    them whole."""
 
     summary: int | None
     api_errors: dict[str, int] = field(default_factory=dict)
     kernel_errors: list[str] = field(default_factory=list)
+    by_workload: dict[str, int] = field(default_factory=dict)
+    first_records: list[str] = field(default_factory=list)
 
 
 def report_errors(output: str) -> SanitizerReport:
@@ -59,21 +72,38 @@ def report_errors(output: str) -> SanitizerReport:
     summary = None
     api: dict[str, int] = {}
     kernel: list[str] = []
+    by_workload: dict[str, int] = {}
+    records: list[list[str]] = []
+    workload = "(before any workload)"
+    open_record = False            # the last record is a kernel error still taking its indented lines
     for line in output.splitlines():
+        m = _WORKLOAD.match(line)
+        if m:
+            workload = m.group("what")
+            continue
         m = _SUMMARY.match(line)
         if m:
             summary = int(m.group("n") if m.group("n") is not None else m.group("h"))
+            open_record = False
             continue
         m = _RECORD.match(line)
         if not m:
+            if open_record and line.startswith("=========     "):
+                records[-1].append(line[len("========= "):])
             continue
         text = m.group("text")
         call = _API.search(text)
+        open_record = False
         if call:
             api[call.group("call")] = api.get(call.group("call"), 0) + 1
         else:
             kernel.append(text)
-    return SanitizerReport(summary=summary, api_errors=api, kernel_errors=kernel)
+            by_workload[workload] = by_workload.get(workload, 0) + 1
+            if len(records) < RECORDS_SHOWN:
+                records.append([f"[{workload}] {text}"])
+                open_record = True
+    return SanitizerReport(summary=summary, api_errors=api, kernel_errors=kernel, by_workload=by_workload,
+                           first_records=["\n".join(r) for r in records])
 
 
 def sanitizer_path() -> str | None:
@@ -172,10 +202,13 @@ def main() -> None:
         workload(steps, batches)
         return
     chosen = next((a.split("=", 1)[1].split(",") for a in args if a.startswith("--tools=")), list(TOOLS))
-    unknown = [t for t in chosen if t not in TOOLS] + [a for a in args
-                                                       if not a.startswith(("--tools=", "--steps=", "--batches="))]
+    unknown = [t for t in chosen if t not in TOOLS] + [
+        a for a in args if not a.startswith(("--tools=", "--steps=", "--batches=", "--log-dir="))]
     if unknown:
         usage_error(f"unknown {', '.join(unknown)}; the tools are {', '.join(TOOLS)}")
+    log_dir = next((a.split("=", 1)[1] for a in args if a.startswith("--log-dir=")), None)
+    if log_dir is not None and not os.path.isdir(log_dir):
+        usage_error(f"--log-dir takes an existing directory, not {log_dir!r}")
     sanitizer = sanitizer_path()
     if sanitizer is None:
         print("sanitize.py: compute-sanitizer not found (on PATH, in $CUDA_HOME/bin or /usr/local/cuda/bin)",
@@ -190,8 +223,15 @@ def main() -> None:
         api = ", ".join(f"{k} x{v}" for k, v in sorted(rep.api_errors.items())) or "-"
         rows.append(f"{tool:10s} {str(rep.summary):>8s} {len(rep.kernel_errors):7d}  {api}")
         print(f"  [{tool}] done: {finished} of {engines} workloads, {len(rep.kernel_errors)} kernel errors", flush=True)
+        if log_dir is not None:
+            path = os.path.join(log_dir, f"sanitize_{tool}.log")
+            with open(path, "w") as f:
+                f.write(out)
+            print(f"  [{tool}] its whole output: {path}", flush=True)
         if bad:
-            details.append(f"{tool}:\n" + ("\n".join(f"    {line}" for line in rep.kernel_errors[:20]) or out[-4000:]))
+            shown = [f"{n} kernel errors in {what}" for what, n in rep.by_workload.items()] + rep.first_records
+            details.append(f"{tool}:\n" + ("\n".join(f"    {line}" for text in shown for line in text.splitlines())
+                                           or out[-4000:]))
     print(f"{'tool':10s} {'summary':>8s} {'kernel':>7s}  host API errors (by call)")
     print("\n".join(rows + details), flush=True)
     failed = bool(details)

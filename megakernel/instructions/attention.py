@@ -29,21 +29,18 @@ from .record import Instruction
 OPCODES = (Opcode.ATTN_PARTIAL, Opcode.ATTN_REDUCE)
 
 
-# The longest cache (positions per sequence) an ATTN_PARTIAL of several sequences serves: a sequence's own warps
-# (8 / sequences) stream its whole context, so its time grows with the context at a quarter to an eighth of the
-# warps a CTA-wide item has; measured with caches of 256 and 512 positions (32-token contexts), not beyond.
-WARP_ATTENTION_MAX_SEQ = 512
-
-
 def warp_attention(layout) -> bool:
     """Whether an ATTN_PARTIAL takes several sequences, the consumer warps shared out among them: past SPLIT_BATCH
-    with one split (StepLayout.fused_reduce there), more (sequence, kv head) pairs than SMs, and caches of at most
-    WARP_ATTENTION_MAX_SEQ positions. A CTA-wide item of a short context is a few dependent round trips and barriers
-    of latency (~5 us), and with more pairs than SMs each SM would take several of them one after another; with at
-    most one pair per SM, all the warps of an item are faster than one (profiles/RESULTS.md, 2026-12-04)."""
+    with one split (StepLayout.fused_reduce there) and more (sequence, kv head) pairs than SMs. A CTA-wide item of a
+    short context is a few dependent round trips and barriers of latency (~5 us), and with more pairs than SMs each
+    SM would take several of them one after another; with at most one pair per SM, all the warps of an item are
+    faster than one (profiles/RESULTS.md, 2026-12-04). Caches of any length: a sequence's own warps stream its whole
+    context, and the SM's warps together keep as many loads in flight as a CTA-wide item's (H100, ms/step, CTA-wide
+    items against these; 2026-12-06, thirty-first session): llama-3.2-1b 64 1.870 / 1.632 with caches of 4096
+    positions (32-token contexts), 3.577 / 2.465 with 1024-token contexts, llama-3.2-1b 32 2.374 / 1.912 with
+    1024-token contexts, llama-3.1-8b 64 12.151 / 10.032 with 512-token contexts (caches of 2048)."""
     return (layout.batch > SPLIT_BATCH and layout.fused_reduce
-            and layout.batch * layout.config.num_kv_heads > layout.num_sms
-            and layout.max_seq_len <= WARP_ATTENTION_MAX_SEQ)
+            and layout.batch * layout.config.num_kv_heads > layout.num_sms)
 
 
 def sequence_groups(layout) -> list[tuple[int, int]]:

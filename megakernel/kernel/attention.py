@@ -6,7 +6,7 @@ The records, split ranges and torch references are in megakernel.instructions.at
      appends k, v to the paged cache unless that breaks the aliasing rule (`scan_aliasing`, once a step);
   B. an online softmax over the split's cached tokens (the new token last): softmax_pass.py;
   C. the warps' (max, sum, output) merged and the split's partial (output, log-sum-exp) written.
-Past SPLIT_BATCH with one split, more (sequence, kv head) pairs than SMs and caches of at most 512 positions
+Past SPLIT_BATCH with one split and more (sequence, kv head) pairs than SMs
 (instructions.attention.warp_attention) an ATTN_PARTIAL takes several sequences, the consumer warps shared out among
 them (`attend_sequences`: 2 a sequence at batch 64 on the presets): a CTA-wide item there is ~4 us of dependent round
 trips and barriers for ~30 tokens, and a layer at batch 64 put ~4 of them on each SM in series (20 us a layer on

@@ -137,8 +137,10 @@ STREAM_BOUND_BYTES = 2 << 20
 def max_in_flight(batch: int, layer_bytes_per_sm: int) -> int:
     """Weight slots a producer keeps issued and not yet landed. Two hold an SM's share of the read bandwidth on
     their way; more only lengthen the memory queue that every load and signal of the dependency chain waits in.
-    Three where the stream bounds the step: a layer's weights past STREAM_BOUND_BYTES per SM, at batch 1-4 (when
-    this was swept, batch 5-8 had 8 consumer warps, which paced the ring themselves). One H100 sweep of 2 against 3
+    Three where the stream bounds the step: a layer's weights past STREAM_BOUND_BYTES per SM, up to SPLIT_BATCH
+    (not wide). Batch 5-8 joined when 15 consumer warps read there (before, 8 warps paced the ring themselves and 3
+    lost at batch 8): llama-3.1-8b 5.926 / 5.803 at 8, 5.774 / 5.735 at 5, the same logits bit for bit (H100,
+    profiles/RESULTS.md, 2026-12-06, thirty-first session). One H100 sweep of 2 against 3
     (ms/step; profiles/RESULTS.md, 2026-12-05, twenty-fourth session): qwen3-0.6b 0.764 / 0.805 at batch 1,
     0.863 / 0.909 at 4, 1.051 / 1.083 at 8; llama-3.2-1b 0.945 / 0.988 at 1, 1.140 / 1.192 at 8; llama-3.1-8b
     5.293 / 5.204 at 1, 5.640 / 5.513 at 2, 5.875 / 5.753 at 4, 5.895 / 5.991 at 8; llama-2-7b 4.704 / 4.650 at
@@ -146,7 +148,7 @@ def max_in_flight(batch: int, layer_bytes_per_sm: int) -> int:
     8); four and six never won. Fitted on the H100 and checked on the H200 (a third more bandwidth; 2026-12-05,
     twenty-fifth session, 2 / 3 / 4): qwen3-0.6b 0.723 / 0.731 / 0.735 at batch 1; llama-3.2-1b 0.828 / 0.819 /
     0.836 at 1, 0.987 / 0.998 / 1.005 at 8; llama-3.1-8b 4.052 / 3.900 / 3.931 at 1."""
-    return 3 if batch <= 4 and layer_bytes_per_sm >= STREAM_BOUND_BYTES else 2
+    return 3 if not wide(batch) and layer_bytes_per_sm >= STREAM_BOUND_BYTES else 2
 
 
 HOP_IN_FLIGHT = 1           # weight slots on their way per SM while the consumers cross a hop: from every warp past

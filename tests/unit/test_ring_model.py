@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from megakernel.instructions.layout import StepLayout, default_kv_splits
+from megakernel.instructions.layout import SPLIT_BATCH, StepLayout, default_kv_splits
 from megakernel.instructions.matvec_stages import MATVEC_OPCODES, weight_rows
 from megakernel.instructions.record import serialize
 from megakernel.kernel.interpreter import DecodeKernel, KernelOptions
@@ -115,12 +115,13 @@ def test_the_wide_model_sees_a_ring_too_shallow_for_a_set():
 
 @pytest.mark.parametrize("preset,batch,cap", [("qwen3-0.6b", 1, 2), ("llama-3.2-1b", 1, 2), ("llama-3.2-1b", 4, 2),
                                               ("llama-3.1-8b", 1, 3), ("llama-2-7b", 2, 3), ("llama-3.1-8b", 4, 3),
-                                              ("llama-3.1-8b", 8, 2)])
+                                              ("llama-3.1-8b", 8, 3), ("llama-3.2-1b", 8, 2),
+                                              ("llama-3.1-8b", 16, 2)])
 def test_in_flight_cap_is_three_only_where_the_stream_bounds_the_step(preset, batch, cap):
-    """The kernel's cap (stream.max_in_flight) as the sweep chose it: two weight slots on their way per SM,
-    three where a layer's weights pass STREAM_BOUND_BYTES per SM at batch 1-4."""
+    """The kernel's cap (stream.max_in_flight) as the sweeps chose it: two weight slots on their way per SM,
+    three where a layer's weights pass STREAM_BOUND_BYTES per SM up to SPLIT_BATCH."""
     assert ring_case(preset, batch)[4] == cap
-    assert max_in_flight(batch, STREAM_BOUND_BYTES) == (3 if batch <= 4 else 2)
+    assert max_in_flight(batch, STREAM_BOUND_BYTES) == (3 if batch <= SPLIT_BATCH else 2)
     assert max_in_flight(batch, STREAM_BOUND_BYTES - 1) == 2
 
 

@@ -89,8 +89,54 @@ def test_racecheck_summary_is_its_count_not_a_record(sanitize):
                                                       "kernel_cutlass_decode+0x200"]
 
 
-def test_bad_arguments_exit_2_before_any_gpu_work():
-    for argv in (["--tools=memcheck,valgrind"], ["--steps=0"], ["--frobnicate"]):
+RACECHECK_BY_WORKLOAD = """\
+========= COMPUTE-SANITIZER
+workload: tiny-llama batch 16: building the engine
+workload: tiny-llama batch 16: 1 steps, tokens [5]
+workload: tiny-llama batch 16 on 8 SMs: building the engine
+========= Error: Potential WAR hazard detected at __shared__ 0x7098 in block (3,0,0) :
+=========     Read Thread (32,0,0) at 0x4a10 in kernel_cutlass_decode
+=========     Write Thread (256,0,0) at 0x9f00 in kernel_cutlass_decode
+=========     Current Value : 0, Incoming Value : 7
+=========
+========= Error: Potential WAR hazard detected at __shared__ 0x7099 in block (3,0,0) :
+=========     Read Thread (33,0,0) at 0x4a10 in kernel_cutlass_decode
+=========
+========= Program hit cudaErrorLaunchFailure (error 719) on CUDA API call to cudaStreamSynchronize.
+=========     Saved host backtrace up to driver entry point
+=========
+workload: tiny-qwen3 batch 16: building the engine
+========= Error: Potential RAW hazard detected at __shared__ 0x10 in block (0,0,0) :
+=========     Write Thread (0,0,0) at 0x100 in kernel_cutlass_decode
+=========
+========= Error: Potential RAW hazard detected at __shared__ 0x11 in block (0,0,0) :
+=========
+========= RACECHECK SUMMARY: 4 hazards displayed (4 errors, 0 warnings)
+"""
+
+
+def test_kernel_errors_are_counted_by_workload_and_the_first_shown_whole(sanitize):
+    """Each kernel error goes to the engine whose "building the engine" line came last before it; the first
+    RECORDS_SHOWN records keep their indented lines (threads, accesses), an API error's lines are not taken."""
+    rep = sanitize.report_errors(RACECHECK_BY_WORKLOAD)
+    assert rep.summary == 4 and rep.api_errors == {"cudaStreamSynchronize": 1} and len(rep.kernel_errors) == 4
+    assert rep.by_workload == {"tiny-llama batch 16 on 8 SMs": 2, "tiny-qwen3 batch 16": 2}
+    assert sanitize.RECORDS_SHOWN == 3 and len(rep.first_records) == 3
+    first = rep.first_records[0].splitlines()
+    assert first[0] == ("[tiny-llama batch 16 on 8 SMs] Error: Potential WAR hazard detected at __shared__ 0x7098 "
+                        "in block (3,0,0) :")
+    assert [line.strip() for line in first[1:]] == ["Read Thread (32,0,0) at 0x4a10 in kernel_cutlass_decode",
+                                                    "Write Thread (256,0,0) at 0x9f00 in kernel_cutlass_decode",
+                                                    "Current Value : 0, Incoming Value : 7"]
+    assert rep.first_records[1].splitlines()[1:] == ["    Read Thread (33,0,0) at 0x4a10 in kernel_cutlass_decode"]
+    assert rep.first_records[2].splitlines() == ["[tiny-qwen3 batch 16] Error: Potential RAW hazard detected at "
+                                                 "__shared__ 0x10 in block (0,0,0) :",
+                                                 "    Write Thread (0,0,0) at 0x100 in kernel_cutlass_decode"]
+
+
+def test_bad_arguments_exit_2_before_any_gpu_work(tmp_path):
+    for argv in (["--tools=memcheck,valgrind"], ["--steps=0"], ["--frobnicate"],
+                 [f"--log-dir={tmp_path / 'absent'}"]):
         done = subprocess.run([sys.executable, str(REPO / "tools" / "sanitize.py"), *argv], capture_output=True,
                               text=True)
         assert done.returncode == 2, (argv, done.stdout, done.stderr)
@@ -127,6 +173,24 @@ def test_progress_is_echoed_per_tool_and_an_unfinished_workload_fails(tmp_path, 
     assert all(" s] workload: " in l for l in progress), done.stdout
     assert f"done: {finished} of 2 workloads, 0 kernel errors" in done.stdout, done.stdout
     assert done.returncode == (0 if finished == 2 else 1), done.stdout + done.stderr
+
+
+def test_log_dir_keeps_each_tools_whole_output(tmp_path):
+    """--log-dir=DIR: the tool's whole output (the workload's lines and the sanitizer's) in DIR/sanitize_TOOL.log."""
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(FAKE_SANITIZER)
+    fake.chmod(0o755)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "FAKE_FINISHED": "2", "HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "sanitize.py"), "--tools=racecheck", "--batches=1",
+                           f"--log-dir={logs}"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(p.name for p in logs.iterdir()) == ["sanitize_racecheck.log"]
+    kept = (logs / "sanitize_racecheck.log").read_text()
+    assert kept.startswith("========= COMPUTE-SANITIZER\n") and kept.count("workload: ") == 4, kept
+    assert kept.rstrip().endswith("========= ERROR SUMMARY: 0 errors"), kept
+    assert f"its whole output: {logs / 'sanitize_racecheck.log'}" in done.stdout, done.stdout
 
 
 @pytest.mark.gpu

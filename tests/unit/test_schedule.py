@@ -690,9 +690,9 @@ def test_lm_head_tiles_cover_every_vocabulary_row_exactly_once(vocab, num_sms, p
     assert len(argmax) == 1 and argmax[0].a0 == program.lm_tiles, what
 
 
-def test_attention_takes_several_sequences_only_past_batch_8_with_more_pairs_than_sms_and_short_caches():
-    """warp_attention's rule on the llama-3.2-1b shape (8 kv heads, 132 SMs): batch 64 with 512 cache positions takes
-    4 sequences an instruction; batch 16 (128 pairs), batch 8, two KV splits or a cache of 1024 positions keep one."""
+def test_attention_takes_several_sequences_only_past_batch_8_with_more_pairs_than_sms():
+    """warp_attention's rule on the llama-3.2-1b shape (8 kv heads, 132 SMs): batch 64 takes 4 sequences an
+    instruction whatever the cache's length; batch 16 (128 pairs), batch 8 or two KV splits keep one."""
     config = get_preset("llama-3.2-1b")
 
     def seqs(batch, max_seq, splits=1):
@@ -700,5 +700,5 @@ def test_attention_takes_several_sequences_only_past_batch_8_with_more_pairs_tha
                             max_blocks_per_seq=max_seq // 16, num_sms=132)
         return {i.seqs for i in build_program(layout).instructions if i.opcode == Opcode.ATTN_PARTIAL}
 
-    assert seqs(64, 512) == {4} and seqs(32, 256) == {2}
-    assert seqs(64, 1024) == seqs(16, 256) == seqs(8, 256) == seqs(64, 512, splits=2) == {1}
+    assert seqs(64, 512) == seqs(64, 8192) == {4} and seqs(32, 256) == seqs(32, 4096) == {2}
+    assert seqs(16, 256) == seqs(8, 256) == seqs(64, 512, splits=2) == {1}

@@ -33,7 +33,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from megakernel.instructions import STAGE_MODULES
-from megakernel.instructions.attention import WARP_ATTENTION_MAX_SEQ, warp_attention
+from megakernel.instructions.attention import warp_attention
 from megakernel.instructions.context import StageContext
 from megakernel.instructions.layout import (SPLIT_BATCH, StepBuffers, StepLayout, allocate_buffers, fill_wide_inputs,
                                            pack_weights, wide_input, wide_input_index)
@@ -589,7 +589,7 @@ def test_argmax_stage(case, num_sms):
     run_cpu_case(case, num_sms, Opcode.ARGMAX)
 
 
-# Past SPLIT_BATCH with one split, more (sequence, kv head) pairs than SMs and short caches an ATTN_PARTIAL takes
+# Past SPLIT_BATCH with one split and more (sequence, kv head) pairs than SMs an ATTN_PARTIAL takes
 # several sequences, its consumer warps shared out among them (warp_attention): the reference of one such instruction against float64
 # (sequences of different lengths, each its own cache slots).
 @settings(max_examples=20)
@@ -600,9 +600,9 @@ def test_attention_of_several_sequences_an_instruction(case, num_sms):
     bench = cpu_bench(case, num_sms)
     (group,) = runs_for(bench, Opcode.ATTN_PARTIAL)
     pairs = case.shape.batch * case.shape.num_kv_heads
-    expected = pairs > num_sms and bench.layout.max_seq_len <= WARP_ATTENTION_MAX_SEQ
+    expected = pairs > num_sms
     assert warp_attention(bench.layout) == expected, bench.what()
-    if not expected:         # CTA-wide items (an SM per pair at most, or long caches): ATTN_PARTIAL's own checks
+    if not expected:         # CTA-wide items (an SM per pair at most): ATTN_PARTIAL's own checks
         return
     assert [i.opcode for i in group if i.opcode != Opcode.QKV] == [Opcode.ATTN_PARTIAL], bench.what()
     assert max(i.seqs for i in bench.program.instructions) == min(8, -(-pairs // num_sms)) > 1, bench.what()
@@ -943,6 +943,39 @@ LONG_SPLIT_CASES = [
 def test_stages_on_gpu_match_reference_with_long_splits(case):
     """Every stage, on caches long enough that attention splits take the streamed pass."""
     run_gpu_stages(case)
+
+
+# Past SPLIT_BATCH with more (sequence, kv head) pairs than SMs on long caches: an ATTN_PARTIAL takes several
+# sequences (warp_attention has no cache bound since 2026-12-06), each sequence's warps streaming a context of up to
+# ~1,900 tokens, next to 1-token ones; head dims 128 (Qwen3, QK-norm) and 64.
+LONG_WARP_CASES = [
+    dataclasses.replace(_QWEN3_B64, kv_splits=1, seed=4253,
+                        shape=dataclasses.replace(_QWEN3_B64.shape, max_seq_len=2048,
+                                                  kv_lens=tuple(1 + (379 * b) % 1900 for b in range(64)))),
+    StageCase(shape=DecodeShape(hidden_size=512, num_heads=16, num_kv_heads=8, head_dim=64, intermediate_size=512,
+                                batch=24, kv_lens=tuple(1 + (613 * b) % 1990 for b in range(24)), block_size=16,
+                                max_seq_len=2048),
+              architecture="LlamaForCausalLM", num_layers=1, layer=0, vocab_size=512, kv_splits=1, seed=14),
+]
+LONG_WARP_IDS = ["qwen3-d128-b64", "llama-d64-b24"]
+
+
+@pytest.mark.parametrize("case", LONG_WARP_CASES, ids=LONG_WARP_IDS)
+def test_attention_of_several_sequences_on_long_caches_reference(case):
+    """The cases take several sequences an instruction on 132 SMs, and their stage references match float64."""
+    bench = cpu_bench(case, 132)
+    assert warp_attention(bench.layout), bench.what()
+    assert max(i.seqs for i in bench.program.instructions) > 1, bench.what()
+    run_cpu_case(case, 132, Opcode.ATTN_PARTIAL)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("case", LONG_WARP_CASES, ids=LONG_WARP_IDS)
+def test_attention_of_several_sequences_on_long_caches_on_gpu(case):
+    """The kernel's attention of several sequences an instruction over long contexts against float64 and the stage
+    references (on the GPU's own SM count: the H100's 132 and the H200's 132 both give more pairs than SMs)."""
+    run_gpu_stages(case, ops=(Opcode.ATTN_PARTIAL,))
 
 
 # Past SPLIT_BATCH: the pre-staged copy (and sums of squares per 8 rows) each producing stage writes beside its
