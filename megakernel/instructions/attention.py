@@ -35,10 +35,10 @@ def warp_attention(layout) -> bool:
     short context is a few dependent round trips and barriers of latency (~5 us), and with more pairs than SMs each
     SM would take several of them one after another; with at most one pair per SM, all the warps of an item are
     faster than one (profiles/RESULTS.md, 2026-12-04). Caches of any length: a sequence's own warps stream its whole
-    context, and the SM's warps together keep as many loads in flight as a CTA-wide item's (H100, ms/step, CTA-wide
-    items against these; 2026-12-06, thirty-first session): llama-3.2-1b 64 1.870 / 1.632 with caches of 4096
-    positions (32-token contexts), 3.577 / 2.465 with 1024-token contexts, llama-3.2-1b 32 2.374 / 1.912 with
-    1024-token contexts, llama-3.1-8b 64 12.151 / 10.032 with 512-token contexts (caches of 2048)."""
+    context, and this was faster at every cache and context measured (H100, ms/step, CTA-wide items against these;
+    2026-12-06, thirty-first session): llama-3.2-1b 64 1.870 / 1.632 with caches of 4096 positions (32-token
+    contexts), 3.577 / 2.465 with 1024-token contexts, 8.793 / 4.890 with 4096; llama-3.2-1b 32 2.374 / 1.912 with
+    1024-token contexts, 7.974 / 4.631 with 8192; llama-3.1-8b 64 12.151 / 10.032 with 512-token contexts."""
     return (layout.batch > SPLIT_BATCH and layout.fused_reduce
             and layout.batch * layout.config.num_kv_heads > layout.num_sms)
 
