@@ -974,7 +974,9 @@ def test_attention_of_several_sequences_on_long_caches_reference(case):
 @pytest.mark.parametrize("case", LONG_WARP_CASES, ids=LONG_WARP_IDS)
 def test_attention_of_several_sequences_on_long_caches_on_gpu(case):
     """The kernel's attention of several sequences an instruction over long contexts against float64 and the stage
-    references (on the GPU's own SM count: the H100's 132 and the H200's 132 both give more pairs than SMs)."""
+    references, on the GPU's own SM count (which must leave more pairs than SMs, as the H100's and H200's 132 do)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert warp_attention(cpu_bench(case, sms).layout), f"{case.shape.batch} sequences' pairs fit {sms} SMs"
     run_gpu_stages(case, ops=(Opcode.ATTN_PARTIAL,))
 
 
