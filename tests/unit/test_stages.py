@@ -975,9 +975,7 @@ def test_attention_of_several_sequences_on_long_caches_reference(case):
 def test_attention_of_several_sequences_on_long_caches_on_gpu(case):
     """The kernel's attention of several sequences an instruction over long contexts against float64 and the stage
     references, on the GPU's own SM count (which must leave more pairs than SMs, as the H100's and H200's 132 do)."""
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert warp_attention(cpu_bench(case, sms).layout), f"{case.shape.batch} sequences' pairs fit {sms} SMs"
-    run_gpu_stages(case, ops=(Opcode.ATTN_PARTIAL,))
+    run_gpu_stages(case, ops=(Opcode.ATTN_PARTIAL,), expect_several_sequences=True)
 
 
 # Past SPLIT_BATCH: the pre-staged copy (and sums of squares per 8 rows) each producing stage writes beside its
@@ -1038,13 +1036,16 @@ def check_wide_outputs(bench: Bench, op: Opcode, instructions, gpu: StageContext
 
 
 def run_gpu_stages(case: StageCase, expect_slabs: bool = False, ops=GPU_OPCODES, expect_folded: bool = False,
-                   **engine_kw) -> None:
+                   expect_several_sequences: bool = False, **engine_kw) -> None:
     """Every run (runs_for) of the stages `ops` on the kernel, each checked against float64 and against the stage
     references on the same inputs. expect_slabs: DOWN's input must be staged in column slabs; expect_folded: QKV
-    must split over K, so ATTN_PARTIAL's run is QKV's K-range tiles and the attention that sums them."""
+    must split over K, so ATTN_PARTIAL's run is QKV's K-range tiles and the attention that sums them;
+    expect_several_sequences: an ATTN_PARTIAL must take several sequences (warp_attention) on the GPU's SMs."""
     bench, engine = _gpu_bench(case, **engine_kw)
     print(f"[gpu stages] {bench.what()}", flush=True)     # (shown with -s: a fuzz run's progress, example by example)
     assert qkv_reduce_folded(bench.layout) or not expect_folded, f"{bench.what()}: QKV is not split over K"
+    assert warp_attention(bench.layout) or not expect_several_sequences, \
+        f"{bench.what()}: the (sequence, kv head) pairs fit the {bench.layout.num_sms} SMs"
     if expect_slabs:
         plan = StreamPlan.for_config(bench.config, bench.layout.batch)
         assert not plan.geometry(bench.config.intermediate_size).x_whole, \
