@@ -1,6 +1,7 @@
 """compute-sanitizer over the megakernel: memcheck, racecheck, synccheck and initcheck, each over a few decode steps
 of the tiny presets at batch 1, 3 and 16 (the last past SPLIT_BATCH: wgmma, the pre-staged inputs' bulk copies and
-their mbarrier), and a table of the errors each found in the kernel.
+their mbarrier), the first preset also on few SMs (where each CTA reuses its weight-ring slots), and a table of the
+errors each found in the kernel.
 
 Usage (GPU host, compute-sanitizer on PATH or in $CUDA_HOME/bin):
     python3 tools/sanitize.py [--tools=memcheck,racecheck,synccheck,initcheck] [--steps=N] [--batches=1,3,16]
@@ -35,6 +36,7 @@ TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 STEPS = 3
 PRESETS = ("tiny-llama", "tiny-qwen3")
 BATCHES = (1, 3, 16)
+RING_REUSE_SMS = 8                       # SMs at which every CTA's share of a tiny preset reuses its ring slots
 WAIT_BOUND_NS = 600_000_000_000          # 10 minutes: no wait may end before a slow CTA signals
 USAGE = ("sanitize.py [--tools=memcheck,racecheck,synccheck,initcheck] [--steps=N] [--batches=1,3,16] "
          "[--log-dir=DIR]")
@@ -117,10 +119,12 @@ def sanitizer_path() -> str | None:
 
 
 def workload_plan(batches: tuple[int, ...]) -> list[tuple[str, int, int | None]]:
-    """(preset, batch, SMs or None for all) of every engine the workload runs: each tiny preset at each batch; past
-    SPLIT_BATCH, for the first preset, also on a quarter as many SMs as (sequence, kv head) pairs, where an
-    attention instruction takes several sequences (at 16: 4, two consumer warps each; at 41: 5, one each), since
-    the tiny presets' pairs fit the GPU's SMs, where the attention runs CTA-wide items only."""
+    """(preset, batch, SMs or None for all) of every engine the workload runs: each tiny preset at each batch, and
+    for the first preset also on few SMs. On all of a GPU's SMs a CTA's share of a tiny preset's weights is a slot
+    or two, so no ring slot is ever used twice; on few SMs every CTA reuses each slot (the release of a slot's
+    reads before its next copy is what racecheck then checks): RING_REUSE_SMS up to SPLIT_BATCH, past it a quarter
+    as many SMs as (sequence, kv head) pairs, where an attention instruction also takes several sequences (at 16:
+    4, two consumer warps each; at 41: 5, one each), which on all SMs it does not (CTA-wide items only)."""
     from megakernel.instructions.layout import SPLIT_BATCH
     from megakernel.model.presets import get_preset
 
@@ -128,8 +132,9 @@ def workload_plan(batches: tuple[int, ...]) -> list[tuple[str, int, int | None]]
     for name in PRESETS:
         for batch in batches:
             plan.append((name, batch, None))
-            if batch > SPLIT_BATCH and name == PRESETS[0]:
-                plan.append((name, batch, max(1, batch * get_preset(name).num_kv_heads // 4)))
+            if name == PRESETS[0]:
+                few = RING_REUSE_SMS if batch <= SPLIT_BATCH else batch * get_preset(name).num_kv_heads // 4
+                plan.append((name, batch, max(1, few)))
     return plan
 
 

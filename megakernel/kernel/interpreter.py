@@ -55,7 +55,7 @@ from .ptx import (atomic_add_acq_rel, atomic_cas, cp_async_wait_all, globaltimer
                   load_acquire_sys, load_relaxed, mbarrier_init, mbarrier_init_fence, red_release_add,
                   red_release_add_sys, st_i32, store_relaxed, store_system_nonzero)
 from .stream import (ERR_RING, OP_TP_REDUCE, PEER_COUNTERS, PEER_WORDS, SLOT_BYTES, TRACE_WORDS,  # noqa: F401
-                     HOP_WORD, WIDE_WARPS, StreamPlan, WeightStream, dense_opcode, is_matvec, max_in_flight, wide,
+                     HOP_WORD, RELEASE_LANES, WIDE_WARPS, StreamPlan, WeightStream, dense_opcode, is_matvec, max_in_flight, wide,
                      wide_groups)
 from .stream import (TR_BEGIN, TR_CONSUMED, TR_END, TR_EPILOGUE, TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY,
                      TR_REACHED_LAST, TR_SM, TR_STAGED, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED)
@@ -336,8 +336,9 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
         if tidx == 0:
             for j in range(self.ring_slots):
                 mbarrier_init(full + j * 8, Int32(1))                # the producer's arrive + the copy bytes
-                # one arrival per part's reader warp; past SPLIT_BATCH every consumer warp passes every slot
-                mbarrier_init(empty + j * 8, Int32(self.warps if self.wide else self.plan.parts))
+                # every lane of each part's reader warp; past SPLIT_BATCH of every consumer warp, which passes
+                # every slot
+                mbarrier_init(empty + j * 8, Int32((self.warps if self.wide else self.plan.parts) * RELEASE_LANES))
             # past SPLIT_BATCH: the mbarrier of the pre-staged inputs' bulk copies (matvec_wide.input_window); s_ctrl[4]
             # counts the copies completed on it
             mbarrier_init(s.xbar_addr, Int32(1))

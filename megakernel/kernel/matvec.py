@@ -245,9 +245,9 @@ class MatvecStage:
                                 else:
                                     self.consume_item(lane, rg, part, slab, width, ring + slot * SLOT_BYTES, x_base,
                                                       xw, col0, g0, nr, n_seg, sl, s, 0)
-                            cute.arch.sync_warp()
-                            if lane == 0:
-                                mbarrier_arrive(empty + mb)       # this part's reader is done with the slot
+                            # every lane of this part's reader releases its own reads of the slot (the
+                            # empty barrier counts 32 arrivals a warp: stream.RELEASE_LANES)
+                            mbarrier_arrive(empty + mb)
                     k_slot = k_slot + 1
                     if k_slot == 2 * R:
                         k_slot = Int32(0)

@@ -12,9 +12,9 @@ of a few rows, each staging the input again. Here (docs/batch_path.md):
     descriptor, and the float32 accumulators stay in the warps' registers across the tile's slabs
     (tools/activation_precision.py has what bf16 inputs cost in accuracy);
   - every consumer warp waits for every slot in order; the other warpgroup's warps arrive on a slot's empty
-    barrier (initialised to WIDE_WARPS) at once, the set's own warps once their A registers are loaded, so each
-    use of a ring slot is complete before any warp waits for the next one (the parity of an mbarrier wait is
-    exact);
+    barrier (initialised to WIDE_WARPS x RELEASE_LANES: every lane arrives) at once, the set's own warps once
+    their A registers are loaded, so each use of a ring slot is complete before any warp waits for the next one
+    (the parity of an mbarrier wait is exact);
   - the input is not staged by the consumers: the stage that produced it wrote it a second time, already in the
     B operand's layout and times this stage's norm weight (StepBuffers.x_wide, h_wide, attn_wide, act_wide, from
     the wide epilogue, MV_REDUCE, EMBED and the attention: ATTN_PARTIAL of a single split, else ATTN_REDUCE), with
@@ -135,8 +135,7 @@ class WideMatvec:
                     S = rg // 4                   # the set of row groups 4 S .. 4 S + 3
                     cute.arch.sync_warp()
                     if S % 2 != wg:
-                        if lane == 0:
-                            mbarrier_arrive(empty + mb)   # not this warpgroup's: passed at once
+                        mbarrier_arrive(empty + mb)       # not this warpgroup's: passed at once (every lane)
                     elif rg % 4 == 3 or g0 + ITEM_ROWS >= rows:
                         # the set's last slot has landed: the warpgroup multiplies the set, each warp its own row
                         # group's slot (a warp past the chunk's rows: the set's first slot's weights, times zero)
@@ -150,10 +149,9 @@ class WideMatvec:
                         for j in cutlass.range_constexpr(G):
                             if S // 2 == j:
                                 self.wgmma_set(lane, own, slab, width, a_addr, x_base, col0, acc, j * NA)
-                        cute.arch.sync_warp()
-                        if lane == 0:
-                            for m in range(rg % 4 + 1):
-                                mbarrier_arrive(empty + ((first + m) % self.ring_slots) * 8)
+                        # every lane releases its own A loads of the set's slots (RELEASE_LANES arrivals a warp)
+                        for m in range(rg % 4 + 1):
+                            mbarrier_arrive(empty + ((first + m) % self.ring_slots) * 8)
                     k_slot = k_slot + 1
             self.consumer_sync()
             if tidx == 0 and c0 + rows >= a1:

@@ -44,6 +44,9 @@ PART_FLOATS = 4096          # partial dot products of one chunk kept in shared m
 X_WHOLE_BYTES = 64 * 1024   # a matvec input (all sequences, bf16) staged whole up to this size, else as many
                             # slabs at a time as fit it
 
+RELEASE_LANES = 32          # arrivals a reader warp makes on a slot's empty barrier: one by each lane, after its own
+                            # reads of the slot (a lane-0 arrival behind __syncwarp, which ptxas drops in a
+                            # converged warp, leaves the other lanes' reads unordered for compute-sanitizer)
 ERR_RING = 4                # error code: a weight-ring wait timed out
 # The int32 words of an instruction's trace record (trace mode), as MegakernelEngine.trace_records decodes them:
 # index * 256 + opcode, a matvec's input staged, begin, counter ready, end, a matvec's last slot consumed, the

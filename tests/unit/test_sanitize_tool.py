@@ -144,24 +144,24 @@ def test_bad_arguments_exit_2_before_any_gpu_work(tmp_path):
 
 
 FAKE_SANITIZER = """#!/bin/sh
-# stands in for compute-sanitizer: the workload's lines for the first $FAKE_FINISHED of tiny-llama's batch 1 and
-# tiny-qwen3's batch 1 (each announced, then reported), and a clean summary
+# stands in for compute-sanitizer: the workload's lines for the first $FAKE_FINISHED of its three engines at batch 1
+# (tiny-llama, tiny-llama on 8 SMs, tiny-qwen3: each announced, then reported), and a clean summary
 echo "========= COMPUTE-SANITIZER"
 n=0
-for preset in tiny-llama tiny-qwen3; do
-  echo "workload: $preset batch 1: building the engine"
+for engine in "tiny-llama batch 1" "tiny-llama batch 1 on 8 SMs" "tiny-qwen3 batch 1"; do
+  echo "workload: $engine: building the engine"
   n=$((n + 1))
-  [ "$n" -le "$FAKE_FINISHED" ] && echo "workload: $preset batch 1: 3 steps, tokens [7]"
+  [ "$n" -le "$FAKE_FINISHED" ] && echo "workload: $engine: 3 steps, tokens [7]"
 done
 echo "========= ERROR SUMMARY: 0 errors"
 """
 
 
-@pytest.mark.parametrize("finished", [2, 1])
+@pytest.mark.parametrize("finished", [3, 1])
 def test_progress_is_echoed_per_tool_and_an_unfinished_workload_fails(tmp_path, finished):
     """A tool's workload lines come out as they arrive, tagged with the tool and its seconds; the run passes only
-    where every engine of the workload reported its tokens (a workload that died after one of two fails, even with
-    a clean summary)."""
+    where every engine of the workload reported its tokens (a workload that died after one of three fails, even
+    with a clean summary)."""
     fake = tmp_path / "compute-sanitizer"
     fake.write_text(FAKE_SANITIZER)
     fake.chmod(0o755)
@@ -169,10 +169,10 @@ def test_progress_is_echoed_per_tool_and_an_unfinished_workload_fails(tmp_path, 
     done = subprocess.run([sys.executable, str(REPO / "tools" / "sanitize.py"), "--tools=memcheck", "--batches=1"],
                           capture_output=True, text=True, env=env, timeout=300)
     progress = [l for l in done.stdout.splitlines() if l.startswith("  [memcheck ")]
-    assert len(progress) == 2 + finished and "building the engine" in progress[0], done.stdout + done.stderr
+    assert len(progress) == 3 + finished and "building the engine" in progress[0], done.stdout + done.stderr
     assert all(" s] workload: " in l for l in progress), done.stdout
-    assert f"done: {finished} of 2 workloads, 0 kernel errors" in done.stdout, done.stdout
-    assert done.returncode == (0 if finished == 2 else 1), done.stdout + done.stderr
+    assert f"done: {finished} of 3 workloads, 0 kernel errors" in done.stdout, done.stdout
+    assert done.returncode == (0 if finished == 3 else 1), done.stdout + done.stderr
 
 
 def test_log_dir_keeps_each_tools_whole_output(tmp_path):
@@ -182,13 +182,13 @@ def test_log_dir_keeps_each_tools_whole_output(tmp_path):
     fake.chmod(0o755)
     logs = tmp_path / "logs"
     logs.mkdir()
-    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "FAKE_FINISHED": "2", "HOME": str(tmp_path)}
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "FAKE_FINISHED": "3", "HOME": str(tmp_path)}
     done = subprocess.run([sys.executable, str(REPO / "tools" / "sanitize.py"), "--tools=racecheck", "--batches=1",
                            f"--log-dir={logs}"], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert sorted(p.name for p in logs.iterdir()) == ["sanitize_racecheck.log"]
     kept = (logs / "sanitize_racecheck.log").read_text()
-    assert kept.startswith("========= COMPUTE-SANITIZER\n") and kept.count("workload: ") == 4, kept
+    assert kept.startswith("========= COMPUTE-SANITIZER\n") and kept.count("workload: ") == 6, kept
     assert kept.rstrip().endswith("========= ERROR SUMMARY: 0 errors"), kept
     assert f"its whole output: {logs / 'sanitize_racecheck.log'}" in done.stdout, done.stdout
 
@@ -207,3 +207,35 @@ def test_compute_sanitizer_finds_no_kernel_error(sanitize, tool):
     done = subprocess.run([sys.executable, str(REPO / "tools" / "sanitize.py"), f"--tools={tool}"],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+
+
+def test_the_few_sm_workloads_reuse_every_ring_slot(sanitize):
+    """The workload's engines on few SMs are there so that racecheck sees a ring slot's reads released before its
+    next copy: in each of them every CTA takes more weight slots a step than its ring holds (the engine's own
+    layout, schedule and slot geometry, at batch 1-8 and past SPLIT_BATCH)."""
+    from megakernel.instructions.layout import StepLayout, default_kv_splits
+    from megakernel.instructions.matvec_stages import MATVEC_OPCODES, weight_rows
+    from megakernel.instructions.record import serialize
+    from megakernel.kernel.interpreter import DecodeKernel
+    from megakernel.model.presets import get_preset
+    from megakernel.schedule import assign, build_program
+
+    few = [(name, batch, sms) for name, batch, sms in sanitize.workload_plan(sanitize.BATCHES) if sms is not None]
+    assert sorted(batch for _, batch, _ in few) == sorted(sanitize.BATCHES), few
+    for name, batch, sms in few:
+        config = get_preset(name)
+        layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, sms, 64),
+                            block_size=16, max_blocks_per_seq=4, num_sms=sms)
+        program = build_program(layout)
+        queues = assign(program, "balanced")
+        table, _ = serialize(queues)
+        kernel = DecodeKernel(layout, program.lm_tiles, program.num_counters, table.shape[1])
+        slots = []
+        for queue in queues:
+            n = 0
+            for ins in queue:
+                if ins.opcode in MATVEC_OPCODES:
+                    k = kernel.split_widths[int(ins.opcode)] if ins.k_parts > 1 else weight_rows(ins.opcode, layout)[1]
+                    n += sum(kernel.plan.geometry(k).chunk_slots(ins.a1))
+            slots.append(n)
+        assert min(slots) > kernel.ring_slots, (name, batch, sms, kernel.ring_slots, slots)
