@@ -143,9 +143,10 @@ class InputStaging:
         # sequences per round (0: more splits than a round holds; half the pairs with 15 consumer warps, whose 128
         # registers would spill)
         GB = (MERGE_PAIRS if self.warps <= 8 else MERGE_PAIRS // 2) // S
-        # quads per thread per round: two where one round's loads of both fit the registers (batch 1, at most 4
-        # splits: the widest input, 2048 columns, is 512 quads over 480 threads), their loads out together
-        UQ = 2 if GB > 0 and self.B * S <= 4 else 1
+        # quads per thread per round: two where one round's loads of both fit the registers (at most 8 pairs: the
+        # widest input, 2048 columns, is 512 quads over 480 threads, whose second round of one quad a thread kept
+        # the CTA waiting on 32 threads), their loads out together
+        UQ = 2 if GB > 0 and self.B * S <= 8 else 1
         for q0 in range(tidx, kw // 4, self.cthreads * UQ):
             if cutlass.const_expr(GB == 0):
                 q = q0
