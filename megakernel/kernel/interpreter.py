@@ -55,8 +55,8 @@ from .ptx import (atomic_add_acq_rel, atomic_cas, cp_async_wait_all, globaltimer
                   load_acquire_sys, load_relaxed, mbarrier_init, mbarrier_init_fence, red_release_add,
                   red_release_add_sys, st_i32, store_relaxed, store_system_nonzero)
 from .stream import (ERR_RING, OP_TP_REDUCE, PEER_COUNTERS, PEER_WORDS, SLOT_BYTES, TRACE_WORDS,  # noqa: F401
-                     HOP_WORD, RELEASE_LANES, WIDE_WARPS, StreamPlan, WeightStream, dense_opcode, is_matvec, max_in_flight, wide,
-                     wide_groups)
+                     HOP_WORD, RELEASE_LANES, WIDE_WARPS, StreamPlan, WeightStream, dense_opcode, is_matvec,
+                     max_in_flight, wide, wide_groups)
 from .stream import (TR_BEGIN, TR_CONSUMED, TR_END, TR_EPILOGUE, TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY,
                      TR_REACHED_LAST, TR_SM, TR_STAGED, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED)
 from .tensor_parallel import ExchangeStages

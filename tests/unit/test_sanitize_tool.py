@@ -235,7 +235,9 @@ def test_the_few_sm_workloads_reuse_every_ring_slot(sanitize):
             n = 0
             for ins in queue:
                 if ins.opcode in MATVEC_OPCODES:
-                    k = kernel.split_widths[int(ins.opcode)] if ins.k_parts > 1 else weight_rows(ins.opcode, layout)[1]
+                    k = weight_rows(ins.opcode, layout)[1]
+                    if ins.k_parts > 1:
+                        k = kernel.split_widths[int(ins.opcode)]
                     n += sum(kernel.plan.geometry(k).chunk_slots(ins.a1))
             slots.append(n)
         assert min(slots) > kernel.ring_slots, (name, batch, sms, kernel.ring_slots, slots)
