@@ -270,13 +270,12 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
                 "slot has landed, before reading it, so the producer may refill the slot under its readers",
                 (Patch(K_MATVEC, "self.wait_full(full + mb, phase, p.error)\n",
                        "self.wait_full(full + mb, phase, p.error)\n"
-                       "                            if lane == 0:\n"
-                       "                                mbarrier_arrive(empty + mb)\n"),
-                 Patch(K_MATVEC, "                            cute.arch.sync_warp()\n"
-                                 "                            if lane == 0:\n"
-                                 "                                mbarrier_arrive(empty + mb)       # this part's reader is "
-                                 "done with the slot\n",
-                       "                            cute.arch.sync_warp()\n")),
+                       "                            mbarrier_arrive(empty + mb)\n"),
+                 Patch(K_MATVEC, "                            # empty barrier counts 32 arrivals a warp: "
+                                 "stream.RELEASE_LANES)\n"
+                                 "                            mbarrier_arrive(empty + mb)\n",
+                       "                            # empty barrier counts 32 arrivals a warp: "
+                       "stream.RELEASE_LANES)\n")),
                 GPU_PROBES, kernel=True)]
 )
 
