@@ -190,6 +190,13 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
         self.in_flight = min(self.options.max_in_flight or max_in_flight(self.B, 2 * c.layer_params() // self.num_sms),
                              self.ring_slots)
 
+    def tile_k(self, ins) -> int:
+        """K of a matvec instruction's tile (host side, as tile_geometry gives it on the device): its stage's, or the
+        width of its K range where the stage is split over K."""
+        if ins.k_parts > 1:
+            return self.split_widths[int(ins.opcode)]
+        return weight_rows(ins.opcode, self.layout)[1]
+
     def scratch_words(self) -> dict[str, dict[str, int]]:
         """32-bit words of every shared-memory buffer but the ring, in allocation order, in three groups: the
         ones every stage may use, the matvec stages' and the attention stage's. The last two share one region

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from megakernel.instructions.layout import SPLIT_BATCH, StepLayout, default_kv_splits
-from megakernel.instructions.matvec_stages import MATVEC_OPCODES, weight_rows
+from megakernel.instructions.matvec_stages import MATVEC_OPCODES
 from megakernel.instructions.record import serialize
 from megakernel.kernel.interpreter import DecodeKernel, KernelOptions
 from megakernel.kernel.ring_model import RingProtocolError, reader_warp, simulate_ring, simulate_wide_ring
@@ -39,10 +39,7 @@ def kernel_case(preset: str, batch: int, sm: int = 0, layers: int = 2):
     for ins in queues[sm]:
         if ins.opcode not in MATVEC_OPCODES or (ins.layer >= layers and ins.opcode.name != "LM_HEAD"):
             continue
-        _, k = weight_rows(ins.opcode, layout)
-        if ins.k_parts > 1:
-            k = kernel.split_widths[int(ins.opcode)]
-        matvecs.append((ins, k))
+        matvecs.append((ins, kernel.tile_k(ins)))
     return kernel, tuple(matvecs)
 
 

@@ -214,7 +214,7 @@ def test_the_few_sm_workloads_reuse_every_ring_slot(sanitize):
     next copy: in each of them every CTA takes more weight slots a step than its ring holds (the engine's own
     layout, schedule and slot geometry, at batch 1-8 and past SPLIT_BATCH)."""
     from megakernel.instructions.layout import StepLayout, default_kv_splits
-    from megakernel.instructions.matvec_stages import MATVEC_OPCODES, weight_rows
+    from megakernel.instructions.matvec_stages import MATVEC_OPCODES
     from megakernel.instructions.record import serialize
     from megakernel.kernel.interpreter import DecodeKernel
     from megakernel.model.presets import get_preset
@@ -235,9 +235,6 @@ def test_the_few_sm_workloads_reuse_every_ring_slot(sanitize):
             n = 0
             for ins in queue:
                 if ins.opcode in MATVEC_OPCODES:
-                    k = weight_rows(ins.opcode, layout)[1]
-                    if ins.k_parts > 1:
-                        k = kernel.split_widths[int(ins.opcode)]
-                    n += sum(kernel.plan.geometry(k).chunk_slots(ins.a1))
+                    n += kernel.plan.geometry(kernel.tile_k(ins)).slots(ins.a1)
             slots.append(n)
         assert min(slots) > kernel.ring_slots, (name, batch, sms, kernel.ring_slots, slots)
