@@ -258,15 +258,15 @@ class AttentionStage(SoftmaxPass):
                 st_i32(rec + TR_STAGED * 4, globaltimer_lo())
 
         lo, hi = self.split_bounds(pos, split, num_splits)
-        if cutlass.const_expr(self.stream_unroll() > 0):
-            if hi - lo > self.warps:
-                # ---- phase B, more tokens than warps (a long context): several tokens per warp at a time
-                cp_async_wait_all()           # (attn_preload's copies: this pass reads the cache itself)
+        if hi - lo > self.warps:
+            # ---- phase B, more tokens than warps (a long context): several tokens per warp at a time
+            cp_async_wait_all()               # (the per-warp pass's copies, if any: this pass reads the cache itself)
+            if cutlass.const_expr(self.wide):
                 self.attend_streamed(warp, lane, b, kvh, lo, hi, last, k_base, v_base, p, s)
             else:
-                # ---- phase B, at most a token per warp: the first copied before the wait
-                self.attend_per_warp(warp, lane, b, kvh, lo, hi, last, k_base, v_base, p, s)
+                self.attend_mma(warp, lane, b, kvh, lo, hi, last, k_base, v_base, p, s)
         else:
+            # ---- phase B, at most a token per warp: the first copied before the wait
             self.attend_per_warp(warp, lane, b, kvh, lo, hi, last, k_base, v_base, p, s)
 
         # ---- phase C: merge the warps' (m, l, o) and write the split's partial

@@ -53,6 +53,55 @@ def mma_bf16_16816(a0: Int32, a1: Int32, a2: Int32, a3: Int32, b0: Int32, b1: In
         write_only_types=[Float32] * 4, read_only_args=[a0, a1, a2, a3, b0, b1, c0, c1, c2, c3])
 
 
+@cute.jit
+def mma_bf16_16816_rows8(a0: Int32, a2: Int32, b0: Int32, b1: Int32, c0: Float32, c1: Float32, c2: Float32,
+                         c3: Float32):
+    """mma_bf16_16816 with A's rows 8-15 zero (a1 = a3 = 0: an M of at most 8 rows). The zeros are a register
+    inside the asm: an operand the compiler knows to be a constant would be passed as an immediate, which an MMA
+    does not take (likewise C = 0: mma_bf16_16816_rows8_zero)."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 z; mov.b32 z, 0;\n"
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
+        "{{$r0}, z, {$r1}, z}, {{$r2}, {$r3}}, {{$r4}, {$r5}, {$r6}, {$r7}}; }",
+        write_only_types=[Float32] * 4, read_only_args=[a0, a2, b0, b1, c0, c1, c2, c3])
+
+
+@cute.jit
+def mma_bf16_16816_rows8_zero(a0: Int32, a2: Int32, b0: Int32, b1: Int32):
+    """mma_bf16_16816_rows8 with C = 0: D = A B."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b32 z; .reg .f32 zf; mov.b32 z, 0; mov.f32 zf, 0f00000000;\n"
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
+        "{{$r0}, z, {$r1}, z}, {{$r2}, {$r3}}, {zf, zf, zf, zf}; }",
+        write_only_types=[Float32] * 4, read_only_args=[a0, a2, b0, b1])
+
+
+@cute.jit
+def mma_bf16_1688(a0: Int32, a1: Int32, b0: Int32, c0: Float32, c1: Float32, c2: Float32, c3: Float32):
+    """One warp-wide m16n8k8 tensor-core MMA, D = A B + C: bf16 A (16 x 8: a0 row lane // 4, a1 row + 8,
+    columns 2 (lane % 4) and + 1), bf16 B (8 x 8, one register: rows 2 (lane % 4) and + 1, column lane // 4),
+    float32 C and D as mma_bf16_16816's."""
+    return cute.arch.inline_ptx(
+        "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
+        "{{$r0}, {$r1}}, {{$r2}}, {{$r3}, {$r4}, {$r5}, {$r6}};",
+        write_only_types=[Float32] * 4, read_only_args=[a0, a1, b0, c0, c1, c2, c3])
+
+
+@cute.jit
+def low_halves(x: Int32, y: Int32) -> Int32:
+    """The low 16 bits of x (low half) and of y (high half): two bf16 of one element index from two packed
+    words (prmt)."""
+    return cute.arch.inline_ptx("prmt.b32 {$w0}, {$r0}, {$r1}, 0x5410;", write_only_types=[Int32],
+                                read_only_args=[x, y])
+
+
+@cute.jit
+def high_halves(x: Int32, y: Int32) -> Int32:
+    """The high 16 bits of x (low half) and of y (high half) (prmt)."""
+    return cute.arch.inline_ptx("prmt.b32 {$w0}, {$r0}, {$r1}, 0x7632;", write_only_types=[Int32],
+                                read_only_args=[x, y])
+
+
 def wgmma_desc(addr: Int32, lbo: int, sbo: int) -> Int64:
     """The shared-memory matrix descriptor of a wgmma operand without swizzle (layout type 0) at 16-byte aligned
     `addr`: the start address, the byte offset between core matrices along K (`lbo`) and along M or N (`sbo`),
@@ -96,6 +145,12 @@ def wgmma_bf16_rs(n: int, acc: cute.Tensor, base: int, a0: Int32, a1: Int32, a2:
     d = _wgmma_bf16_rs(n, c, [a0, a1, a2, a3], b_desc)
     for i in cutlass.range_constexpr(n // 2):
         acc[base + i] = d[i]
+
+
+@cute.jit
+def st_shared_b32x4(addr: Int32, v0: Int32, v1: Int32, v2: Int32, v3: Int32):
+    cute.arch.inline_ptx("st.shared.v4.b32 [{$r0}], {{$r1}, {$r2}, {$r3}, {$r4}};",
+                         read_only_args=[addr, v0, v1, v2, v3])
 
 
 @cute.jit

@@ -1,10 +1,12 @@
 """Phase B of ATTN_PARTIAL on the consumer warps: an online softmax over cached tokens of the paged KV cache (the new
-token last), and the cache addressing it needs. Three forms:
+token last), and the cache addressing it needs. Four forms:
   - a split of at most as many tokens as warps, one token per warp (a lane: D / 32 elements), each warp's copied to
     shared memory by cp.async before the instruction's wait (`attn_preload`: the cache's history is a step input,
     nothing this step writes) (`attend_per_warp`);
-  - a longer split (at the batches compiled with it, STREAM_UNROLL) streamed by all the warps in turn, several
-    tokens per warp with their loads in flight together (`attend_streamed`);
+  - a longer split up to SPLIT_BATCH on the tensor cores, the warps taking its steps of 8-token tiles in turn
+    (`attend_mma`, `stream_tokens_mma`);
+  - a longer split past SPLIT_BATCH streamed on the CUDA cores by all the warps in turn, several tokens per warp
+    with their loads in flight together (`attend_streamed`);
   - a sequence's whole context streamed by one warp (attention.attend_sequences, past SPLIT_BATCH).
 The last two share `stream_tokens`, whose tokens go into the softmax a block at a time (`stream_block`). Each warp
 ends with its (max, sum, output) state; attention.py merges the warps' states and writes the partials.
@@ -18,17 +20,18 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from .ptx import (cp_async_shared, cp_async_wait_all, ex2, ld_bf16, ld_i32, ld_i64, ld_shared_f32x4,
-                  load_global_b32x4, load_shared_b32, pack_bf16x2, unpack_bf16x2, warp_sum)
+from .ptx import (cp_async_shared, cp_async_wait_all, ex2, high_halves, ld_bf16, ld_i32, ld_i64, ld_shared_f32x4,
+                  load_global_b32x4, load_shared_b32, load_shared_raw, low_halves, mma_bf16_1688, mma_bf16_16816_rows8,
+                  mma_bf16_16816_rows8_zero, pack_bf16x2, round_bf16, st_shared_b32x4, unpack_bf16x2, warp_sum)
 
 STREAM_ELEMS = 8           # streamed pass: elements of a token's k (and v) per lane, one 16-byte load each (8: the
                            # 16-byte stores of attend_sequences)
-# ... tokens per lane group per iteration (their loads in flight together, folded into the softmax as one block),
-# by (batch, head_dim): the batches compiled with the streamed pass, each as many as the 128 registers of its warps
-# hold without spills on the real presets in every cache layout (the compile tests check them; 2 tokens spill at
-# batch 4 and at head_dim 128; at the batches without the pass it pushes long-lived values of the loop out of
-# registers)
-STREAM_UNROLL = {(1, 64): 2, (1, 128): 1, (4, 64): 1, (4, 128): 1}
+# ... tokens per lane group per iteration past SPLIT_BATCH (8 consumer warps of 168 registers)
+STREAM_UNROLL = 1
+# the tensor-core pass (stream_tokens_mma): 8-token tiles a step, by head_dim: 4 KiB of K and V a warp's step, its
+# loads in flight together (at head_dim 64, 2 tiles against 1: llama-3.2-1b 4 at 8192 tokens 1.452 against 1.477 ms,
+# batch 1 1.109 against 1.100; profiles/RESULTS.md, 2026-12-06 thirty-third session)
+MMA_TILES = {64: 2, 128: 1}
 # ... where a sequence's own warps stream its whole context (warp_attention, past SPLIT_BATCH: 168 registers a thread;
 # llama-3.2-1b at 64, 2 / 4 / 8: 1.803 / 1.770 / 1.757 ms, 8 within the rounds' spread of 4; qwen3-0.6b 2 / 4:
 # 2.246 / 2.129; llama-3.1-8b 2 / 4: 8.263 / 8.248; profiles/RESULTS.md, 2026-12-04)
@@ -69,12 +72,18 @@ class SoftmaxPass:
     def attn_preload(self, warp: Int32, lane: Int32, layer: Int32, b: Int32, kvh: Int32, split: Int32,
                      num_splits: Int32, p, s):
         """Before ATTN_PARTIAL's wait: this warp's first cached token of the split (position lo + warp), its
-        lane's bf16 k and v elements copied to the warp's preload slot by cp.async, when the warp has one."""
+        lane's bf16 k and v elements copied to the warp's preload slot by cp.async, when the warp has one and, up to
+        SPLIT_BATCH, the split has no more tokens than warps (a longer one takes the tensor-core pass, which reads
+        the cache itself and keeps its query fragments in the slots)."""
         pos = ld_i32(p.positions + Int64(b) * 4)
         if pos < 0 or pos >= self.max_seq_len:
             pos = Int32(0)                      # attn_partial reports it; no cached token is read
         lo, hi = self.split_bounds(pos, split, num_splits)
-        if lo + warp < hi:
+        copies = lo + warp < hi
+        if cutlass.const_expr(not self.wide):
+            if hi - lo > self.warps:
+                copies = False
+        if copies:
             off = (self.cached_token(b, kvh, lo + warp, p.block_table) + Int64(lane * self.E)) * 2
             dst = self.preload_slot(warp, lane, s)
             cp_async_shared(dst, ld_i64(p.kv_table + Int64(layer) * 16) + off, self.E * 2)
@@ -168,23 +177,209 @@ class SoftmaxPass:
                 m[g] = m_new
         self.store_softmax_state(warp, lane, m, lsum, o, E, lane * E, True, s)
 
-    def stream_unroll(self) -> int:
-        """Tokens per lane group per iteration of the streamed pass (0: not compiled): STREAM_UNROLL up to
-        SPLIT_BATCH; past it one (8 consumer warps of 168 registers)."""
-        if self.wide:
-            return 1
-        return STREAM_UNROLL.get((self.B, self.D), 0)
-
     @cute.jit
     def attend_streamed(self, warp: Int32, lane: Int32, b: Int32, kvh: Int32, lo: Int32, hi: Int32,
                         last: cutlass.Boolean, k_base: Int64, v_base: Int64, p, s):
-        """Phase B for a split of more tokens than warps: the warps take the split's iterations in turn
-        (stream_tokens), the new token (the last split) warp 0's; the warp's (m, l, o) into s.m, s.l, s.o."""
+        """Phase B past SPLIT_BATCH for a split of more tokens than warps: the warps take the split's iterations in
+        turn (stream_tokens), the new token (the last split) warp 0's; the warp's (m, l, o) into s.m, s.l, s.o."""
         LPT = self.D // STREAM_ELEMS
         tg = lane // LPT
-        m, lsum, o = self.stream_tokens(lane, b, kvh, lo, hi, warp, Int32(self.warps), self.stream_unroll(), False,
+        m, lsum, o = self.stream_tokens(lane, b, kvh, lo, hi, warp, Int32(self.warps), STREAM_UNROLL, False,
                                         last and warp == 0, Int32(0), Int32(0), k_base, v_base, p, s)
         self.store_softmax_state(warp, lane, m, lsum, o, STREAM_ELEMS, (lane - tg * LPT) * STREAM_ELEMS, tg == 0, s)
+
+    @cute.jit
+    def attend_mma(self, warp: Int32, lane: Int32, b: Int32, kvh: Int32, lo: Int32, hi: Int32,
+                   last: cutlass.Boolean, k_base: Int64, v_base: Int64, p, s):
+        """Phase B up to SPLIT_BATCH for a split of more tokens than warps, on the tensor cores: the warps take its
+        steps in turn (stream_tokens_mma), the new token (the last split) warp 0's; the warp's (m, l, o) into s.m,
+        s.l, s.o."""
+        D, G = self.D, self.G
+        r = lane // 4
+        q = lane - 4 * r
+        self.mma_queries(warp * 32 + lane, s.pre_addr, s)
+        self.consumer_sync()
+        m, lsum, acc = self.stream_tokens_mma(lane, b, kvh, lo, hi, warp, Int32(self.warps), last and warp == 0,
+                                              s.pre_addr, k_base, v_base, p, s)
+        s_l, s_m, s_o = s.l, s.m, s.o
+        if q == 0 and r < G:
+            s_m[warp * G + r] = m
+            s_l[warp * G + r] = lsum
+        VD = D // 8
+        for i in cutlass.range_constexpr(D // 16):
+            for j in cutlass.range_constexpr(4):
+                h = 2 * q + j % 2
+                if h < G:
+                    s_o[(warp * G + h) * D + VD * r + 2 * i + j // 2] = acc[4 * i + j]
+
+    @cute.jit
+    def mma_queries(self, tidx: Int32, qf: Int32, s):
+        """The queries in s.q as the score MMAs' A operand (stream_tokens_mma), written once for every warp to
+        the shared words at qf (the preload slots: a long split copies none there): scaled to log2 units, split
+        into bf16 hi + lo; chunk c of lane 4 r + q is the 16 bytes at qf + (32 c + lane) * 16: hi a0, hi a2, lo a0,
+        lo a2 (A's row r = head r: elements D/4 q + 4c, + 1 and + 2, + 3; rows >= G zero)."""
+        D, G = self.D, self.G
+        KD = D // 4
+        if tidx < 32 * (D // 16):
+            c = tidx // 32
+            lane = tidx - 32 * c
+            r = lane // 4
+            q = lane - 4 * r
+            x = cute.make_rmem_tensor((4,), Float32)
+            for e in cutlass.range_constexpr(4):
+                x[e] = Float32(0.0)
+                if r < G:
+                    x[e] = s.q[r * D + KD * q + 4 * c + e] * Float32(self.scale_log2)
+            lo = cute.make_rmem_tensor((4,), Float32)
+            for e in cutlass.range_constexpr(4):
+                lo[e] = x[e] - round_bf16(x[e])
+            st_shared_b32x4(qf + tidx * 16, pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3]),
+                            pack_bf16x2(lo[0], lo[1]), pack_bf16x2(lo[2], lo[3]))
+
+    @cute.jit
+    def stream_tokens_mma(self, lane: Int32, b: Int32, kvh: Int32, lo: Int32, hi: Int32, first: Int32,
+                          stride: Int32, new_token: cutlass.Boolean, qf: Int32, k_base: Int64, v_base: Int64, p,
+                          s):
+        """An online softmax over cached positions [lo, hi) of sequence b (kv head kvh) on the tensor cores, in
+        steps of MMA_TILES[D] tiles of 8 tokens, this warp's steps first, first + stride, ...; where new_token,
+        the new token (k and v in s.kv) last; the query fragments at qf (mma_queries). Lane 4 r + q:
+          scores   S = Q K^T by m16n8k16 (M: the G query heads, rows r < G; N: a tile's 8 tokens; K: 16 elements
+                   of the head a chunk): its key operand is token r's elements D/4 q .. D/4 q + D/4 - 1 (chunk c
+                   takes four of them, 4c ..), straight from 16-byte loads; the query in the same element order,
+                   scaled to log2 units and split into bf16 hi + lo (two MMAs: the scores as float32 products
+                   would give them);
+          softmax  the lane holds head r's scores of tokens 2q and 2q + 1: the tile's maximum over the 4 lanes of
+                   the head (two shuffles), the rescale, the weights, split bf16 hi + lo;
+          output   O^T += V^T P^T by m16n8k8 (M: 16 elements of the head a tile, N: the heads, K: 8 tokens): the
+                   weights are the B operand as the softmax left them; the values' A operand is tokens 2q and
+                   2q + 1's elements D/8 r .. (m-tile i takes 2i and 2i + 1), paired from two 16-byte loads by
+                   prmt. The accumulators: acc[4i + j] = O[head 2q + j % 2][D/8 r + 2i + j // 2].
+        Returns the lane's (m, l, acc): m and l of head r (l summed over the head's lanes)."""
+        s_kv = s.kv
+        D = self.D
+        NC = D // 16                  # k-chunks of a score MMA; m-tiles of the output
+        KD = D // 4                   # a lane's elements of a key
+        VD = D // 8                   # a lane's elements of a value
+        TS = MMA_TILES[D]
+        r = lane // 4
+        q = lane - 4 * r
+        m = Float32(-math.inf)
+        lsum = Float32(0.0)
+        acc = cute.make_rmem_tensor((4 * NC,), Float32)
+        for i in cutlass.range_constexpr(4 * NC):
+            acc[i] = Float32(0.0)
+        step = 8 * TS
+        n_it = (hi - lo + stride * step - 1) // (stride * step)
+        for it in range(n_it):
+            t0 = lo + (it * stride + first) * step
+            if t0 < hi:                 # (a warp past the split's end takes no step: every block has a token)
+                kw = cute.make_rmem_tensor((TS * KD // 2,), Int32)
+                vw = cute.make_rmem_tensor((TS * VD,), Int32)
+                for u in cutlass.range_constexpr(TS):
+                    for e in cutlass.range_constexpr(KD // 2):
+                        kw[u * KD // 2 + e] = Int32(0)     # (a token past the split: zeros, its score masked)
+                    tk = t0 + 8 * u + r
+                    if tk < hi:
+                        off = (self.cached_token(b, kvh, tk, p.block_table) + Int64(KD * q)) * 2
+                        for j in cutlass.range_constexpr(KD // 8):
+                            w4 = load_global_b32x4(k_base + off + 16 * j)
+                            for e in cutlass.range_constexpr(4):
+                                kw[u * KD // 2 + 4 * j + e] = w4[e]
+                    for w in cutlass.range_constexpr(2):
+                        for e in cutlass.range_constexpr(VD // 2):
+                            vw[(2 * u + w) * (VD // 2) + e] = Int32(0)
+                        tv = t0 + 8 * u + 2 * q + w
+                        if tv < hi:
+                            off = (self.cached_token(b, kvh, tv, p.block_table) + Int64(VD * r)) * 2
+                            for j in cutlass.range_constexpr(VD // 8):
+                                w4 = load_global_b32x4(v_base + off + 16 * j)
+                                for e in cutlass.range_constexpr(4):
+                                    vw[(2 * u + w) * (VD // 2) + 4 * j + e] = w4[e]
+                m, lsum = self.mma_tokens(TS, hi - t0, r, q, qf + lane * 16, kw, vw, m, lsum, acc)
+        if new_token:
+            # the new token as tile position 0 of one more tile, from shared memory (bf16-exact float32 there)
+            kw = cute.make_rmem_tensor((KD // 2,), Int32)
+            vw = cute.make_rmem_tensor((VD,), Int32)
+            for e in cutlass.range_constexpr(KD // 2):
+                kw[e] = Int32(0)
+                if r == 0:
+                    kw[e] = pack_bf16x2(s_kv[KD * q + 2 * e], s_kv[KD * q + 2 * e + 1])
+            for e in cutlass.range_constexpr(VD):
+                vw[e] = Int32(0)
+            if q == 0:
+                for e in cutlass.range_constexpr(VD // 2):
+                    vw[e] = pack_bf16x2(s_kv[D + VD * r + 2 * e], s_kv[D + VD * r + 2 * e + 1])
+            m, lsum = self.mma_tokens(1, Int32(1), r, q, qf + lane * 16, kw, vw, m, lsum, acc)
+        lsum = lsum + cute.arch.shuffle_sync_bfly(lsum, offset=1)
+        lsum = lsum + cute.arch.shuffle_sync_bfly(lsum, offset=2)
+        return m, lsum, acc
+
+    @cute.jit
+    def mma_tokens(self, TS: int, n_valid: Int32, r: Int32, q: Int32, qa: Int32, kw: cute.Tensor, vw: cute.Tensor,
+                   m: Float32, lsum: Float32, acc: cute.Tensor):
+        """TS tiles of 8 tokens into the tensor-core pass's online softmax (stream_tokens_mma), tokens from
+        n_valid on masked: kw and vw as it loads them. Returns head r's (m, l) (l: this lane's tokens only)."""
+        D = self.D
+        NC, KD, VD = D // 16, D // 4, D // 8
+        sc = cute.make_rmem_tensor((2 * TS,), Float32)
+        for u in cutlass.range_constexpr(TS):
+            c0 = Float32(0.0)
+            c1 = Float32(0.0)
+            c2 = Float32(0.0)
+            c3 = Float32(0.0)
+            for c in cutlass.range_constexpr(NC):
+                qw = load_shared_raw(qa + c * 512)          # hi a0, hi a2, lo a0, lo a2 (mma_queries)
+                k0 = kw[u * KD // 2 + 2 * c]
+                k1 = kw[u * KD // 2 + 2 * c + 1]
+                if cutlass.const_expr(c == 0):
+                    c0, c1, c2, c3 = mma_bf16_16816_rows8_zero(qw[2], qw[3], k0, k1)
+                else:
+                    c0, c1, c2, c3 = mma_bf16_16816_rows8(qw[2], qw[3], k0, k1, c0, c1, c2, c3)
+                c0, c1, c2, c3 = mma_bf16_16816_rows8(qw[0], qw[1], k0, k1, c0, c1, c2, c3)
+            sc[2 * u] = c0
+            sc[2 * u + 1] = c1
+            if 8 * u + 2 * q >= n_valid:
+                sc[2 * u] = Float32(-math.inf)
+            if 8 * u + 2 * q + 1 >= n_valid:
+                sc[2 * u + 1] = Float32(-math.inf)
+        mb = sc[0]
+        for i in cutlass.range_constexpr(1, 2 * TS):
+            mb = cute.arch.fmax(mb, sc[i])
+        mb = cute.arch.fmax(mb, cute.arch.shuffle_sync_bfly(mb, offset=1))
+        mb = cute.arch.fmax(mb, cute.arch.shuffle_sync_bfly(mb, offset=2))
+        m_new = cute.arch.fmax(m, mb)        # (a block's first token is below n_valid: finite)
+        corr = ex2(m - m_new)
+        tot = Float32(0.0)
+        ph = cute.make_rmem_tensor((TS,), Int32)
+        pl = cute.make_rmem_tensor((TS,), Int32)
+        for u in cutlass.range_constexpr(TS):
+            p0 = ex2(sc[2 * u] - m_new)
+            p1 = ex2(sc[2 * u + 1] - m_new)
+            tot = tot + p0 + p1
+            ph[u] = pack_bf16x2(p0, p1)
+            pl[u] = pack_bf16x2(p0 - round_bf16(p0), p1 - round_bf16(p1))
+        # the output's columns are heads 2q and 2q + 1: their lanes' rescale
+        ca = cute.arch.shuffle_sync(corr, 8 * q)
+        cb = cute.arch.shuffle_sync(corr, 8 * q + 4)
+        for i in cutlass.range_constexpr(NC):
+            acc[4 * i] = acc[4 * i] * ca
+            acc[4 * i + 1] = acc[4 * i + 1] * cb
+            acc[4 * i + 2] = acc[4 * i + 2] * ca
+            acc[4 * i + 3] = acc[4 * i + 3] * cb
+        for u in cutlass.range_constexpr(TS):
+            for i in cutlass.range_constexpr(NC):
+                w0 = vw[2 * u * (VD // 2) + i]            # token 8u + 2q: elements VD r + 2i, + 1
+                w1 = vw[(2 * u + 1) * (VD // 2) + i]      # token 8u + 2q + 1
+                a0 = low_halves(w0, w1)
+                a1 = high_halves(w0, w1)
+                d0, d1, d2, d3 = mma_bf16_1688(a0, a1, ph[u], acc[4 * i], acc[4 * i + 1], acc[4 * i + 2],
+                                               acc[4 * i + 3])
+                d0, d1, d2, d3 = mma_bf16_1688(a0, a1, pl[u], d0, d1, d2, d3)
+                acc[4 * i] = d0
+                acc[4 * i + 1] = d1
+                acc[4 * i + 2] = d2
+                acc[4 * i + 3] = d3
+        return m_new, lsum * corr + tot
 
     @cute.jit
     def stream_tokens(self, lane: Int32, b: Int32, kvh: Int32, lo: Int32, hi: Int32, first: Int32, stride: Int32,

@@ -921,9 +921,9 @@ def test_qkv_folded_into_the_attention_on_gpu(case):
     run_gpu_stages(case, ops=(Opcode.ATTN_PARTIAL,), expect_folded=True)
 
 
-# At the batches compiled with it (softmax_pass.STREAM_UNROLL), splits of more cached tokens than consumer warps take
-# the streamed attention pass (several tokens per warp, 16-byte k/v loads in flight together, an iteration's tokens
-# one softmax block), short ones the per-warp pass: both in one step, head dims 64 and 128.
+# Up to SPLIT_BATCH, splits of more cached tokens than consumer warps take the tensor-core pass
+# (softmax_pass.stream_tokens_mma: steps of 8-token tiles, the last one ragged, warps past a split's end with no
+# step at all), short ones the per-warp pass: both in one step, head dims 64 and 128, GQA groups 4 and 2.
 LONG_SPLIT_CASES = [
     StageCase(shape=DecodeShape(hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=64, intermediate_size=512,
                                 batch=4, kv_lens=(1000, 40, 9, 301), block_size=16, max_seq_len=1024),
@@ -941,7 +941,7 @@ LONG_SPLIT_CASES = [
 @pytest.mark.hopper
 @pytest.mark.parametrize("case", LONG_SPLIT_CASES, ids=["d64-b4", "d128-b1", "d64-b1"])
 def test_stages_on_gpu_match_reference_with_long_splits(case):
-    """Every stage, on caches long enough that attention splits take the streamed pass."""
+    """Every stage, on caches long enough that attention splits take the tensor-core pass."""
     run_gpu_stages(case)
 
 
