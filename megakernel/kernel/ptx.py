@@ -1,7 +1,8 @@
 """Small device helpers over raw global and shared addresses, written as inline PTX where CuTe DSL has
 no wrapper: activation and embedding loads, bulk copies and mbarriers, the m16n8k16 MMA and the wgmma on
-registers loaded in the packed weight order (with the wgmma's shared-memory descriptor), the bf16 pack and
-unpack, and the counter primitives of the step's dependency protocol."""
+registers loaded in the packed weight order (with the wgmma's shared-memory descriptor), the attention's
+m16n8k16 / m16n8k8 MMAs on fragments from raw 16-byte loads, the bf16 pack and unpack (and prmt pairing), and
+the counter primitives of the step's dependency protocol."""
 
 from __future__ import annotations
 
@@ -57,8 +58,8 @@ def mma_bf16_16816(a0: Int32, a1: Int32, a2: Int32, a3: Int32, b0: Int32, b1: In
 def mma_bf16_16816_rows8(a0: Int32, a2: Int32, b0: Int32, b1: Int32, c0: Float32, c1: Float32, c2: Float32,
                          c3: Float32):
     """mma_bf16_16816 with A's rows 8-15 zero (a1 = a3 = 0: an M of at most 8 rows). The zeros are a register
-    inside the asm: an operand the compiler knows to be a constant would be passed as an immediate, which an MMA
-    does not take (likewise C = 0: mma_bf16_16816_rows8_zero)."""
+    declared inside the asm: constant zeros passed in as operands fail the backend compile ("NVVM backend
+    compilation failed", no log); likewise C = 0 in mma_bf16_16816_rows8_zero."""
     return cute.arch.inline_ptx(
         "{ .reg .b32 z; mov.b32 z, 0;\n"
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "

@@ -323,10 +323,6 @@ class SoftmaxPass:
         NC, KD, VD = D // 16, D // 4, D // 8
         sc = cute.make_rmem_tensor((2 * TS,), Float32)
         for u in cutlass.range_constexpr(TS):
-            c0 = Float32(0.0)
-            c1 = Float32(0.0)
-            c2 = Float32(0.0)
-            c3 = Float32(0.0)
             for c in cutlass.range_constexpr(NC):
                 qw = load_shared_raw(qa + c * 512)          # hi a0, hi a2, lo a0, lo a2 (mma_queries)
                 k0 = kw[u * KD // 2 + 2 * c]
