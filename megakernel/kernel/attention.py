@@ -258,7 +258,7 @@ class AttentionStage(SoftmaxPass):
                 st_i32(rec + TR_STAGED * 4, globaltimer_lo())
 
         lo, hi = self.split_bounds(pos, split, num_splits)
-        if hi - lo > self.warps:
+        if self.long_split(lo, hi):
             # ---- phase B, more tokens than warps (a long context): several tokens per warp at a time
             cp_async_wait_all()               # (the per-warp pass's copies, if any: this pass reads the cache itself)
             if cutlass.const_expr(self.wide):

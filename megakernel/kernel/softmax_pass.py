@@ -39,6 +39,14 @@ WARP_UNROLL = 4
 LOG2E = 1.4426950408889634
 
 
+@cute.jit
+def bf16x2_hi_lo(x0: Float32, x1: Float32):
+    """Two float32 as packed bf16 pairs (x0 in the low half) of their rounding (hi) and of what it left (lo): hi +
+    lo carries ~16 mantissa bits, so two bf16 MMAs give the float32 products (the tensor-core pass's query and
+    weights)."""
+    return pack_bf16x2(x0, x1), pack_bf16x2(x0 - round_bf16(x0), x1 - round_bf16(x1))
+
+
 class SoftmaxPass:
     """Consumer-side online softmax over cached tokens (a mixin of the interpreter, under AttentionStage)."""
 
@@ -68,6 +76,11 @@ class SoftmaxPass:
         then D of v (4 * D bytes); the lane's v elements are D * 2 bytes further."""
         return s.pre_addr + (warp * 2 * self.D + lane * self.E) * 2
 
+    def long_split(self, lo: Int32, hi: Int32):
+        """Whether cached positions [lo, hi) are more than the consumer warps: a split that phase B streams (on the
+        tensor cores up to SPLIT_BATCH, whose query fragments take the preload slots), not one token a warp."""
+        return hi - lo > self.warps
+
     @cute.jit
     def attn_preload(self, warp: Int32, lane: Int32, layer: Int32, b: Int32, kvh: Int32, split: Int32,
                      num_splits: Int32, p, s):
@@ -81,7 +94,7 @@ class SoftmaxPass:
         lo, hi = self.split_bounds(pos, split, num_splits)
         copies = lo + warp < hi
         if cutlass.const_expr(not self.wide):
-            if hi - lo > self.warps:
+            if self.long_split(lo, hi):
                 copies = False
         if copies:
             off = (self.cached_token(b, kvh, lo + warp, p.block_table) + Int64(lane * self.E)) * 2
@@ -230,11 +243,9 @@ class SoftmaxPass:
                 x[e] = Float32(0.0)
                 if r < G:
                     x[e] = s.q[r * D + KD * q + 4 * c + e] * Float32(self.scale_log2)
-            lo = cute.make_rmem_tensor((4,), Float32)
-            for e in cutlass.range_constexpr(4):
-                lo[e] = x[e] - round_bf16(x[e])
-            st_shared_b32x4(qf + tidx * 16, pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3]),
-                            pack_bf16x2(lo[0], lo[1]), pack_bf16x2(lo[2], lo[3]))
+            hi0, lo0 = bf16x2_hi_lo(x[0], x[1])
+            hi2, lo2 = bf16x2_hi_lo(x[2], x[3])
+            st_shared_b32x4(qf + tidx * 16, hi0, hi2, lo0, lo2)
 
     @cute.jit
     def stream_tokens_mma(self, lane: Int32, b: Int32, kvh: Int32, lo: Int32, hi: Int32, first: Int32,
@@ -352,8 +363,7 @@ class SoftmaxPass:
             p0 = ex2(sc[2 * u] - m_new)
             p1 = ex2(sc[2 * u + 1] - m_new)
             tot = tot + p0 + p1
-            ph[u] = pack_bf16x2(p0, p1)
-            pl[u] = pack_bf16x2(p0 - round_bf16(p0), p1 - round_bf16(p1))
+            ph[u], pl[u] = bf16x2_hi_lo(p0, p1)
         # the output's columns are heads 2q and 2q + 1: their lanes' rescale
         ca = cute.arch.shuffle_sync(corr, 8 * q)
         cb = cute.arch.shuffle_sync(corr, 8 * q + 4)

@@ -13,8 +13,8 @@ import pytest
 
 from megakernel.instructions.layout import SPLIT_BATCH, StepLayout, default_kv_splits
 from megakernel.instructions.matvec_stages import MATVEC_OPCODES
-from megakernel.instructions.record import serialize
-from megakernel.kernel.interpreter import DecodeKernel, KernelOptions
+from megakernel.kernel.compile import device_code
+from megakernel.kernel.interpreter import KernelOptions
 from megakernel.kernel.ring_model import RingProtocolError, reader_warp, simulate_ring, simulate_wide_ring
 from megakernel.kernel.stream import HOP_IN_FLIGHT, ITEM_ROWS, STREAM_BOUND_BYTES, WIDE_WARPS, max_in_flight
 from megakernel.model.presets import get_preset
@@ -33,8 +33,7 @@ def kernel_case(preset: str, batch: int, sm: int = 0, layers: int = 2):
                         block_size=16, max_blocks_per_seq=16, num_sms=NUM_SMS)
     program = build_program(layout)
     queues = assign(program, "balanced")
-    table, _ = serialize(queues)
-    kernel = DecodeKernel(layout, program.lm_tiles, program.num_counters, table.shape[1])
+    kernel = device_code(layout, program)
     matvecs = []
     for ins in queues[sm]:
         if ins.opcode not in MATVEC_OPCODES or (ins.layer >= layers and ins.opcode.name != "LM_HEAD"):
@@ -128,9 +127,7 @@ def test_max_in_flight_option_overrides_the_rule_up_to_the_ring():
     layout = StepLayout(config=config, batch=1, kv_splits=4, block_size=16, max_blocks_per_seq=16,
                         num_sms=NUM_SMS)
     program = build_program(layout)
-    table, _ = serialize(assign(program, "balanced"))
-    caps = [DecodeKernel(layout, program.lm_tiles, program.num_counters, table.shape[1],
-                         options=KernelOptions(max_in_flight=n)) for n in (0, 1, 6, 10_000)]
+    caps = [device_code(layout, program, KernelOptions(max_in_flight=n)) for n in (0, 1, 6, 10_000)]
     assert [k.in_flight for k in caps[:3]] == [2, 1, 6]
     assert caps[3].in_flight == caps[3].ring_slots < 10_000
 

@@ -215,8 +215,7 @@ def test_the_few_sm_workloads_reuse_every_ring_slot(sanitize):
     layout, schedule and slot geometry, at batch 1-8 and past SPLIT_BATCH)."""
     from megakernel.instructions.layout import StepLayout, default_kv_splits
     from megakernel.instructions.matvec_stages import MATVEC_OPCODES
-    from megakernel.instructions.record import serialize
-    from megakernel.kernel.interpreter import DecodeKernel
+    from megakernel.kernel.compile import device_code
     from megakernel.model.presets import get_preset
     from megakernel.schedule import assign, build_program
 
@@ -228,8 +227,7 @@ def test_the_few_sm_workloads_reuse_every_ring_slot(sanitize):
                             block_size=16, max_blocks_per_seq=4, num_sms=sms)
         program = build_program(layout)
         queues = assign(program, "balanced")
-        table, _ = serialize(queues)
-        kernel = DecodeKernel(layout, program.lm_tiles, program.num_counters, table.shape[1])
+        kernel = device_code(layout, program)
         slots = []
         for queue in queues:
             n = 0
