@@ -159,8 +159,8 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
             "O_PROJ writes h = Wo . attn without adding the residual x",
             (Patch(MATVEC, "b.h[l, :, lo:hi] = b.x[l, :, lo:hi] + y", "b.h[l, :, lo:hi] = y"),),
             (stage_probe("test_o_proj_stage"), VM_PROBE, E2E_CPU_PROBE),
-            (Patch(K_MATVEC, "res_addr = p.x + (l64 * (B * H) + Int64(a0)) * 4\n            has_res = Boolean(True)",
-                   "res_addr = p.x + (l64 * (B * H) + Int64(a0)) * 4\n            has_res = Boolean(False)"),))
+            (Patch(K_MATVEC, "res_addr = p.x + (l64 * (B * H) + Int64(a0)) * xh\n            has_res = Boolean(True)",
+                   "res_addr = p.x + (l64 * (B * H) + Int64(a0)) * xh\n            has_res = Boolean(False)"),))
     + _pair("gqa_kv_head_interleaved",
             "GQA mapping: query head h attends with kv head h % num_kv_heads instead of h // group",
             (Patch(ATTN, "q = row[kvh * g * d:(kvh + 1) * g * d].view(g, d)",
@@ -177,8 +177,8 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
             (Patch(DAG, "wait_id=qkv_done, wait_count=n,",
                    "wait_id=NO_COUNTER, wait_count=0,"),),
             (Probe("schedule", (SCHEDULE, "-k", "tiny_presets_fully")), VM_PROBE, E2E_CPU_PROBE),
-            (Patch(K_INTERP, "if tidx == 0 and wait_id >= 0:",
-                   "if tidx == 0 and wait_id >= 0 and op != OP_ATTN_PARTIAL:"),),
+            (Patch(K_INTERP, "if tidx == 0 and wait_id >= 0 and not polled:",
+                   "if tidx == 0 and wait_id >= 0 and not polled and op != OP_ATTN_PARTIAL:"),),
             kernel_bug="device: ATTN_PARTIAL skips its counter wait (the DAG still lists it)")
     + _pair("kv_length_plus_one",
             "attention range: the splits cover cached positions [0, pos] instead of [0, pos), so slot pos, which "

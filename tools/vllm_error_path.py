@@ -49,13 +49,13 @@ def error_chain(exc: BaseException) -> str:
 
 def poison(adapters) -> list:
     """Raise one wait count in every engine's queue past any producer's count; return what to restore."""
-    from megakernel.instructions.record import W_WAIT_COUNT, W_WAIT_ID
+    from megakernel.instructions.record import W_WAIT_COUNT
 
     saved = []
     for adapter in adapters:
         for eng in adapter.engines.values():
             table = eng.queue_table
-            waits = (table[:, :, W_WAIT_ID] >= 0).nonzero().tolist()
+            waits = eng.counter_waits()      # (not a stage that polls a flagged input: it waits on no counter)
             sm, i = waits[len(waits) // 2]
             saved.append((table, sm, i, int(table[sm, i, W_WAIT_COUNT])))
             table[sm, i, W_WAIT_COUNT] = 1 << 20

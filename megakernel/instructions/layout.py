@@ -27,6 +27,12 @@ FRAG_ROWS, FRAG_COLS = 8, 32
 MAX_BATCH = 64
 KERNEL_MAX_BATCH = MAX_BATCH
 SPLIT_BATCH = 8
+# At batch 1 on one GPU the hops into a matvec's input are flagged data (NCCL's LL protocol): x, h and act are
+# float32 {value, step epoch} pairs, stored as one 8-byte word each, and the consuming stage polls the words it
+# stages until each carries this step's epoch, instead of a counter wait behind the producer's release fence
+# (megakernel.kernel.staging.stage_round_polled; profiles/RESULTS.md, 2026-12-06: 9% of qwen3-0.6b's step, level
+# on the larger shapes, slower from batch 2, where the polled inputs are B times as many words).
+FLAGGED_BUFFERS = ("x", "h", "act")
 # The compute capability the kernel is compiled for (sm_90a): Hopper. An sm_90a cubin runs on no other GPU.
 KERNEL_CAPABILITY = (9, 0)
 # The DAG's rule for folding the attention split merge into O_PROJ's input staging (no ATTN_REDUCE
@@ -181,6 +187,19 @@ def require_kernel_batch(batch: int) -> None:
     schedule and the VM; the megakernel up to KERNEL_MAX_BATCH)."""
     if not 1 <= batch <= KERNEL_MAX_BATCH:
         raise ValueError(f"batch={batch} is outside the megakernel's range 1..{KERNEL_MAX_BATCH}")
+
+
+def flagged_hops(layout) -> bool:
+    """Whether a step of `layout` hands x, h and act on as flagged data (FLAGGED_BUFFERS): batch 1, one GPU."""
+    return layout.batch == 1 and getattr(layout, "world_size", 1) == 1
+
+
+def epoch_words(values: torch.Tensor) -> torch.Tensor:
+    """int32 view of the epoch halves beside a flagged buffer's values (a StepBuffers x, h or act where
+    flagged_hops: the value halves of float32 [..., 2] pairs)."""
+    if values.dim() == 0 or values.stride(-1) != 2:
+        raise ValueError("epoch_words takes the value view of a flagged buffer (its last stride 2)")
+    return values.as_strided(values.shape, values.stride(), values.storage_offset() + 1).view(torch.int32)
 
 
 def default_kv_splits(config: ModelConfig, batch: int, num_sms: int, max_seq_len: int = 4096) -> int:
@@ -420,7 +439,8 @@ def pack_weights(weights: ModelWeights, max_seq_len: int) -> PackedWeights:
 class StepBuffers:
     """Device (or CPU, for the VM) state of decode steps. Inputs: tokens, positions, block_table.
     Outputs: out_tokens, logits; x[L] of a program without the LM head (lm_tiles = 0), whose logits,
-    lm_max and lm_idx are then empty ([B, 0]). Everything else is scratch the stages hand to each other."""
+    lm_max and lm_idx are then empty ([B, 0]). Everything else is scratch the stages hand to each other; x, h
+    and act at batch 1 on one GPU as the value views of flagged pairs (allocate_buffers, epoch_words)."""
 
     tokens: torch.Tensor       # int32 [B]
     positions: torch.Tensor    # int32 [B]: position of the token being decoded (seq_len - 1)
@@ -456,6 +476,11 @@ class StepBuffers:
     counters: torch.Tensor     # int32 [num_counters]
     sync: torch.Tensor         # int32 [4]: epoch, CTAs done, spare, spare
     error: torch.Tensor        # int32 [4]: code, instruction index, counter, observed value
+
+    def epochs(self) -> list[torch.Tensor]:
+        """The int32 epoch halves of x, h and act where they are flagged (allocate_buffers at flagged_hops), else
+        none: a word is this step's once its epoch is the step's (the engine's sync[0] + 1)."""
+        return [epoch_words(getattr(self, n)) for n in FLAGGED_BUFFERS if getattr(self, n).stride(-1) == 2]
 
     def poison(self) -> None:
         """NaN every float scratch buffer, so a value a stage forgot to write fails the checks."""
@@ -549,24 +574,33 @@ def fill_wide_inputs(bufs: StepBuffers, weights: "PackedWeights", layout: StepLa
 
 
 def allocate_buffers(layout: StepLayout, lm_tiles: int, num_counters: int, device="cpu") -> StepBuffers:
-    """The step's buffers, float ones poisoned. lm_tiles = 0 (a program without the LM head): no logits."""
+    """The step's buffers, float ones poisoned. lm_tiles = 0 (a program without the LM head): no logits. Where
+    flagged_hops, x, h and act are views of the value halves of {value, epoch} pairs (epoch_words: the other
+    halves, zero), so every reader and writer of those buffers goes on indexing [layer, sequence, column]."""
     if lm_tiles < 0:
         raise ValueError(f"lm_tiles={lm_tiles} must be >= 0")
     c, b, s = layout.config, layout.batch, layout.kv_splits
     f32 = dict(dtype=torch.float32, device=device)
     i32 = dict(dtype=torch.int32, device=device)
     L, H = c.num_layers, c.hidden_size
+
+    def activation(shape) -> torch.Tensor:
+        # flagged: the value halves of zeroed {value, epoch} pairs (epoch 0 is no step's: steps count from 1)
+        if flagged_hops(layout):
+            return torch.zeros(*shape, 2, **f32)[..., 0]
+        return torch.empty(shape, **f32)
+
     bufs = StepBuffers(
         tokens=torch.zeros(b, **i32),
         positions=torch.zeros(b, **i32),
         block_table=torch.zeros(b, layout.max_blocks_per_seq, **i32),
-        x=torch.empty(L + 1, b, H, **f32),
-        h=torch.empty(L, b, H, **f32),
+        x=activation((L + 1, b, H)),
+        h=activation((L, b, H)),
         qkv=torch.empty(L, b, c.qkv_rows, **f32),
         attn_part_o=torch.empty(L, b, c.num_heads, s, c.head_dim, **f32),
         attn_part_lse=torch.empty(L, b, c.num_heads, s, **f32),
         attn_out=torch.empty(L, b, c.q_size, **f32),
-        act=torch.empty(L, b, c.intermediate_size, **f32),
+        act=activation((L, b, c.intermediate_size)),
         **part_buffers(layout, device),
         **wide_buffers(layout, device),
         logits=torch.empty(b, c.vocab_size if lm_tiles else 0, **f32),

@@ -17,6 +17,12 @@ A CTA's warps:
          .attention, .tokens): a matvec stages its input, then takes its weights slot by slot from the ring
          and multiplies them on the tensor cores;
       4. after a consumer barrier, thread 0 signals its stage counter with red.release.gpu.
+    At batch 1 on one GPU (layout.flagged_hops) the hops into x, h and act carry their own readiness: O_PROJ,
+    GATE_UP, DOWN and EMBED store {value, epoch} words (st_flagged) and O_PROJ, GATE_UP and DOWN signal nothing;
+    QKV (but layer 0's of a folded embedding), GATE_UP, DOWN and LM_HEAD wait on no counter and poll the words
+    they stage instead (staging.stage_round_polled; a timeout there is ERR_TIMEOUT with counter -1). A
+    residual (O_PROJ's x, DOWN's h) is read after an acquire or a polled input that the residual's producer
+    preceded. The attention's hops keep their counters.
 The consumers synchronise among themselves with named barrier 1 (the producer never joins it); all warps
 meet at barrier 0 only at the start and at the end. The last CTA to finish advances the epoch, so counters
 are never reset and a CUDA graph can replay steps with no host work.
@@ -40,7 +46,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Int32, Int64
 
-from ..instructions.layout import StepLayout, require_kernel_batch
+from ..instructions.layout import StepLayout, flagged_hops, require_kernel_batch
 from ..instructions.matvec_stages import weight_rows
 from ..instructions.opcodes import Opcode
 from ..instructions.attention import warp_attention
@@ -48,9 +54,9 @@ from ..instructions.record import (W_A0, W_A1, W_A2, W_A3, W_INDEX, W_K_PART, W_
                                    W_SIGNAL_ID, W_WAIT_COUNT, W_WAIT_ID, WORDS)
 from ..instructions.split_k import SPLIT_STAGES, k_splits, qkv_reduce_folded
 from .attention import ERR_ALIAS, ERR_POSITION, LOG2E, AttentionStage  # noqa: F401  (error codes re-exported)
-from .matvec import MatvecStage
+from .matvec import MatvecStage, polls_input
 from .matvec_wide import WideMatvec
-from .staging import InputStaging
+from .staging import POLL_WORD, InputStaging
 from .ptx import (atomic_add_acq_rel, atomic_cas, cp_async_wait_all, globaltimer_lo, ld_i32, ld_i64, load_acquire,
                   load_acquire_sys, load_relaxed, mbarrier_init, mbarrier_init_fence, red_release_add,
                   red_release_add_sys, st_i32, store_relaxed, store_system_nonzero)
@@ -183,6 +189,8 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
         self.wide_groups = self.options.wide_groups or wide_groups(self.B, widest)
         self.plan = StreamPlan.for_config(c, self.B, tuple(self.split_widths.values()), self.wide_groups)
         self.wide = wide(self.B)
+        # batch 1, one GPU: x, h and act as {value, epoch} words (layout.FLAGGED_BUFFERS); their consumers poll
+        self.flagged = flagged_hops(layout)
         self.warp_attention = warp_attention(layout)
         self.qkv_folded = qkv_reduce_folded(layout)
         free = SMEM_LIMIT - self.smem_bytes(ring_slots=0)
@@ -334,7 +342,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
         s_bar = smem.allocate_tensor(Int64, cute.make_layout((2 * self.ring_slots,)), byte_alignment=8)
         s = Fields(x_addr=Int32(bufs["x"].iterator.toint()), pre_addr=Int32(bufs["pre"].iterator.toint()),
                    xbar_addr=Int32(bufs["xbar"].iterator.toint()), **bufs)
-        s_ctrl, s_queue = bufs["ctrl"], bufs["queue"]        # epoch, abort, queue length, stop, input copies, hop
+        s_ctrl, s_queue = bufs["ctrl"], bufs["queue"]   # epoch, abort, queue length, stop, input copies, hop, poll
         ring = Int32(s_ring.iterator.toint())
         full = Int32(s_bar.iterator.toint())                 # ring_slots full barriers, then the empty ones
         empty = full + self.ring_slots * 8
@@ -355,6 +363,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
             s_ctrl[3] = Int32(0)
             s_ctrl[4] = Int32(0)
             s_ctrl[HOP_WORD] = Int32(0)   # 1 while the consumers cross a hop (stream.HOP_IN_FLIGHT)
+            s_ctrl[POLL_WORD] = Int32(0)  # 1 once a poll of a flagged input timed out (staging.stage_round_polled)
         s_alias = bufs["alias"]          # per sequence: 1 where its new KV slot aliases (scan_aliasing)
         for b in range(tidx, self.B, self.threads):
             s_alias[b] = Int32(0)
@@ -429,7 +438,10 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
 
             # ---- wait for the producing stage (thread 0 spins, the consumer barrier broadcasts)
             wait_id = s_queue[ins + W_WAIT_ID]
-            if tidx == 0 and wait_id >= 0:
+            polled = Boolean(False)       # flagged hops: the stage polls its input's words instead
+            if cutlass.const_expr(self.flagged):
+                polled = polls_input(op, a3 == 1)    # (a3 == 1: layer 0's QKV of a folded embedding)
+            if tidx == 0 and wait_id >= 0 and not polled:
                 target = (s_ctrl[0] + 1) * s_queue[ins + W_WAIT_COUNT]
                 caddr = counters + Int64(wait_id) * 4
                 seen = self.wait_load(caddr)
@@ -468,7 +480,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                                          s_queue[ins + W_K_PARTS], k_slot, ring, full, empty, p, s, rec)
                 else:
                     if op == OP_EMBED:
-                        self.embed(tidx, s_queue[ins + W_INDEX], a0, a1, p)
+                        self.embed(tidx, s_queue[ins + W_INDEX], a0, a1, p, s_ctrl[0] + 1)
                     if op == OP_ATTN_PARTIAL:
                         self.attn_partial(tidx, warp, lane, layer, a0, a1, a2, a3, s_queue[ins + W_SEQS],
                                           s_queue[ins + W_INDEX], p, s, rec)
@@ -486,7 +498,20 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
             # ---- signal: every consumer's stores precede the barrier; the release orders them
             self.consumer_sync()
             signal_id = s_queue[ins + W_SIGNAL_ID]
-            if tidx == 0 and s_ctrl[1] == 0 and signal_id >= 0:
+            unsignalled = Boolean(False)  # flagged hops: what O_PROJ, GATE_UP and DOWN write is polled, not waited on
+            if cutlass.const_expr(self.flagged):
+                unsignalled = op == OP_GATE_UP or op == OP_DOWN or op == OP_O_PROJ
+            if cutlass.const_expr(self.flagged):
+                if tidx == 0 and s_ctrl[POLL_WORD] != 0:
+                    # a poll of the stage's flagged input timed out or saw another CTA's error
+                    # (staging.stage_round_polled): no signal, the loop stops; the error word names the
+                    # instruction, no counter (-1) and the epoch it polled for (the first error wins)
+                    if atomic_cas(error, Int32(0), Int32(ERR_TIMEOUT)) == 0:
+                        store_relaxed(error + 4, s_queue[ins + W_INDEX])
+                        store_relaxed(error + 8, Int32(-1))
+                        store_relaxed(error + 12, s_ctrl[0] + 1)
+                    s_ctrl[1] = Int32(1)
+            if tidx == 0 and s_ctrl[1] == 0 and signal_id >= 0 and not unsignalled:
                 if xch != 0:
                     # an exchange stage's signal lands on that counter of every rank, itself included
                     for r in cutlass.range_constexpr(self.W):

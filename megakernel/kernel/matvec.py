@@ -26,7 +26,7 @@ from cutlass import Boolean, Float32, Int32, Int64
 from ..instructions.layout import ROW_GROUP
 from ..instructions.opcodes import Opcode
 from .ptx import (ex2, globaltimer_lo, ld_f32, load_shared_b32, load_shared_raw, max_index, mbarrier_arrive,
-                  mma_bf16_16816, rsqrt, st_f32, st_i32, warp_max_index, warp_sum)
+                  mma_bf16_16816, rsqrt, st_f32, st_flagged, st_i32, warp_max_index, warp_sum)
 from .ring_model import reader_warp
 from .stream import (ITEM_ROWS, PEER_LM_IDX, PEER_LM_MAX, PEER_RECV_DOWN, PEER_RECV_O, SLAB_COLS, SLOT_BYTES,
                      TR_CONSUMED, TR_EPILOGUE, TR_LANDED_FIRST, TR_LANDED_LAST, TR_REACHED_LAST, TR_STAGED,
@@ -43,6 +43,17 @@ LOG2E = 1.4426950408889634
 def silu(g: Float32) -> Float32:
     """g * sigmoid(g) in float32 (GATE_UP's epilogue)."""
     return g / (Float32(1.0) + ex2(-g * Float32(LOG2E)))
+
+
+# The stages that poll their flagged input (layout.flagged_hops) instead of waiting on their counter, but layer 0's
+# QKV of a folded embedding (record a3 == 1), which reads embed[token]
+POLLING = (Opcode.QKV, Opcode.GATE_UP, Opcode.DOWN, Opcode.LM_HEAD)
+
+
+@cute.jit
+def polls_input(op: Int32, from_embed: Boolean) -> Boolean:
+    """Whether stage `op` polls its flagged input (POLLING)."""
+    return op == OP_DOWN or op == OP_GATE_UP or op == OP_LM_HEAD or (op == OP_QKV and not from_embed)
 
 
 class MatvecStage:
@@ -72,32 +83,34 @@ class MatvecStage:
         out_w = Int32(0)
         res_addr = Int64(0)
         has_res = Boolean(False)
+        # bytes per word of x, h and act: {value, epoch} pairs where the hops are flagged (layout.flagged_hops)
+        xh = 8 if self.flagged else 4
         if op == OP_QKV:
-            in_addr = p.x + l64 * (B * H * 4)
+            in_addr = p.x + l64 * (B * H * xh)
             norm_addr = p.attn_norm + l64 * (H * 2)
             has_norm = Boolean(True)
             out_addr = p.qkv + (l64 * (B * self.QKV) + Int64(a0)) * 4
             out_w = Int32(self.QKV)
         if op == OP_O_PROJ:
             in_addr = p.attn_out + l64 * (B * self.Q * 4)
-            out_addr = p.h + (l64 * (B * H) + Int64(a0)) * 4
+            out_addr = p.h + (l64 * (B * H) + Int64(a0)) * xh
             out_w = Int32(H)
-            res_addr = p.x + (l64 * (B * H) + Int64(a0)) * 4
+            res_addr = p.x + (l64 * (B * H) + Int64(a0)) * xh
             has_res = Boolean(True)
         if op == OP_GATE_UP:
-            in_addr = p.h + l64 * (B * H * 4)
+            in_addr = p.h + l64 * (B * H * xh)
             norm_addr = p.mlp_norm + l64 * (H * 2)
             has_norm = Boolean(True)
-            out_addr = p.act + (l64 * (B * self.F) + Int64(a0 // 2)) * 4
+            out_addr = p.act + (l64 * (B * self.F) + Int64(a0 // 2)) * xh
             out_w = Int32(self.F)
         if op == OP_DOWN:
-            in_addr = p.act + l64 * (B * self.F * 4)
-            out_addr = p.x + ((l64 + 1) * (B * H) + Int64(a0)) * 4
+            in_addr = p.act + l64 * (B * self.F * xh)
+            out_addr = p.x + ((l64 + 1) * (B * H) + Int64(a0)) * xh
             out_w = Int32(H)
-            res_addr = p.h + (l64 * (B * H) + Int64(a0)) * 4
+            res_addr = p.h + (l64 * (B * H) + Int64(a0)) * xh
             has_res = Boolean(True)
         if op == OP_LM_HEAD:
-            in_addr = p.x + Int64(self.L) * (B * H * 4)
+            in_addr = p.x + Int64(self.L) * (B * H * xh)
             norm_addr = p.final_norm
             has_norm = Boolean(True)
             out_addr = p.logits + Int64(a0) * 4
@@ -141,15 +154,21 @@ class MatvecStage:
         n_res0 = a1 * B
         if a1 > chunk:
             n_res0 = chunk * B
-        if has_res and tidx < n_res0:
+        early = has_res
+        xh = 8 if self.flagged else 4                 # (flagged hops: the residuals' words are {value, epoch} pairs)
+        poll = Boolean(False)                         # (flagged hops: the input polled, as no counter was waited on)
+        if cutlass.const_expr(self.flagged):
+            early = has_res and op != OP_DOWN     # (DOWN waits for nothing: its residual h is read past the poll)
+            poll = polls_input(op, from_embed)
+        if early and tidx < n_res0:
             r0 = tidx // B
-            res0 = ld_f32(res_addr + (Int64(tidx - r0 * B) * Int64(H) + Int64(r0)) * 4)
+            res0 = ld_f32(res_addr + (Int64(tidx - r0 * B) * Int64(H) + Int64(r0)) * xh)
         ss = cute.make_rmem_tensor((B,), Float32)
         for b in cutlass.range_constexpr(B):
             ss[b] = Float32(0.0)
         if whole:
-            self.stage(tidx, layer, K, merge, from_embed, has_norm, in_addr, norm_addr, p, s, ss, Int32(0), K,
-                       K // 2 + X_PAD)
+            self.stage(tidx, layer, K, merge, from_embed, has_norm, poll, in_addr, norm_addr, p, s, ss,
+                       Int32(0), K, K // 2 + X_PAD)
             if has_norm:
                 self.rms_statistic(tidx, warp, lane, K, ss, s)
             self.consumer_sync()
@@ -192,8 +211,8 @@ class MatvecStage:
                         if ww > xsl * slab:
                             ww = xsl * slab
                         self.consumer_sync()      # the previous window is read: this one may overwrite it
-                        self.stage(tidx, layer, K, merge, from_embed, has_norm and c0 == 0, in_addr, norm_addr, p,
-                                   s, ss, w0 * slab, ww, xw)
+                        self.stage(tidx, layer, K, merge, from_embed, has_norm and c0 == 0, poll, in_addr,
+                                   norm_addr, p, s, ss, w0 * slab, ww, xw)
                         self.consumer_sync()
                         if tidx == 0 and c0 == 0 and sl == 0:
                             mark_hop(s, 0)                # the first window is staged
@@ -260,6 +279,12 @@ class MatvecStage:
                 if tidx == 0:
                     st_i32(rec + TR_CONSUMED * 4, globaltimer_lo())     # every warp past the chunk's last slot
                     st_i32(rec + TR_WAIT_LANDED * 4, t_landed)          # warp 0's waits for its slots (so far)
+            if cutlass.const_expr(self.flagged):
+                if has_res and not early and c0 == 0 and tidx < n_res0:
+                    # DOWN's residual, O_PROJ's output h: written before GATE_UP's outputs, which this tile polled
+                    # (GATE_UP stages all of h)
+                    r0 = tidx // B
+                    res0 = ld_f32(res_addr + (Int64(tidx - r0 * B) * Int64(H) + Int64(r0)) * xh)
             self.epilogue(tidx, warp, lane, c0, rows, n_seg, a0, tile, is_gate_up, is_lm, has_norm, has_res,
                           res_addr, res0, out_addr, out_w, xch, op == OP_DOWN, p, s)
         if is_lm:
@@ -403,6 +428,7 @@ class MatvecStage:
         is_down: recv_down, else recv_o)."""
         s_part, s_rstd, s_wi, s_wv = s.part, s.rstd, s.wi, s.wv
         B, H = self.B, self.H
+        xh = 8 if self.flagged else 4                 # (flagged hops: h, x and act as {value, epoch} words)
         word = Int32(PEER_RECV_O)         # (an exchange: the receive buffer it stores into)
         if is_down:
             word = Int32(PEER_RECV_DOWN)
@@ -416,6 +442,9 @@ class MatvecStage:
             if has_norm:
                 scale = s_rstd[b]
             ob = out_addr + Int64(b) * Int64(out_w) * 4
+            if cutlass.const_expr(self.flagged):
+                if is_gate_up or has_res:
+                    ob = out_addr + Int64(b) * Int64(out_w) * 8      # (act, h, x)
             if is_gate_up:
                 # output r = (pair p, row j): gate row p*16+j, up row p*16+8+j
                 pr = r // ROW_GROUP
@@ -428,7 +457,10 @@ class MatvecStage:
                     up = up + s_part[((gr + ROW_GROUP) * n_seg + sg) * B + b]
                 g = g * scale
                 up = up * scale
-                st_f32(ob + Int64(c0 // 2 + r) * 4, silu(g) * up)
+                if cutlass.const_expr(self.flagged):
+                    st_flagged(ob + Int64(c0 // 2 + r) * 8, silu(g) * up, s.ctrl[0] + 1)
+                else:
+                    st_f32(ob + Int64(c0 // 2 + r) * 4, silu(g) * up)
             else:
                 y = Float32(0.0)
                 for sg in range(n_seg):
@@ -438,12 +470,18 @@ class MatvecStage:
                     if c0 == 0 and t == tidx:
                         y = y + res0
                     else:
-                        y = y + ld_f32(res_addr + (Int64(b) * Int64(H) + Int64(c0 + r)) * 4)
+                        y = y + ld_f32(res_addr + (Int64(b) * Int64(H) + Int64(c0 + r)) * xh)
                 if xch != 0 and not is_lm:
                     for rk in cutlass.range_constexpr(self.W):
                         st_f32(self.peer_address(p, rk, word) + ob + Int64(c0 + r) * 4, y)
                 else:
-                    st_f32(ob + Int64(c0 + r) * 4, y)
+                    if cutlass.const_expr(self.flagged):
+                        if has_res:
+                            st_flagged(ob + Int64(c0 + r) * 8, y, s.ctrl[0] + 1)     # (h, x)
+                        else:
+                            st_f32(ob + Int64(c0 + r) * 4, y)
+                    else:
+                        st_f32(ob + Int64(c0 + r) * 4, y)
                 if is_lm:
                     s_part[(r * n_seg) * B + b] = y          # keep the logit for the argmax below
         if is_lm:

@@ -2,7 +2,7 @@
 no wrapper: activation and embedding loads, bulk copies and mbarriers, the m16n8k16 MMA and the wgmma on
 registers loaded in the packed weight order (with the wgmma's shared-memory descriptor), the attention's
 m16n8k16 / m16n8k8 MMAs on fragments from raw 16-byte loads, the bf16 pack and unpack (and prmt pairing), and
-the counter primitives of the step's dependency protocol."""
+the counter primitives of the step's dependency protocol, and the flagged hops' 8-byte {value, epoch} words."""
 
 from __future__ import annotations
 
@@ -457,6 +457,30 @@ def load_shared_volatile(addr: Int32) -> Int32:
 def mbarrier_arrive(mbar: Int32):
     """One arrival on the shared-memory mbarrier at `mbar`."""
     cute.arch.inline_ptx("mbarrier.arrive.shared::cta.b64 _, [{$r0}];", read_only_args=[mbar])
+
+
+@cute.jit
+def as_f32(w: Int32) -> Float32:
+    """A raw 32-bit word as the float32 it holds."""
+    return cute.arch.inline_ptx("mov.b32 {$w0}, {$r0};", write_only_types=[Float32], read_only_args=[w])
+
+
+@cute.jit
+def st_flagged(addr: Int64, v: Float32, flag: Int32):
+    """One 8-byte word {v, flag} (8-byte aligned), a single-copy atomic store at gpu scope: a reader that sees the
+    flag sees the value beside it (the flagged hops, megakernel.instructions.layout.FLAGGED_BUFFERS)."""
+    cute.arch.inline_ptx("{ .reg .b64 t; mov.b64 t, {{$r1}, {$r2}}; st.relaxed.gpu.global.b64 [{$r0}], t; }",
+                         read_only_args=[addr, v, flag])
+
+
+@cute.jit
+def ld_flagged_x2(addr: Int64):
+    """Two 8-byte words {value, flag} (16-byte aligned) at gpu scope, each single-copy atomic:
+    (value0, flag0, value1, flag1) as raw 32-bit words."""
+    return cute.arch.inline_ptx(
+        "{ .reg .b64 a, b; ld.relaxed.gpu.global.v2.b64 {a, b}, [{$r0}]; mov.b64 {{$w0}, {$w1}}, a; "
+        "mov.b64 {{$w2}, {$w3}}, b; }",
+        write_only_types=[Int32] * 4, read_only_args=[addr])
 
 
 __all__ = [name for name in dir() if not name.startswith("_") and name not in ("cutlass", "cute", "annotations")]

@@ -7,7 +7,9 @@ SPLIT_BATCH no consumer stages its input: the stage that produced it wrote it pr
     is one MMA per weight fragment and half the staged bytes of float32 split into bf16 hi + lo, which measured
     2-11% slower (profiles/RESULTS.md, 2026-12-04, fifteenth session) for ~1e-2 of relative logit error, inside the
     suite's bf16 bounds (tools/activation_precision.py);
-  - every load of a round first, so a round is one memory round trip.
+  - every load of a round first, so a round is one memory round trip;
+  - at batch 1 on one GPU a flagged input (layout.FLAGGED_BUFFERS: x, h, act as {value, epoch} words) is polled
+    until every word is this step's (stage_round_polled), in place of the counter wait.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64
 
 from .attention import LOG2E
-from .ptx import (ex2, ld_f32, ld_i32, load_f32x4, load_nc_b32x2, load_weights_bf16x4, pack_bf16x2,
-                  st_shared_b32, unpack_bf16x2)
+from .ptx import (as_f32, ex2, ld_f32, ld_flagged_x2, ld_i32, load_f32x4, load_nc_b32x2, load_relaxed,
+                  load_weights_bf16x4, pack_bf16x2, st_shared_b32, unpack_bf16x2)
 
 X_LOADS = 8                # input quads (of all sequences) each thread loads per round when staging, at most
 MERGE_PAIRS = 16           # O_PROJ's merge: (sequence, split) pairs whose lse and partial quad load in one round
                            # (half that with 15 consumer warps, whose 128 registers would spill)
+POLL_WORD = 6              # the word of the CTA's control block (s_ctrl) a timed-out poll of a flagged input sets
+POLL_ERROR_EVERY = 16      # a poll of a flagged input reads the error word and the clock every this many rounds
 
 
 class InputStaging:
@@ -49,7 +53,7 @@ class InputStaging:
 
     @cute.jit
     def stage(self, tidx: Int32, layer: Int32, K: Int32, merge: Boolean, from_embed: Boolean, gather: Boolean,
-              in_addr: Int64, norm_addr: Int64, p, s, ss: cute.Tensor, s0: Int32,
+              poll: Boolean, in_addr: Int64, norm_addr: Int64, p, s, ss: cute.Tensor, s0: Int32,
               kw: Int32, stride: Int32):
         """Columns s0 .. s0 + kw of every sequence's matvec input into s.x (store_x_quad, row stride `stride`):
         O_PROJ's merged attention splits where `merge`, layer 0's embedding row where `from_embed`, else the input
@@ -60,8 +64,16 @@ class InputStaging:
             for i in range(tidx, self.plan.x_floats, self.cthreads):
                 s_x[i] = Float32(0.0)
             return
+        polled = Boolean(False)
+        if cutlass.const_expr(self.flagged):
+            polled = poll
         if merge:
             self.stage_merged_attention(tidx, layer, p, s, s0, kw, stride)
+        elif polled:
+            # a flagged input (layout.FLAGGED_BUFFERS): its words polled until every one is this step's
+            U = self.x_unroll()
+            for q0 in range(tidx, kw // 4, self.cthreads * U):
+                self.stage_round_polled(q0, U, gather, K, in_addr, norm_addr, p, s, ss, s0, kw, stride)
         else:
             # the quads of a column of every sequence in one round (their loads in flight together), U columns per
             # thread per round
@@ -127,6 +139,67 @@ class InputStaging:
                     y = cute.make_rmem_tensor((4,), Float32)
                     for e in cutlass.range_constexpr(4):
                         x = xv[4 * j + e]
+                        if gather:
+                            ss[bb] = ss[bb] + x * x
+                        y[e] = x * nv[e]
+                    self.store_x_quad(s, bb, q * 4, stride, y)
+
+    @cute.jit
+    def stage_round_polled(self, q0: Int32, U: int, gather: Boolean, K: Int32, in_addr: Int64, norm_addr: Int64, p,
+                           s, ss: cute.Tensor, s0: Int32, kw: Int32, stride: Int32):
+        """stage_round of a flagged input (8-byte {value, epoch} words, st_flagged): every word of the round loaded,
+        again until each carries this step's epoch (s.ctrl[0] + 1), then as stage_round: times the norm weight,
+        sequence b's sum of squares into ss[b] where `gather`. A 64-bit load is single-copy atomic, so a word with
+        the epoch holds this step's value: no counter, no fence. The polls end early once another CTA has written
+        the error word or a thread of this one timed out; past options.timeout_ns the thread sets s.ctrl[POLL_WORD]
+        (the interpreter writes ERR_TIMEOUT when the instruction ends)."""
+        nb = self.B
+        s_ctrl = s.ctrl
+        epoch = s_ctrl[0] + 1
+        nw = cute.make_rmem_tensor((U * 2,), Int32)           # the norm weights' packed bf16
+        for v in cutlass.range_constexpr(U):
+            nw[2 * v] = Int32(0)
+            nw[2 * v + 1] = Int32(0)
+            q = q0 + v * self.cthreads
+            if q < kw // 4:
+                nw[2 * v], nw[2 * v + 1] = load_nc_b32x2(norm_addr + Int64(s0 + q * 4) * 2)
+        xv = cute.make_rmem_tensor((U * nb * 4,), Int32)
+        for i in cutlass.range_constexpr(U * nb * 4):
+            xv[i] = Int32(0)
+        t0 = cute.arch.globaltimer()
+        ready = Boolean(False)
+        spins = Int32(0)
+        while not ready and s_ctrl[POLL_WORD] == 0:
+            ready = Boolean(True)
+            for v in cutlass.range_constexpr(U):
+                q = q0 + v * self.cthreads
+                if q < kw // 4:
+                    k = s0 + q * 4
+                    for bb in cutlass.range_constexpr(nb):
+                        j = v * nb + bb
+                        a = in_addr + (Int64(bb) * Int64(K) + Int64(k)) * 8
+                        w0, f0, w1, f1 = ld_flagged_x2(a)
+                        w2, f2, w3, f3 = ld_flagged_x2(a + 16)
+                        xv[4 * j], xv[4 * j + 1], xv[4 * j + 2], xv[4 * j + 3] = w0, w1, w2, w3
+                        if f0 != epoch or f1 != epoch or f2 != epoch or f3 != epoch:
+                            ready = Boolean(False)
+            if not ready:
+                spins = spins + 1
+                if spins % POLL_ERROR_EVERY == 0:
+                    # another CTA failed (this step's words may never come) or the bound is past
+                    if load_relaxed(p.error) != 0 or cute.arch.globaltimer() - t0 > self.options.timeout_ns:
+                        s_ctrl[POLL_WORD] = Int32(1)
+        for v in cutlass.range_constexpr(U):
+            q = q0 + v * self.cthreads
+            if q < kw // 4:
+                nv = cute.make_rmem_tensor((4,), Float32)
+                nv[0], nv[1] = unpack_bf16x2(nw[2 * v])
+                nv[2], nv[3] = unpack_bf16x2(nw[2 * v + 1])
+                for bb in cutlass.range_constexpr(nb):
+                    j = v * nb + bb
+                    y = cute.make_rmem_tensor((4,), Float32)
+                    for e in cutlass.range_constexpr(4):
+                        x = as_f32(xv[4 * j + e])
                         if gather:
                             ss[bb] = ss[bb] + x * x
                         y[e] = x * nv[e]

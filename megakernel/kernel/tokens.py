@@ -11,8 +11,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from ..instructions.layout import wide_x_byte
-from .ptx import (atomic_cas, ld_f32, ld_i32, load_bf16x8, max_index, pack_bf16x2, st_b32x4, st_f32, st_f32x4, st_i32,
-                  store_relaxed, warp_max_index)
+from .ptx import (atomic_cas, ld_f32, ld_i32, load_bf16x8, max_index, pack_bf16x2, st_b32x4, st_f32, st_f32x4,
+                  st_flagged, st_i32, store_relaxed, warp_max_index)
 
 ERR_TOKEN = 3
 EMBED_UNROLL = 8           # rounds of EMBED's loads in flight per thread
@@ -22,14 +22,15 @@ class TokenStages:
     """EMBED and ARGMAX (a mixin of the interpreter)."""
 
     @cute.jit
-    def embed(self, tidx: Int32, index: Int32, b0: Int32, nb: Int32, p):
+    def embed(self, tidx: Int32, index: Int32, b0: Int32, nb: Int32, p, epoch: Int32):
         """x[0][b] = embed[token b] (float32) for the sequences b of [b0, b0 + nb), 8 columns per thread per round,
         EMBED_UNROLL rounds' loads issued before any of their stores (a store between two loads would make each
         round a memory round trip), each column octet stored as two 16-byte stores (eight 4-byte stores, one
         sector per lane each, took 57 us at batch 64 on one SM); a token outside the vocabulary reads row 0 and
         is reported in the error word. Past SPLIT_BATCH also x[0]'s pre-staged copy for layer 0's QKV (times
         attn_norm[0], bf16 at wide_x_byte: a thread's 8 columns are one 16-byte row of a core matrix) and their
-        sum of squares (StepBuffers.x_wide, x_ssq: megakernel.kernel.matvec_wide)."""
+        sum of squares (StepBuffers.x_wide, x_ssq: megakernel.kernel.matvec_wide). With flagged hops
+        (layout.flagged_hops) x[0] as {value, `epoch`} words (st_flagged)."""
         n8 = self.H // 8
         U = EMBED_UNROLL
         if cutlass.const_expr(self.wide):
@@ -75,9 +76,14 @@ class TokenStages:
                     bt = t // n8
                     k = (t - bt * n8) * 8
                     b = b0 + bt
-                    for e in cutlass.range_constexpr(0, 8, 4):
-                        st_f32x4(p.x + (Int64(b) * self.H + Int64(k + e)) * 4, w[v * 8 + e], w[v * 8 + e + 1],
-                                 w[v * 8 + e + 2], w[v * 8 + e + 3])
+                    if cutlass.const_expr(self.flagged):
+                        # x[0] as {value, epoch} words (layout.flagged_hops), polled by layer 0's QKV
+                        for e in cutlass.range_constexpr(8):
+                            st_flagged(p.x + (Int64(b) * self.H + Int64(k + e)) * 8, w[v * 8 + e], epoch)
+                    else:
+                        for e in cutlass.range_constexpr(0, 8, 4):
+                            st_f32x4(p.x + (Int64(b) * self.H + Int64(k + e)) * 4, w[v * 8 + e], w[v * 8 + e + 1],
+                                     w[v * 8 + e + 2], w[v * 8 + e + 3])
                     if cutlass.const_expr(self.wide):
                         pk = cute.make_rmem_tensor((4,), Int32)
                         ss = Float32(0.0)

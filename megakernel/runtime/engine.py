@@ -61,13 +61,17 @@ class MegakernelError(RuntimeError):
 class ErrorWord:
     code: int
     instruction: int
-    detail: int         # the counter a timed-out wait spun on; the sequence of a position or aliasing error
+    detail: int         # the counter a timed-out wait spun on (-1: a poll of a flagged input); the sequence of a
+                        # position or aliasing error
     value: int
 
     def describe(self, program) -> str:
         ins = program.instructions[self.instruction] if 0 <= self.instruction < len(program.instructions) else None
         what = f"instruction #{self.instruction} {ins.opcode.name} (layer {ins.layer})" if ins else \
             f"instruction #{self.instruction}"
+        if self.code == ERR_TIMEOUT and self.detail < 0:
+            return (f"{what} timed out polling its flagged input for epoch {self.value} (or stopped on another "
+                    f"CTA's error): a producer never wrote this step's words; the schedule or the kernel is broken")
         if self.code == ERR_TIMEOUT:
             return (f"{what} timed out waiting on counter {self.detail} (last value {self.value}): "
                     f"a producer never signalled; the schedule or the kernel is broken")
@@ -98,9 +102,12 @@ def kernel_arg_tensors(weights: PackedWeights, bufs, own: dict[str, torch.Tensor
 
 
 def reset_sync(bufs, device: torch.device, host_error: torch.Tensor) -> None:
-    """Zero an engine's counters, epoch and error word, and the error's host copy."""
+    """Zero an engine's counters, epoch and error word, and the error's host copy; and the flagged buffers' epoch
+    words (StepBuffers.epochs), which a restarted epoch would otherwise find already this step's."""
     bufs.counters.zero_()
     bufs.sync.zero_()
+    for epochs in bufs.epochs():
+        epochs.zero_()
     bufs.error.zero_()
     torch.cuda.synchronize(device)      # no launch still in flight writes the host copy afterwards
     host_error.zero_()
@@ -377,7 +384,9 @@ class MegakernelEngine:
     def run_instructions(self, instructions: list) -> None:
         """Run the given instructions alone through the real kernel, all on SM 0, in order, with
         their waits and signals stripped: one stage tested in isolation on whatever the buffers
-        hold. The step's own queue is restored afterwards. Raises MegakernelError on a kernel error."""
+        hold (flagged buffers' words stamped with the launch's epoch first, so a polled input is as
+        ready as a stripped wait). The step's own queue is restored afterwards. Raises MegakernelError
+        on a kernel error."""
         import dataclasses
 
         from ..instructions.record import NO_COUNTER, WORDS
@@ -393,12 +402,27 @@ class MegakernelEngine:
         assert table.shape[2] == WORDS
         self.queue_table.copy_(table)
         self.queue_lengths.copy_(lengths)
+        for epochs in self.bufs.epochs():
+            epochs.copy_(self.bufs.sync[0] + 1)     # (on the device: no host sync)
         try:
             self.launch()
             self.check()
         finally:
             self.queue_table.copy_(saved_table)
             self.queue_lengths.copy_(saved_len)
+
+    def counter_waits(self) -> list[tuple[int, int]]:
+        """(queue, index) of every queue entry that waits on a counter the kernel spins on: not those of the
+        stages that poll a flagged input instead (megakernel.kernel.matvec.POLLING)."""
+        from ..instructions.layout import flagged_hops
+        from ..instructions.record import W_A3, W_OPCODE, W_WAIT_ID
+        from ..kernel.matvec import POLLING
+        table = self.queue_table.cpu()
+
+        def polls(op: int, a3: int) -> bool:
+            return flagged_hops(self.layout) and op in POLLING and not (op == Opcode.QKV and a3 == 1)
+        return [(sm, i) for sm, i in (table[:, :, W_WAIT_ID] >= 0).nonzero().tolist()
+                if not polls(int(table[sm, i, W_OPCODE]), int(table[sm, i, W_A3]))]
 
     @property
     def logits(self) -> torch.Tensor:

@@ -584,3 +584,42 @@ def test_error_word_names_the_instruction_and_the_sequence_it_failed_on():
     assert alias.startswith(f"{what}: the KV slot of sequence {seq}'s new token (position 9)"), alias
     timeout = ErrorWord(ERR_TIMEOUT, ins.index, 12, 3).describe(program)
     assert timeout.startswith(f"{what} timed out waiting on counter 12 (last value 3)"), timeout
+    polled = ErrorWord(ERR_TIMEOUT, ins.index, -1, 7).describe(program)
+    assert polled.startswith(f"{what} timed out polling its flagged input for epoch 7"), polled
+
+
+def test_batch_1_buffers_hold_x_h_and_act_as_value_views_of_flagged_pairs():
+    """At batch 1 on one GPU (layout.flagged_hops) x, h and act are the value halves of float32 {value, epoch}
+    pairs: the kernel's argument (data_ptr) is the pairs' base, the views index [layer, sequence, column] as at
+    any batch, their epochs start at 0 (no step's), and a write through either half leaves the other as it was.
+    At batch 2, and on a rank of two GPUs, nothing is flagged."""
+    from megakernel.instructions.layout import FLAGGED_BUFFERS, epoch_words, flagged_hops
+    from megakernel.instructions.tensor_parallel.layout import ShardLayout, allocate_tp_buffers
+
+    layout = _layout("tiny-llama", batch=1, max_seq_len=32)
+    program = build_program(layout)
+    bufs = allocate_buffers(layout, program.lm_tiles, program.num_counters)
+    assert flagged_hops(layout) and len(bufs.epochs()) == len(FLAGGED_BUFFERS)
+    c = layout.config
+    shapes = {"x": (c.num_layers + 1, 1, c.hidden_size), "h": (c.num_layers, 1, c.hidden_size),
+              "act": (c.num_layers, 1, c.intermediate_size)}
+    gen = torch.Generator().manual_seed(66)
+    for name in FLAGGED_BUFFERS:
+        values = getattr(bufs, name)
+        epochs = epoch_words(values)
+        assert values.shape == shapes[name] and values.stride(-1) == 2, (name, values.shape, values.stride())
+        assert torch.isnan(values).all() and torch.equal(epochs, torch.zeros_like(epochs)), name
+        assert epochs.data_ptr() == values.data_ptr() + 4, name     # {value, epoch}: the epoch 4 bytes on
+        new = torch.randn(values.shape, generator=gen)
+        values.copy_(new)
+        epochs.fill_(7)
+        assert torch.equal(values, new), f"{name}: an epoch write changed the values"
+        pairs = torch.as_strided(values, (values.numel(), 2), (2, 1), values.storage_offset())
+        assert torch.equal(pairs[:, 0], new.flatten()) and (pairs[:, 1].view(torch.int32) == 7).all(), name
+    with pytest.raises(ValueError, match="value view of a flagged buffer"):
+        epoch_words(bufs.qkv)
+    wide = _layout("tiny-llama", batch=2, max_seq_len=32)
+    program2 = build_program(wide)
+    assert not flagged_hops(wide) and allocate_buffers(wide, program2.lm_tiles, program2.num_counters).epochs() == []
+    rank = ShardLayout.of(layout, 2, 1)
+    assert not flagged_hops(rank) and allocate_tp_buffers(rank, 1, program.num_counters).epochs() == []

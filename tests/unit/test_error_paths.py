@@ -115,15 +115,16 @@ def test_a_step_with_a_bad_position_writes_no_slot_of_its_sequence_and_later_lau
 
 
 def test_a_wait_that_times_out_aborts_the_step_and_the_engine_recovers_after_check():
-    from megakernel.instructions.record import W_WAIT_COUNT, W_WAIT_ID
+    from megakernel.instructions.record import W_WAIT_COUNT
     from megakernel.kernel.interpreter import ERR_TIMEOUT, KernelOptions
     from megakernel.runtime.engine import MegakernelError
 
     weights, eng = _engine("tiny-llama", 1, seed=62, options=KernelOptions(timeout_ns=50_000_000))
     c = weights.config
-    # an instruction in the middle of some CTA's queue waits for a count no producer reaches
+    # an instruction in the middle of some CTA's queue waits for a count no producer reaches (one that waits on a
+    # counter: at batch 1 the stages with a flagged input poll it instead)
     table = eng.queue_table
-    waits = (table[:, :, W_WAIT_ID] >= 0).nonzero().tolist()
+    waits = eng.counter_waits()
     sm, i = waits[len(waits) // 2]
     saved = table.clone()
     table[sm, i, W_WAIT_COUNT] = 1 << 20
@@ -141,6 +142,42 @@ def test_a_wait_that_times_out_aborts_the_step_and_the_engine_recovers_after_che
     with pytest.raises(MegakernelError, match="timed out waiting on counter"):
         eng.check()
     _check_step(weights, eng, tokens, torch.tensor([5], dtype=torch.int32), "tiny-llama: the step after the timeout")
+
+
+def test_a_poll_of_a_flagged_input_that_times_out_aborts_the_step_and_the_engine_recovers_after_check():
+    """At batch 1 DOWN polls act's {value, epoch} words (layout.flagged_hops): run alone on words no step wrote
+    (reset_sync zeroed their epochs), its poll times out; the error word names it, counter -1, and the epoch."""
+    from megakernel.instructions.opcodes import Opcode
+    from megakernel.instructions.record import NO_COUNTER, WORDS
+    from megakernel.kernel.interpreter import ERR_TIMEOUT, KernelOptions
+    from megakernel.runtime.engine import MegakernelError
+
+    weights, eng = _engine("tiny-llama", 1, seed=65, options=KernelOptions(timeout_ns=50_000_000))
+    c = weights.config
+    assert len(eng.bufs.epochs()) == 3
+    down = next(ins for ins in eng.program.instructions if ins.opcode == Opcode.DOWN and ins.layer == 1)
+    saved_table, saved_len = eng.queue_table.clone(), eng.queue_lengths.clone()
+    eng.reset_sync()
+    eng.bufs.act.normal_()
+    eng.queue_table.zero_()
+    eng.queue_table[0, 0] = torch.tensor(dataclasses.replace(down, wait_id=NO_COUNTER, wait_count=0,
+                                                             signal_id=NO_COUNTER).encode(), dtype=torch.int32)
+    assert eng.queue_table.shape[2] == WORDS
+    eng.queue_lengths.zero_()
+    eng.queue_lengths[0] = 1
+    eng.launch()
+    torch.cuda.synchronize()
+    assert eng.bufs.error.tolist() == [ERR_TIMEOUT, down.index, -1, 1], eng.bufs.error.tolist()
+    _assert_later_launches_change_nothing(eng, eng.launch, "a launch after the timed-out poll")
+    assert eng.error_flag() == ERR_TIMEOUT
+    eng.queue_table.copy_(saved_table)
+    eng.queue_lengths.copy_(saved_len)
+    with pytest.raises(MegakernelError, match=f"#{down.index} DOWN \\(layer 1\\) timed out polling"):
+        eng.check()
+    gen = torch.Generator().manual_seed(65)
+    tokens = torch.randint(0, c.vocab_size, (1,), generator=gen).int()
+    eng.bufs.poison()
+    _check_step(weights, eng, tokens, torch.tensor([5], dtype=torch.int32), "tiny-llama: the step after the poll's")
 
 
 def test_graph_replays_after_a_failed_step_write_nothing_and_the_host_flag_reports_it():
