@@ -417,12 +417,13 @@ class MegakernelEngine:
         from ..instructions.layout import flagged_hops
         from ..instructions.record import W_A3, W_OPCODE, W_WAIT_ID
         from ..kernel.matvec import POLLING
-        table = self.queue_table.cpu()
+        table, lengths = self.queue_table.cpu(), self.queue_lengths.cpu().tolist()
 
         def polls(op: int, a3: int) -> bool:
             return flagged_hops(self.layout) and op in POLLING and not (op == Opcode.QKV and a3 == 1)
+        # (entries past a queue's length are zero padding: wait id 0, never run)
         return [(sm, i) for sm, i in (table[:, :, W_WAIT_ID] >= 0).nonzero().tolist()
-                if not polls(int(table[sm, i, W_OPCODE]), int(table[sm, i, W_A3]))]
+                if i < lengths[sm] and not polls(int(table[sm, i, W_OPCODE]), int(table[sm, i, W_A3]))]
 
     @property
     def logits(self) -> torch.Tensor:
