@@ -501,7 +501,6 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
             unsignalled = Boolean(False)  # flagged hops: what O_PROJ, GATE_UP and DOWN write is polled, not waited on
             if cutlass.const_expr(self.flagged):
                 unsignalled = op == OP_GATE_UP or op == OP_DOWN or op == OP_O_PROJ
-            if cutlass.const_expr(self.flagged):
                 if tidx == 0 and s_ctrl[POLL_WORD] != 0:
                     # a poll of the stage's flagged input timed out or saw another CTA's error
                     # (staging.stage_round_polled): no signal, the loop stops; the error word names the

@@ -13,6 +13,9 @@ The stage's record, operands and torch reference are in megakernel.instructions.
      sequence), and frees its part;
   3. per chunk of rows, one thread per output adds its partials in a fixed order (the same bits every
      run) and runs the epilogue: store, residual add, SiLU-and-multiply, or logits + tile argmax.
+At batch 1 on one GPU (layout.flagged_hops) x, h and act are {value, epoch} words: the epilogues of O_PROJ,
+GATE_UP and DOWN store them with st_flagged, and the stages in POLLING stage their input by polling the words
+(staging.stage_round_polled) instead of a counter wait; DOWN's residual h is read past that poll.
 """
 
 from __future__ import annotations
