@@ -12,6 +12,7 @@ import torch
 from ..model.config import ModelConfig
 from ..model.ops import rope_inv_freq
 from ..model.weights import ModelWeights
+from .flagged import FLAGGED_BUFFERS, epoch_words, flagged_hops
 
 # Rows a CTA's 8 consumer warps process side by side: every matvec tile is a multiple of it.
 ROW_GROUP = 8
@@ -27,12 +28,6 @@ FRAG_ROWS, FRAG_COLS = 8, 32
 MAX_BATCH = 64
 KERNEL_MAX_BATCH = MAX_BATCH
 SPLIT_BATCH = 8
-# At batch 1 on one GPU the hops into a matvec's input are flagged data (NCCL's LL protocol): x, h and act are
-# float32 {value, step epoch} pairs, stored as one 8-byte word each, and the consuming stage polls the words it
-# stages until each carries this step's epoch, instead of a counter wait behind the producer's release fence
-# (megakernel.kernel.staging.stage_round_polled; profiles/RESULTS.md, 2026-12-06: 9% of qwen3-0.6b's step, level
-# on the larger shapes, slower from batch 2, where the polled inputs are B times as many words).
-FLAGGED_BUFFERS = ("x", "h", "act")
 # The compute capability the kernel is compiled for (sm_90a): Hopper. An sm_90a cubin runs on no other GPU.
 KERNEL_CAPABILITY = (9, 0)
 # The DAG's rule for folding the attention split merge into O_PROJ's input staging (no ATTN_REDUCE
@@ -187,19 +182,6 @@ def require_kernel_batch(batch: int) -> None:
     schedule and the VM; the megakernel up to KERNEL_MAX_BATCH)."""
     if not 1 <= batch <= KERNEL_MAX_BATCH:
         raise ValueError(f"batch={batch} is outside the megakernel's range 1..{KERNEL_MAX_BATCH}")
-
-
-def flagged_hops(layout) -> bool:
-    """Whether a step of `layout` hands x, h and act on as flagged data (FLAGGED_BUFFERS): batch 1, one GPU."""
-    return layout.batch == 1 and getattr(layout, "world_size", 1) == 1
-
-
-def epoch_words(values: torch.Tensor) -> torch.Tensor:
-    """int32 view of the epoch halves beside a flagged buffer's values (a StepBuffers x, h or act where
-    flagged_hops: the value halves of float32 [..., 2] pairs)."""
-    if values.dim() == 0 or values.stride(-1) != 2:
-        raise ValueError("epoch_words takes the value view of a flagged buffer (its last stride 2)")
-    return values.as_strided(values.shape, values.stride(), values.storage_offset() + 1).view(torch.int32)
 
 
 def default_kv_splits(config: ModelConfig, batch: int, num_sms: int, max_seq_len: int = 4096) -> int:

@@ -17,7 +17,7 @@ A CTA's warps:
          .attention, .tokens): a matvec stages its input, then takes its weights slot by slot from the ring
          and multiplies them on the tensor cores;
       4. after a consumer barrier, thread 0 signals its stage counter with red.release.gpu.
-    At batch 1 on one GPU (layout.flagged_hops) the hops into x, h and act carry their own readiness: O_PROJ,
+    At batch 1 on one GPU (instructions.flagged) the hops into x, h and act carry their own readiness: O_PROJ,
     GATE_UP, DOWN and EMBED store {value, epoch} words (st_flagged) and O_PROJ, GATE_UP and DOWN signal nothing;
     QKV (but layer 0's of a folded embedding), GATE_UP, DOWN and LM_HEAD wait on no counter and poll the words
     they stage instead (staging.stage_round_polled; a timeout there is ERR_TIMEOUT with counter -1). A
@@ -46,7 +46,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Int32, Int64
 
-from ..instructions.layout import StepLayout, flagged_hops, require_kernel_batch
+from ..instructions.flagged import flagged_hops
+from ..instructions.layout import StepLayout, require_kernel_batch
 from ..instructions.matvec_stages import weight_rows
 from ..instructions.opcodes import Opcode
 from ..instructions.attention import warp_attention
@@ -189,7 +190,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
         self.wide_groups = self.options.wide_groups or wide_groups(self.B, widest)
         self.plan = StreamPlan.for_config(c, self.B, tuple(self.split_widths.values()), self.wide_groups)
         self.wide = wide(self.B)
-        # batch 1, one GPU: x, h and act as {value, epoch} words (layout.FLAGGED_BUFFERS); their consumers poll
+        # batch 1, one GPU: x, h and act as {value, epoch} words (instructions.flagged); their consumers poll
         self.flagged = flagged_hops(layout)
         self.warp_attention = warp_attention(layout)
         self.qkv_folded = qkv_reduce_folded(layout)

@@ -13,7 +13,7 @@ The stage's record, operands and torch reference are in megakernel.instructions.
      sequence), and frees its part;
   3. per chunk of rows, one thread per output adds its partials in a fixed order (the same bits every
      run) and runs the epilogue: store, residual add, SiLU-and-multiply, or logits + tile argmax.
-At batch 1 on one GPU (layout.flagged_hops) x, h and act are {value, epoch} words: the epilogues of O_PROJ,
+At batch 1 on one GPU (instructions.flagged) x, h and act are {value, epoch} words: the epilogues of O_PROJ,
 GATE_UP and DOWN store them with st_flagged, and the stages in POLLING stage their input by polling the words
 (staging.stage_round_polled) instead of a counter wait; DOWN's residual h is read past that poll.
 """
@@ -48,7 +48,7 @@ def silu(g: Float32) -> Float32:
     return g / (Float32(1.0) + ex2(-g * Float32(LOG2E)))
 
 
-# The stages that poll their flagged input (layout.flagged_hops) instead of waiting on their counter, but layer 0's
+# The stages that poll their flagged input (instructions.flagged) instead of waiting on their counter, but layer 0's
 # QKV of a folded embedding (record a3 == 1), which reads embed[token]
 POLLING = (Opcode.QKV, Opcode.GATE_UP, Opcode.DOWN, Opcode.LM_HEAD)
 
@@ -86,7 +86,7 @@ class MatvecStage:
         out_w = Int32(0)
         res_addr = Int64(0)
         has_res = Boolean(False)
-        # bytes per word of x, h and act: {value, epoch} pairs where the hops are flagged (layout.flagged_hops)
+        # bytes per word of x, h and act: {value, epoch} pairs where the hops are flagged (instructions.flagged)
         xh = 8 if self.flagged else 4
         if op == OP_QKV:
             in_addr = p.x + l64 * (B * H * xh)

@@ -468,7 +468,7 @@ def as_f32(w: Int32) -> Float32:
 @cute.jit
 def st_flagged(addr: Int64, v: Float32, flag: Int32):
     """One 8-byte word {v, flag} (8-byte aligned), a single-copy atomic store at gpu scope: a reader that sees the
-    flag sees the value beside it (the flagged hops, megakernel.instructions.layout.FLAGGED_BUFFERS)."""
+    flag sees the value beside it (the flagged hops, megakernel.instructions.flagged)."""
     cute.arch.inline_ptx("{ .reg .b64 t; mov.b64 t, {{$r1}, {$r2}}; st.relaxed.gpu.global.b64 [{$r0}], t; }",
                          read_only_args=[addr, v, flag])
 

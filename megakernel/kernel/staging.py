@@ -8,8 +8,8 @@ SPLIT_BATCH no consumer stages its input: the stage that produced it wrote it pr
     2-11% slower (profiles/RESULTS.md, 2026-12-04, fifteenth session) for ~1e-2 of relative logit error, inside the
     suite's bf16 bounds (tools/activation_precision.py);
   - every load of a round first, so a round is one memory round trip;
-  - at batch 1 on one GPU a flagged input (layout.FLAGGED_BUFFERS: x, h, act as {value, epoch} words) is polled
-    until every word is this step's (stage_round_polled), in place of the counter wait.
+  - at batch 1 on one GPU a flagged input (instructions.flagged: x, h, act as {value, epoch} words) is polled until
+    every word is this step's (stage_round_polled), in place of the counter wait.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class InputStaging:
         if merge:
             self.stage_merged_attention(tidx, layer, p, s, s0, kw, stride)
         elif polled:
-            # a flagged input (layout.FLAGGED_BUFFERS): its words polled until every one is this step's
+            # a flagged input (instructions.flagged): its words polled until every one is this step's
             U = self.x_unroll()
             for q0 in range(tidx, kw // 4, self.cthreads * U):
                 self.stage_round_polled(q0, U, gather, K, in_addr, norm_addr, p, s, ss, s0, kw, stride)

@@ -30,7 +30,7 @@ class TokenStages:
         is reported in the error word. Past SPLIT_BATCH also x[0]'s pre-staged copy for layer 0's QKV (times
         attn_norm[0], bf16 at wide_x_byte: a thread's 8 columns are one 16-byte row of a core matrix) and their
         sum of squares (StepBuffers.x_wide, x_ssq: megakernel.kernel.matvec_wide). With flagged hops
-        (layout.flagged_hops) x[0] as {value, `epoch`} words (st_flagged)."""
+        (instructions.flagged) x[0] as {value, `epoch`} words (st_flagged)."""
         n8 = self.H // 8
         U = EMBED_UNROLL
         if cutlass.const_expr(self.wide):
@@ -77,7 +77,7 @@ class TokenStages:
                     k = (t - bt * n8) * 8
                     b = b0 + bt
                     if cutlass.const_expr(self.flagged):
-                        # x[0] as {value, epoch} words (layout.flagged_hops), polled by layer 0's QKV
+                        # x[0] as {value, epoch} words (instructions.flagged), polled by layer 0's QKV
                         for e in cutlass.range_constexpr(8):
                             st_flagged(p.x + (Int64(b) * self.H + Int64(k + e)) * 8, w[v * 8 + e], epoch)
                     else:

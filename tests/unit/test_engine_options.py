@@ -589,11 +589,11 @@ def test_error_word_names_the_instruction_and_the_sequence_it_failed_on():
 
 
 def test_batch_1_buffers_hold_x_h_and_act_as_value_views_of_flagged_pairs():
-    """At batch 1 on one GPU (layout.flagged_hops) x, h and act are the value halves of float32 {value, epoch}
+    """At batch 1 on one GPU (instructions.flagged) x, h and act are the value halves of float32 {value, epoch}
     pairs: the kernel's argument (data_ptr) is the pairs' base, the views index [layer, sequence, column] as at
     any batch, their epochs start at 0 (no step's), and a write through either half leaves the other as it was.
     At batch 2, and on a rank of two GPUs, nothing is flagged."""
-    from megakernel.instructions.layout import FLAGGED_BUFFERS, epoch_words, flagged_hops
+    from megakernel.instructions.flagged import FLAGGED_BUFFERS, epoch_words, flagged_hops
     from megakernel.instructions.tensor_parallel.layout import ShardLayout, allocate_tp_buffers
 
     layout = _layout("tiny-llama", batch=1, max_seq_len=32)

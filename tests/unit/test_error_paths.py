@@ -145,7 +145,7 @@ def test_a_wait_that_times_out_aborts_the_step_and_the_engine_recovers_after_che
 
 
 def test_a_poll_of_a_flagged_input_that_times_out_aborts_the_step_and_the_engine_recovers_after_check():
-    """At batch 1 DOWN polls act's {value, epoch} words (layout.flagged_hops): run alone on words no step wrote
+    """At batch 1 DOWN polls act's {value, epoch} words (instructions.flagged): run alone on words no step wrote
     (reset_sync zeroed their epochs), its poll times out; the error word names it, counter -1, and the epoch."""
     from megakernel.instructions.opcodes import Opcode
     from megakernel.instructions.record import NO_COUNTER, WORDS

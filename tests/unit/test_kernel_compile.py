@@ -175,7 +175,7 @@ def test_long_attention_splits_run_on_the_tensor_cores(name, batch):
 
 @pytest.mark.parametrize("name", REAL_PRESETS)
 def test_batch_1_hands_x_h_and_act_on_as_flagged_words_and_batch_2_does_not(name):
-    """At batch 1 (layout.flagged_hops) x, h and act are {value, epoch} words: EMBED's octet of columns (8), GATE_UP's
+    """At batch 1 (instructions.flagged) x, h and act are {value, epoch} words: EMBED's octet of columns (8), GATE_UP's
     and the residual stages' epilogue stores (at least 1 each: the compiler may unroll) are 64-bit stores at gpu
     scope, and the polled staging loads 16 bytes (two words) at gpu scope; at batch 2 neither is in the SASS
     (float32 stores, counter waits)."""
