@@ -623,3 +623,35 @@ def test_batch_1_buffers_hold_x_h_and_act_as_value_views_of_flagged_pairs():
     assert not flagged_hops(wide) and allocate_buffers(wide, program2.lm_tiles, program2.num_counters).epochs() == []
     rank = ShardLayout.of(layout, 2, 1)
     assert not flagged_hops(rank) and allocate_tp_buffers(rank, 1, program.num_counters).epochs() == []
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_counter_waits_are_the_queue_entries_whose_counter_the_kernel_spins_on(batch):
+    """MegakernelEngine.counter_waits (what the timeout tests and tools/vllm_error_path.py raise): every entry with a
+    wait id within its queue's length, the zero padding past it excluded (its wait id reads 0), and at batch 1 the
+    stages that poll a flagged input (kernel.matvec.POLLING, but layer 0's QKV of a folded embedding) excluded."""
+    from megakernel.instructions.opcodes import Opcode
+    from megakernel.instructions.record import W_A3, W_OPCODE, W_WAIT_ID, serialize
+    from megakernel.kernel.matvec import POLLING
+    from megakernel.runtime.engine import MegakernelEngine
+    from megakernel.schedule import assign
+
+    layout = _layout("tiny-llama", batch=batch, max_seq_len=32)
+    eng = object.__new__(MegakernelEngine)
+    eng.layout = layout
+    eng.program = build_program(layout)
+    eng.queue_table, eng.queue_lengths = serialize(assign(eng.program, "balanced"))
+    table, lengths = eng.queue_table, eng.queue_lengths.tolist()
+    assert any(n < table.shape[1] for n in lengths), "no queue is padded: the padding case is not tested"
+    real = {(sm, i) for sm, n in enumerate(lengths) for i in range(n) if int(table[sm, i, W_WAIT_ID]) >= 0}
+    got = eng.counter_waits()
+    assert len(got) == len(set(got)) and set(got) <= real, "an entry past its queue's length or without a wait"
+
+    def polls(sm, i):
+        op, a3 = int(table[sm, i, W_OPCODE]), int(table[sm, i, W_A3])
+        return op in POLLING and not (op == Opcode.QKV and a3 == 1)
+    expected = {e for e in real if not polls(*e)} if batch == 1 else real
+    assert set(got) == expected, f"batch {batch}: {sorted(expected - set(got))[:4]} missing, " \
+                                 f"{sorted(set(got) - expected)[:4]} extra"
+    ops = {Opcode(int(table[sm, i, W_OPCODE])) for sm, i in got}
+    assert Opcode.ATTN_PARTIAL in ops and (Opcode.GATE_UP in ops) == (batch > 1), ops
