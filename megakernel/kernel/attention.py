@@ -25,8 +25,8 @@ from ..instructions.attention import sequence_groups
 from ..instructions.layout import wide_x_byte
 from ..instructions.opcodes import Opcode
 from ..instructions.split_k import k_splits
-from .ptx import (atomic_cas, cp_async_wait_all, ex2, globaltimer_lo, ld_bf16, ld_f32, ld_i32, ld_i64, lg2, load_f32x4,
-                  round_bf16, rsqrt, st_bf16, st_f32, st_i32, store_relaxed, warp_sum)
+from .ptx import (cp_async_wait_all, ex2, globaltimer_lo, ld_bf16, ld_f32, ld_i32, ld_i64, lg2, load_f32x4,
+                  report_error, round_bf16, rsqrt, st_bf16, st_f32, st_i32, warp_sum)
 from .softmax_pass import LOG2E, STREAM_ELEMS, WARP_UNROLL, SoftmaxPass
 from .stream import TR_CONSUMED, TR_STAGED
 
@@ -208,10 +208,7 @@ class AttentionStage(SoftmaxPass):
         if bad:
             code = Int32(ERR_POSITION)
         if code != 0 and lead:
-            if atomic_cas(p.error, Int32(0), code) == 0:
-                store_relaxed(p.error + 4, index)
-                store_relaxed(p.error + 8, b)
-                store_relaxed(p.error + 12, pos)
+            report_error(p.error, code, index, b, pos)
         if bad:
             pos = Int32(0)
         # the layer's K and V base addresses (a device table, so a bound cache can move without a

@@ -58,9 +58,9 @@ from .attention import ERR_ALIAS, ERR_POSITION, LOG2E, AttentionStage  # noqa: F
 from .matvec import MatvecStage, polls_input
 from .matvec_wide import WideMatvec
 from .staging import POLL_WORD, InputStaging
-from .ptx import (atomic_add_acq_rel, atomic_cas, cp_async_wait_all, globaltimer_lo, ld_i32, ld_i64, load_acquire,
+from .ptx import (atomic_add_acq_rel, cp_async_wait_all, globaltimer_lo, ld_i32, ld_i64, load_acquire,
                   load_acquire_sys, load_relaxed, mbarrier_init, mbarrier_init_fence, red_release_add,
-                  red_release_add_sys, st_i32, store_relaxed, store_system_nonzero)
+                  red_release_add_sys, report_error, st_i32, store_relaxed, store_system_nonzero)
 from .stream import (ERR_RING, OP_TP_REDUCE, PEER_COUNTERS, PEER_WORDS, SLOT_BYTES, TRACE_WORDS,  # noqa: F401
                      HOP_WORD, RELEASE_LANES, WIDE_WARPS, StreamPlan, WeightStream, dense_opcode, is_matvec,
                      max_in_flight, wide, wide_groups)
@@ -459,11 +459,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                     if cute.arch.globaltimer() - t0 > self.options.timeout_ns:
                         ok = Boolean(False)
                 if not ok:
-                    # (the first error wins: after another CTA's, the compare-and-swap fails)
-                    if atomic_cas(error, Int32(0), Int32(ERR_TIMEOUT)) == 0:
-                        store_relaxed(error + 4, s_queue[ins + W_INDEX])
-                        store_relaxed(error + 8, wait_id)
-                        store_relaxed(error + 12, seen)
+                    report_error(error, Int32(ERR_TIMEOUT), s_queue[ins + W_INDEX], wait_id, seen)
                     s_ctrl[1] = Int32(1)
             self.consumer_sync()
             aborted = s_ctrl[1]
@@ -505,11 +501,8 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                 if tidx == 0 and s_ctrl[POLL_WORD] != 0:
                     # a poll of the stage's flagged input timed out or saw another CTA's error
                     # (staging.stage_round_polled): no signal, the loop stops; the error word names the
-                    # instruction, no counter (-1) and the epoch it polled for (the first error wins)
-                    if atomic_cas(error, Int32(0), Int32(ERR_TIMEOUT)) == 0:
-                        store_relaxed(error + 4, s_queue[ins + W_INDEX])
-                        store_relaxed(error + 8, Int32(-1))
-                        store_relaxed(error + 12, s_ctrl[0] + 1)
+                    # instruction, no counter (-1) and the epoch it polled for
+                    report_error(error, Int32(ERR_TIMEOUT), s_queue[ins + W_INDEX], Int32(-1), s_ctrl[0] + 1)
                     s_ctrl[1] = Int32(1)
             if tidx == 0 and s_ctrl[1] == 0 and signal_id >= 0 and not unsignalled:
                 if xch != 0:

@@ -50,13 +50,19 @@ def silu(g: Float32) -> Float32:
 
 # The stages that poll their flagged input (instructions.flagged) instead of waiting on their counter, but layer 0's
 # QKV of a folded embedding (record a3 == 1), which reads embed[token]
-POLLING = (Opcode.QKV, Opcode.GATE_UP, Opcode.DOWN, Opcode.LM_HEAD)
+POLLING = (Opcode.DOWN, Opcode.GATE_UP, Opcode.LM_HEAD, Opcode.QKV)
 
 
 @cute.jit
 def polls_input(op: Int32, from_embed: Boolean) -> Boolean:
     """Whether stage `op` polls its flagged input (POLLING)."""
-    return op == OP_DOWN or op == OP_GATE_UP or op == OP_LM_HEAD or (op == OP_QKV and not from_embed)
+    polled = op == int(POLLING[0])
+    for i in cutlass.range_constexpr(1, len(POLLING)):
+        if cutlass.const_expr(POLLING[i] == Opcode.QKV):
+            polled = polled or (op == OP_QKV and not from_embed)
+        else:
+            polled = polled or op == int(POLLING[i])
+    return polled
 
 
 class MatvecStage:

@@ -303,6 +303,16 @@ def store_relaxed(addr: Int64, value: Int32):
 
 
 @cute.jit
+def report_error(error: Int64, code: Int32, index: Int32, detail: Int32, value: Int32):
+    """The step's error word {code, instruction index, detail, value}, written by the first error only: after
+    another's, the compare-and-swap of the code from 0 fails and nothing is stored."""
+    if atomic_cas(error, Int32(0), code) == 0:
+        store_relaxed(error + 4, index)
+        store_relaxed(error + 8, detail)
+        store_relaxed(error + 12, value)
+
+
+@cute.jit
 def load_relaxed(addr: Int64) -> Int32:
     """A gpu-scope relaxed load: sees another CTA's store without the ordering of an acquire (the error word)."""
     return cute.arch.inline_ptx("ld.relaxed.gpu.global.b32 {$w0}, [{$r0}];",

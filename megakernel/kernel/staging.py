@@ -82,18 +82,46 @@ class InputStaging:
                 self.stage_round(tidx, q0, U, from_embed, gather, K, in_addr, norm_addr, p, s, ss, s0, kw, stride)
 
     @cute.jit
-    def stage_round(self, tidx: Int32, q0: Int32, U: int, from_embed: Boolean, gather: Boolean, K: Int32,
-                    in_addr: Int64, norm_addr: Int64, p, s, ss: cute.Tensor, s0: Int32, kw: Int32, stride: Int32):
-        """One staging round (`stage`): quads q0, q0 + cthreads, ... (U of them) of every sequence, sequence b's sum
-        of squares into ss[b]."""
-        nb = self.B
-        nw = cute.make_rmem_tensor((U * 2,), Int32)           # the norm weights' packed bf16
+    def load_norm_round(self, q0: Int32, U: int, norm_addr: Int64, s0: Int32, kw: Int32, nw: cute.Tensor):
+        """A staging round's norm weights: quads q0, q0 + cthreads, ... (U of them) as packed bf16 pairs into nw
+        (2 words a quad; 0 past the window)."""
         for v in cutlass.range_constexpr(U):
             nw[2 * v] = Int32(0)
             nw[2 * v + 1] = Int32(0)
             q = q0 + v * self.cthreads
             if q < kw // 4:
                 nw[2 * v], nw[2 * v + 1] = load_nc_b32x2(norm_addr + Int64(s0 + q * 4) * 2)
+
+    @cute.jit
+    def scale_round(self, q0: Int32, U: int, gather: Boolean, nw: cute.Tensor, xv: cute.Tensor, s, ss: cute.Tensor,
+                    kw: Int32, stride: Int32):
+        """A staging round's loaded input quads xv (U x B x 4 float32) times the norm weights nw into s.x
+        (store_x_quad), sequence b's sum of squares into ss[b] where `gather`."""
+        nb = self.B
+        for v in cutlass.range_constexpr(U):
+            q = q0 + v * self.cthreads
+            if q < kw // 4:
+                nv = cute.make_rmem_tensor((4,), Float32)
+                nv[0], nv[1] = unpack_bf16x2(nw[2 * v])
+                nv[2], nv[3] = unpack_bf16x2(nw[2 * v + 1])
+                for bb in cutlass.range_constexpr(nb):
+                    j = v * nb + bb
+                    y = cute.make_rmem_tensor((4,), Float32)
+                    for e in cutlass.range_constexpr(4):
+                        x = xv[4 * j + e]
+                        if gather:
+                            ss[bb] = ss[bb] + x * x
+                        y[e] = x * nv[e]
+                    self.store_x_quad(s, bb, q * 4, stride, y)
+
+    @cute.jit
+    def stage_round(self, tidx: Int32, q0: Int32, U: int, from_embed: Boolean, gather: Boolean, K: Int32,
+                    in_addr: Int64, norm_addr: Int64, p, s, ss: cute.Tensor, s0: Int32, kw: Int32, stride: Int32):
+        """One staging round (`stage`): quads q0, q0 + cthreads, ... (U of them) of every sequence, sequence b's sum
+        of squares into ss[b]."""
+        nb = self.B
+        nw = cute.make_rmem_tensor((U * 2,), Int32)           # the norm weights' packed bf16
+        self.load_norm_round(q0, U, norm_addr, s0, kw, nw)
         rows = cute.make_rmem_tensor((nb,), Int64)
         for bb in cutlass.range_constexpr(nb):
             rows[bb] = in_addr + Int64(bb) * Int64(K) * 4
@@ -128,21 +156,7 @@ class InputStaging:
                         xg = load_f32x4(rows[bb] + Int64(k) * 4)
                         for e in cutlass.range_constexpr(4):
                             xv[4 * j + e] = xg[e]
-        for v in cutlass.range_constexpr(U):
-            q = q0 + v * self.cthreads
-            if q < kw // 4:
-                nv = cute.make_rmem_tensor((4,), Float32)
-                nv[0], nv[1] = unpack_bf16x2(nw[2 * v])
-                nv[2], nv[3] = unpack_bf16x2(nw[2 * v + 1])
-                for bb in cutlass.range_constexpr(nb):
-                    j = v * nb + bb
-                    y = cute.make_rmem_tensor((4,), Float32)
-                    for e in cutlass.range_constexpr(4):
-                        x = xv[4 * j + e]
-                        if gather:
-                            ss[bb] = ss[bb] + x * x
-                        y[e] = x * nv[e]
-                    self.store_x_quad(s, bb, q * 4, stride, y)
+        self.scale_round(q0, U, gather, nw, xv, s, ss, kw, stride)
 
     @cute.jit
     def stage_round_polled(self, q0: Int32, U: int, gather: Boolean, K: Int32, in_addr: Int64, norm_addr: Int64, p,
@@ -157,15 +171,10 @@ class InputStaging:
         s_ctrl = s.ctrl
         epoch = s_ctrl[0] + 1
         nw = cute.make_rmem_tensor((U * 2,), Int32)           # the norm weights' packed bf16
-        for v in cutlass.range_constexpr(U):
-            nw[2 * v] = Int32(0)
-            nw[2 * v + 1] = Int32(0)
-            q = q0 + v * self.cthreads
-            if q < kw // 4:
-                nw[2 * v], nw[2 * v + 1] = load_nc_b32x2(norm_addr + Int64(s0 + q * 4) * 2)
-        xv = cute.make_rmem_tensor((U * nb * 4,), Int32)
+        self.load_norm_round(q0, U, norm_addr, s0, kw, nw)
+        xv = cute.make_rmem_tensor((U * nb * 4,), Float32)     # the input quads
         for i in cutlass.range_constexpr(U * nb * 4):
-            xv[i] = Int32(0)
+            xv[i] = Float32(0.0)
         t0 = cute.arch.globaltimer()
         ready = Boolean(False)
         spins = Int32(0)
@@ -180,7 +189,8 @@ class InputStaging:
                         a = in_addr + (Int64(bb) * Int64(K) + Int64(k)) * 8
                         w0, f0, w1, f1 = ld_flagged_x2(a)
                         w2, f2, w3, f3 = ld_flagged_x2(a + 16)
-                        xv[4 * j], xv[4 * j + 1], xv[4 * j + 2], xv[4 * j + 3] = w0, w1, w2, w3
+                        xv[4 * j], xv[4 * j + 1] = as_f32(w0), as_f32(w1)
+                        xv[4 * j + 2], xv[4 * j + 3] = as_f32(w2), as_f32(w3)
                         if f0 != epoch or f1 != epoch or f2 != epoch or f3 != epoch:
                             ready = Boolean(False)
             if not ready:
@@ -189,21 +199,7 @@ class InputStaging:
                     # another CTA failed (this step's words may never come) or the bound is past
                     if load_relaxed(p.error) != 0 or cute.arch.globaltimer() - t0 > self.options.timeout_ns:
                         s_ctrl[POLL_WORD] = Int32(1)
-        for v in cutlass.range_constexpr(U):
-            q = q0 + v * self.cthreads
-            if q < kw // 4:
-                nv = cute.make_rmem_tensor((4,), Float32)
-                nv[0], nv[1] = unpack_bf16x2(nw[2 * v])
-                nv[2], nv[3] = unpack_bf16x2(nw[2 * v + 1])
-                for bb in cutlass.range_constexpr(nb):
-                    j = v * nb + bb
-                    y = cute.make_rmem_tensor((4,), Float32)
-                    for e in cutlass.range_constexpr(4):
-                        x = as_f32(xv[4 * j + e])
-                        if gather:
-                            ss[bb] = ss[bb] + x * x
-                        y[e] = x * nv[e]
-                    self.store_x_quad(s, bb, q * 4, stride, y)
+        self.scale_round(q0, U, gather, nw, xv, s, ss, kw, stride)
 
     @cute.jit
     def stage_merged_attention(self, tidx: Int32, layer: Int32, p, s, s0: Int32,

@@ -915,10 +915,7 @@ def test_qkv_partials_are_judged_in_the_outputs_units():
     partial 0.1 off in its output's units (5x the bf16 atol, at outputs up to ~3) is still rejected."""
     bench = cpu_bench(FAILED_QKV_PARTIALS, 132)
     l = bench.case.layer
-    for op, instructions in [(op, run) for op in GPU_OPCODES for run in runs_for(bench, op)]:
-        fill_inputs(bench, with_cache=op == Opcode.ATTN_PARTIAL)      # (the GPU test's draws, in its order)
-        fill_wide_inputs(bench.ctx.bufs, bench.ctx.weights, bench.layout)
-        poison_run(bench.ctx, op, instructions)
+    for op, instructions in gpu_runs(bench, GPU_OPCODES):        # (the GPU test's draws, in its order)
         if is_folded_run(op, instructions) and instructions[-1].index == 654:
             break
     else:
@@ -1091,6 +1088,19 @@ def check_wide_outputs(bench: Bench, op: Opcode, instructions, gpu: StageContext
                                    msg=lambda m: f"{what}: {names[1]} against float64: {m}")
 
 
+def gpu_runs(bench: Bench, ops):
+    """Every run (runs_for) of the stages `ops` in run_gpu_stages' order, each yielded once bench.ctx holds its
+    inputs, drawn fresh (fill_inputs; the pre-staged ones derived from them), and its outputs poisoned."""
+    # (every op's runs picked before any input is drawn: runs_for draws from bench.gen too)
+    for op, instructions in [(op, run) for op in ops for run in runs_for(bench, op)]:
+        fill_inputs(bench, with_cache=op == Opcode.ATTN_PARTIAL)
+        fill_wide_inputs(bench.ctx.bufs, bench.ctx.weights, bench.layout)    # (derived from the inputs)
+        poison_run(bench.ctx, op, instructions)
+        for name in WIDE_OUTPUTS.get(op, ()):
+            getattr(bench.ctx.bufs, name).fill_(NAN)
+        yield op, instructions
+
+
 def run_gpu_stages(case: StageCase, expect_slabs: bool = False, ops=GPU_OPCODES, expect_folded: bool = False,
                    expect_several_sequences: bool = False, **engine_kw) -> None:
     """Every run (runs_for) of the stages `ops` on the kernel, each checked against float64 and against the stage
@@ -1107,12 +1117,7 @@ def run_gpu_stages(case: StageCase, expect_slabs: bool = False, ops=GPU_OPCODES,
         assert not plan.geometry(bench.config.intermediate_size).x_whole, \
             f"{bench.what()}: DOWN's input is staged whole, not in column slabs"
     try:
-        for op, instructions in [(op, run) for op in ops for run in runs_for(bench, op)]:
-            fill_inputs(bench, with_cache=op == Opcode.ATTN_PARTIAL)
-            fill_wide_inputs(bench.ctx.bufs, bench.ctx.weights, bench.layout)    # (derived from the inputs)
-            poison_run(bench.ctx, op, instructions)
-            for name in WIDE_OUTPUTS.get(op, ()):
-                getattr(bench.ctx.bufs, name).fill_(NAN)
+        for op, instructions in gpu_runs(bench, ops):
             before = clone_ctx(bench.ctx)
             push(before, engine)
             torch.cuda.synchronize()
