@@ -1,7 +1,8 @@
 """compute-sanitizer over the megakernel: memcheck, racecheck, synccheck and initcheck, each over a few decode steps
 of the tiny presets at batch 1, 3 and 16 (the last past SPLIT_BATCH: wgmma, the pre-staged inputs' bulk copies and
-their mbarrier), the first preset also on few SMs (where each CTA reuses its weight-ring slots), and a table of the
-errors each found in the kernel.
+their mbarrier), the first preset also on few SMs (where each CTA reuses its weight-ring slots) and at batch 1 with
+a long cache (every KV split on the attention's tensor-core pass), and a table of the errors each found in the
+kernel.
 
 Usage (GPU host, compute-sanitizer on PATH or in $CUDA_HOME/bin):
     python3 tools/sanitize.py [--tools=memcheck,racecheck,synccheck,initcheck] [--steps=N] [--batches=1,3,16]
@@ -38,6 +39,8 @@ PRESETS = ("tiny-llama", "tiny-qwen3")
 BATCHES = (1, 3, 16)
 RING_REUSE_SMS = 8                       # SMs at which every CTA's share of a tiny preset reuses its ring slots
 WAIT_BOUND_NS = 600_000_000_000          # 10 minutes: no wait may end before a slow CTA signals
+LONG_CONTEXT = 200                       # the long-cache engine's first position: each of its KV splits is longer
+                                         # than the consumer warps (the tensor-core pass: softmax_pass.long_split)
 USAGE = ("sanitize.py [--tools=memcheck,racecheck,synccheck,initcheck] [--steps=N] [--batches=1,3,16] "
          "[--log-dir=DIR]")
 
@@ -118,9 +121,10 @@ def sanitizer_path() -> str | None:
     return None
 
 
-def workload_plan(batches: tuple[int, ...]) -> list[tuple[str, int, int | None]]:
-    """(preset, batch, SMs or None for all) of every engine the workload runs: each tiny preset at each batch, and
-    for the first preset also on few SMs. On all of a GPU's SMs a CTA's share of a tiny preset's weights is a slot
+def workload_plan(batches: tuple[int, ...]) -> list[tuple[str, int, int | None, int]]:
+    """(preset, batch, SMs or None for all, first position) of every engine the workload runs: each tiny preset at
+    each batch from position 0, and for the first preset also on few SMs, and where batch 1 is among the batches at
+    LONG_CONTEXT (its cache filled with random values first), whose KV splits take the tensor-core pass. On all of a GPU's SMs a CTA's share of a tiny preset's weights is a slot
     or two, so no ring slot is ever used twice; on few SMs every CTA reuses each slot (the release of a slot's
     reads before its next copy is what racecheck then checks): RING_REUSE_SMS up to SPLIT_BATCH, past it a quarter
     as many SMs as (sequence, kv head) pairs, where an attention instruction also takes several sequences (at 16:
@@ -131,10 +135,12 @@ def workload_plan(batches: tuple[int, ...]) -> list[tuple[str, int, int | None]]
     plan = []
     for name in PRESETS:
         for batch in batches:
-            plan.append((name, batch, None))
+            plan.append((name, batch, None, 0))
             if name == PRESETS[0]:
                 few = RING_REUSE_SMS if batch <= SPLIT_BATCH else batch * get_preset(name).num_kv_heads // 4
-                plan.append((name, batch, max(1, few)))
+                plan.append((name, batch, max(1, few), 0))
+    if 1 in batches:
+        plan.append((PRESETS[0], 1, None, LONG_CONTEXT))
     return plan
 
 
@@ -149,15 +155,22 @@ def workload(steps: int, batches: tuple[int, ...]) -> None:
     from megakernel.runtime.engine import MegakernelEngine
 
     weights = {}
-    for name, batch, num_sms in workload_plan(batches):
+    for name, batch, num_sms, start in workload_plan(batches):
         if name not in weights:
             weights[name] = random_weights(get_preset(name), seed=5, dtype=torch.bfloat16, device="cuda")
-        where = "" if num_sms is None else f" on {num_sms} SMs"
+        where = ("" if num_sms is None else f" on {num_sms} SMs") + (f" from position {start}" if start else "")
         print(f"workload: {name} batch {batch}{where}: building the engine", flush=True)
-        eng = MegakernelEngine(weights[name], batch, 64, num_sms=num_sms, options=KernelOptions(timeout_ns=WAIT_BOUND_NS))
+        eng = MegakernelEngine(weights[name], batch, start + 64, num_sms=num_sms,
+                               options=KernelOptions(timeout_ns=WAIT_BOUND_NS))
+        if start:
+            # the positions before `start` as if earlier steps had cached them (written, so initcheck reads them
+            # as set)
+            gen = torch.Generator(device="cuda").manual_seed(start)
+            for cache in (eng.k_cache, eng.v_cache):
+                cache.copy_(torch.randn(cache.shape, generator=gen, device="cuda"))
         tokens = torch.arange(batch, dtype=torch.int32, device="cuda") + 1
         for t in range(steps):
-            tokens = eng.step(tokens, torch.full((batch,), t, dtype=torch.int32, device="cuda")).clone()
+            tokens = eng.step(tokens, torch.full((batch,), start + t, dtype=torch.int32, device="cuda")).clone()
         print(f"workload: {name} batch {batch}{where}: {steps} steps, tokens {tokens.tolist()}", flush=True)
         del eng
 

@@ -144,11 +144,13 @@ def test_bad_arguments_exit_2_before_any_gpu_work(tmp_path):
 
 
 FAKE_SANITIZER = """#!/bin/sh
-# stands in for compute-sanitizer: the workload's lines for the first $FAKE_FINISHED of its three engines at batch 1
-# (tiny-llama, tiny-llama on 8 SMs, tiny-qwen3: each announced, then reported), and a clean summary
+# stands in for compute-sanitizer: the workload's lines for the first $FAKE_FINISHED of its four engines at batch 1
+# (tiny-llama, tiny-llama on 8 SMs, tiny-qwen3, tiny-llama from position 200: each announced, then reported), and a
+# clean summary
 echo "========= COMPUTE-SANITIZER"
 n=0
-for engine in "tiny-llama batch 1" "tiny-llama batch 1 on 8 SMs" "tiny-qwen3 batch 1"; do
+for engine in "tiny-llama batch 1" "tiny-llama batch 1 on 8 SMs" "tiny-qwen3 batch 1" \
+              "tiny-llama batch 1 from position 200"; do
   echo "workload: $engine: building the engine"
   n=$((n + 1))
   [ "$n" -le "$FAKE_FINISHED" ] && echo "workload: $engine: 3 steps, tokens [7]"
@@ -157,10 +159,10 @@ echo "========= ERROR SUMMARY: 0 errors"
 """
 
 
-@pytest.mark.parametrize("finished", [3, 1])
+@pytest.mark.parametrize("finished", [4, 1])
 def test_progress_is_echoed_per_tool_and_an_unfinished_workload_fails(tmp_path, finished):
     """A tool's workload lines come out as they arrive, tagged with the tool and its seconds; the run passes only
-    where every engine of the workload reported its tokens (a workload that died after one of three fails, even
+    where every engine of the workload reported its tokens (a workload that died after one of four fails, even
     with a clean summary)."""
     fake = tmp_path / "compute-sanitizer"
     fake.write_text(FAKE_SANITIZER)
@@ -169,10 +171,10 @@ def test_progress_is_echoed_per_tool_and_an_unfinished_workload_fails(tmp_path, 
     done = subprocess.run([sys.executable, str(REPO / "tools" / "sanitize.py"), "--tools=memcheck", "--batches=1"],
                           capture_output=True, text=True, env=env, timeout=300)
     progress = [l for l in done.stdout.splitlines() if l.startswith("  [memcheck ")]
-    assert len(progress) == 3 + finished and "building the engine" in progress[0], done.stdout + done.stderr
+    assert len(progress) == 4 + finished and "building the engine" in progress[0], done.stdout + done.stderr
     assert all(" s] workload: " in l for l in progress), done.stdout
-    assert f"done: {finished} of 3 workloads, 0 kernel errors" in done.stdout, done.stdout
-    assert done.returncode == (0 if finished == 3 else 1), done.stdout + done.stderr
+    assert f"done: {finished} of 4 workloads, 0 kernel errors" in done.stdout, done.stdout
+    assert done.returncode == (0 if finished == 4 else 1), done.stdout + done.stderr
 
 
 def test_log_dir_keeps_each_tools_whole_output(tmp_path):
@@ -182,13 +184,13 @@ def test_log_dir_keeps_each_tools_whole_output(tmp_path):
     fake.chmod(0o755)
     logs = tmp_path / "logs"
     logs.mkdir()
-    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "FAKE_FINISHED": "3", "HOME": str(tmp_path)}
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "FAKE_FINISHED": "4", "HOME": str(tmp_path)}
     done = subprocess.run([sys.executable, str(REPO / "tools" / "sanitize.py"), "--tools=racecheck", "--batches=1",
                            f"--log-dir={logs}"], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert sorted(p.name for p in logs.iterdir()) == ["sanitize_racecheck.log"]
     kept = (logs / "sanitize_racecheck.log").read_text()
-    assert kept.startswith("========= COMPUTE-SANITIZER\n") and kept.count("workload: ") == 6, kept
+    assert kept.startswith("========= COMPUTE-SANITIZER\n") and kept.count("workload: ") == 8, kept
     assert kept.rstrip().endswith("========= ERROR SUMMARY: 0 errors"), kept
     assert f"its whole output: {logs / 'sanitize_racecheck.log'}" in done.stdout, done.stdout
 
@@ -199,8 +201,9 @@ def test_log_dir_keeps_each_tools_whole_output(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck", "synccheck", "initcheck"])
 def test_compute_sanitizer_finds_no_kernel_error(sanitize, tool):
-    """Each tool over a few steps of the tiny presets at batch 1, 3 and 16 (its own test: one tool took 35 s to over
-    170 s on an H100, so a GPU call can run them one by one, `-k racecheck`)."""
+    """Each tool over a few steps of the tiny presets at batch 1, 3 and 16, and tiny-llama at batch 1 on a long cache
+    (its own test: one tool took 35 s to over 170 s on an H100, so a GPU call can run them one by one, `-k
+    racecheck`)."""
     assert tool in sanitize.TOOLS
     if sanitize.sanitizer_path() is None:
         pytest.skip("compute-sanitizer not found")
@@ -219,7 +222,7 @@ def test_the_few_sm_workloads_reuse_every_ring_slot(sanitize):
     from megakernel.model.presets import get_preset
     from megakernel.schedule import assign, build_program
 
-    few = [(name, batch, sms) for name, batch, sms in sanitize.workload_plan(sanitize.BATCHES) if sms is not None]
+    few = [(name, batch, sms) for name, batch, sms, _ in sanitize.workload_plan(sanitize.BATCHES) if sms is not None]
     assert sorted(batch for _, batch, _ in few) == sorted(sanitize.BATCHES), few
     for name, batch, sms in few:
         config = get_preset(name)
@@ -236,3 +239,27 @@ def test_the_few_sm_workloads_reuse_every_ring_slot(sanitize):
                     n += kernel.plan.geometry(kernel.tile_k(ins)).slots(ins.a1)
             slots.append(n)
         assert min(slots) > kernel.ring_slots, (name, batch, sms, kernel.ring_slots, slots)
+
+
+def test_the_long_cache_workload_takes_the_tensor_core_pass_on_every_split(sanitize):
+    """The workload's engine from LONG_CONTEXT is there so that each tool covers the attention's tensor-core pass:
+    at each of its steps every KV split of the engine's own layout (its cache, the GPU's 132 SMs) holds more cached
+    positions than the consumer warps (softmax_pass.long_split); only batch 1 of the batches brings it."""
+    from megakernel.instructions.attention import split_range
+    from megakernel.instructions.layout import StepLayout, default_kv_splits
+    from megakernel.kernel.compile import device_code
+    from megakernel.model.presets import get_preset
+    from megakernel.schedule import build_program
+
+    long = [(name, batch, sms, start) for name, batch, sms, start in sanitize.workload_plan(sanitize.BATCHES) if start]
+    assert long == [(sanitize.PRESETS[0], 1, None, sanitize.LONG_CONTEXT)], long
+    assert not any(start for *_, start in sanitize.workload_plan((3, 16)))
+    config = get_preset(sanitize.PRESETS[0])
+    cache = -(-(sanitize.LONG_CONTEXT + 64) // 16) * 16                   # (the engine's max_seq_len, in blocks)
+    splits = default_kv_splits(config, 1, 132, cache)
+    layout = StepLayout(config=config, batch=1, kv_splits=splits, block_size=16, max_blocks_per_seq=cache // 16,
+                        num_sms=132)
+    warps = device_code(layout, build_program(layout)).warps
+    for pos in range(sanitize.LONG_CONTEXT, sanitize.LONG_CONTEXT + sanitize.STEPS):
+        lengths = [hi - lo for lo, hi in (split_range(pos, s, splits) for s in range(splits))]
+        assert min(lengths) > warps, (pos, splits, lengths, warps)
