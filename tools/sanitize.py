@@ -123,9 +123,10 @@ def sanitizer_path() -> str | None:
 
 def workload_plan(batches: tuple[int, ...]) -> list[tuple[str, int, int | None, int]]:
     """(preset, batch, SMs or None for all, first position) of every engine the workload runs: each tiny preset at
-    each batch from position 0, and for the first preset also on few SMs, and where batch 1 is among the batches at
-    LONG_CONTEXT (its cache filled with random values first), whose KV splits take the tensor-core pass. On all of a GPU's SMs a CTA's share of a tiny preset's weights is a slot
-    or two, so no ring slot is ever used twice; on few SMs every CTA reuses each slot (the release of a slot's
+    each batch from position 0, for the first preset also on few SMs, and where batch 1 is among the batches the
+    first preset from LONG_CONTEXT (its cache filled with random values first), whose KV splits take the
+    tensor-core pass. On all of a GPU's SMs a CTA's share of a tiny preset's weights is a slot or two, so no ring
+    slot is ever used twice; on few SMs every CTA reuses each slot (the release of a slot's
     reads before its next copy is what racecheck then checks): RING_REUSE_SMS up to SPLIT_BATCH, past it a quarter
     as many SMs as (sequence, kv head) pairs, where an attention instruction also takes several sequences (at 16:
     4, two consumer warps each; at 41: 5, one each), which on all SMs it does not (CTA-wide items only)."""
