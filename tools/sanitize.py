@@ -41,6 +41,7 @@ RING_REUSE_SMS = 8                       # SMs at which every CTA's share of a t
 WAIT_BOUND_NS = 600_000_000_000          # 10 minutes: no wait may end before a slow CTA signals
 LONG_CONTEXT = 200                       # the long-cache engine's first position: each of its KV splits is longer
                                          # than the consumer warps (the tensor-core pass: softmax_pass.long_split)
+CACHE_PAST_START = 64                    # positions each engine's cache holds from its first position on
 USAGE = ("sanitize.py [--tools=memcheck,racecheck,synccheck,initcheck] [--steps=N] [--batches=1,3,16] "
          "[--log-dir=DIR]")
 
@@ -161,7 +162,7 @@ def workload(steps: int, batches: tuple[int, ...]) -> None:
             weights[name] = random_weights(get_preset(name), seed=5, dtype=torch.bfloat16, device="cuda")
         where = ("" if num_sms is None else f" on {num_sms} SMs") + (f" from position {start}" if start else "")
         print(f"workload: {name} batch {batch}{where}: building the engine", flush=True)
-        eng = MegakernelEngine(weights[name], batch, start + 64, num_sms=num_sms,
+        eng = MegakernelEngine(weights[name], batch, start + CACHE_PAST_START, num_sms=num_sms,
                                options=KernelOptions(timeout_ns=WAIT_BOUND_NS))
         if start:
             # the positions before `start` as if earlier steps had cached them (written, so initcheck reads them

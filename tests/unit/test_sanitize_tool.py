@@ -226,8 +226,9 @@ def test_the_few_sm_workloads_reuse_every_ring_slot(sanitize):
     assert sorted(batch for _, batch, _ in few) == sorted(sanitize.BATCHES), few
     for name, batch, sms in few:
         config = get_preset(name)
-        layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, sms, 64),
-                            block_size=16, max_blocks_per_seq=4, num_sms=sms)
+        cache = sanitize.CACHE_PAST_START                                 # (the engine's, from position 0)
+        layout = StepLayout(config=config, batch=batch, kv_splits=default_kv_splits(config, batch, sms, cache),
+                            block_size=16, max_blocks_per_seq=cache // 16, num_sms=sms)
         program = build_program(layout)
         queues = assign(program, "balanced")
         kernel = device_code(layout, program)
@@ -255,7 +256,7 @@ def test_the_long_cache_workload_takes_the_tensor_core_pass_on_every_split(sanit
     assert long == [(sanitize.PRESETS[0], 1, None, sanitize.LONG_CONTEXT)], long
     assert not any(start for *_, start in sanitize.workload_plan((3, 16)))
     config = get_preset(sanitize.PRESETS[0])
-    cache = -(-(sanitize.LONG_CONTEXT + 64) // 16) * 16                   # (the engine's max_seq_len, in blocks)
+    cache = -(-(sanitize.LONG_CONTEXT + sanitize.CACHE_PAST_START) // 16) * 16    # (the engine's, in whole blocks)
     splits = default_kv_splits(config, 1, 132, cache)
     layout = StepLayout(config=config, batch=1, kv_splits=splits, block_size=16, max_blocks_per_seq=cache // 16,
                         num_sms=132)
