@@ -421,8 +421,8 @@ def pack_weights(weights: ModelWeights, max_seq_len: int) -> PackedWeights:
 class StepBuffers:
     """Device (or CPU, for the VM) state of decode steps. Inputs: tokens, positions, block_table.
     Outputs: out_tokens, logits; x[L] of a program without the LM head (lm_tiles = 0), whose logits,
-    lm_max and lm_idx are then empty ([B, 0]). Everything else is scratch the stages hand to each other; x, h
-    and act at batch 1 on one GPU as the value views of flagged pairs (allocate_buffers, epoch_words)."""
+    lm_max and lm_idx are then empty ([B, 0]). Everything else is scratch the stages hand to each other; x, h,
+    act and qkv at batch 1 on one GPU as the value views of flagged pairs (allocate_buffers, epoch_words)."""
 
     tokens: torch.Tensor       # int32 [B]
     positions: torch.Tensor    # int32 [B]: position of the token being decoded (seq_len - 1)
@@ -460,8 +460,8 @@ class StepBuffers:
     error: torch.Tensor        # int32 [4]: code, instruction index, counter, observed value
 
     def epochs(self) -> list[torch.Tensor]:
-        """The int32 epoch halves of x, h and act where they are flagged (allocate_buffers at flagged_hops), else
-        none: a word is this step's once its epoch is the step's (the engine's sync[0] + 1)."""
+        """The int32 epoch halves of x, h, act and qkv where they are flagged (allocate_buffers at flagged_hops),
+        else none: a word is this step's once its epoch is the step's (the engine's sync[0] + 1)."""
         return [epoch_words(getattr(self, n)) for n in FLAGGED_BUFFERS if getattr(self, n).stride(-1) == 2]
 
     def poison(self) -> None:
@@ -557,7 +557,7 @@ def fill_wide_inputs(bufs: StepBuffers, weights: "PackedWeights", layout: StepLa
 
 def allocate_buffers(layout: StepLayout, lm_tiles: int, num_counters: int, device="cpu") -> StepBuffers:
     """The step's buffers, float ones poisoned. lm_tiles = 0 (a program without the LM head): no logits. Where
-    flagged_hops, x, h and act are views of the value halves of {value, epoch} pairs (epoch_words: the other
+    flagged_hops, x, h, act and qkv are views of the value halves of {value, epoch} pairs (epoch_words: the other
     halves, zero), so every reader and writer of those buffers goes on indexing [layer, sequence, column]."""
     if lm_tiles < 0:
         raise ValueError(f"lm_tiles={lm_tiles} must be >= 0")
@@ -578,7 +578,7 @@ def allocate_buffers(layout: StepLayout, lm_tiles: int, num_counters: int, devic
         block_table=torch.zeros(b, layout.max_blocks_per_seq, **i32),
         x=activation((L + 1, b, H)),
         h=activation((L, b, H)),
-        qkv=torch.empty(L, b, c.qkv_rows, **f32),
+        qkv=activation((L, b, c.qkv_rows)),
         attn_part_o=torch.empty(L, b, c.num_heads, s, c.head_dim, **f32),
         attn_part_lse=torch.empty(L, b, c.num_heads, s, **f32),
         attn_out=torch.empty(L, b, c.q_size, **f32),

@@ -98,11 +98,12 @@ class AttentionStage(SoftmaxPass):
 
     @cute.jit
     def load_head(self, hh: Int32, lane: Int32, kvh: Int32, row: Int64, vals: cute.Tensor, at: int,
-                  scale: Float32):
+                  scale: Float32, p, s):
         """This lane's E elements of the new token's query head hh < G of the kv head's group, its k (hh == G) or
         its v (G + 1), from the qkv row, into vals[at:]; where QKV's reduce is folded into the attention
         (qkv_folded), `row` is the sequence's row of QKV's first K range's partials, and each element is the sum of
-        its ranges' partials in range order, times `scale` (qkv_scale)."""
+        its ranges' partials in range order, times `scale` (qkv_scale); where the hops are flagged
+        (instructions.flagged), the row's {value, epoch} words polled until each is this step's."""
         D, E, G = self.D, self.E, self.G
         off = Int32(0)
         if hh < G:
@@ -122,6 +123,8 @@ class AttentionStage(SoftmaxPass):
                 for r in cutlass.range_constexpr(NP):
                     y = y + parts[e * NP + r]
                 vals[at + e] = y * scale
+        elif cutlass.const_expr(self.flagged):
+            self.poll_words(row + Int64(off + lane * E) * 8, E, vals, at, p, s)
         else:
             for e in cutlass.range_constexpr(E):
                 vals[at + e] = ld_f32(row + Int64(off + lane * E + e) * 4)
@@ -171,12 +174,13 @@ class AttentionStage(SoftmaxPass):
                     st_bf16(cache + (self.token_offset(blk, kvh, pos) + Int64(lane * E + e)) * 2, rv)
 
     def qkv_row(self, layer: Int32, b: Int32, p) -> Int64:
-        """Address of sequence b's qkv row of a layer (float32, QKV's output); where QKV's reduce is folded into
-        the attention, of its row of the layer's first K range's partials (part_qkv [L, E, B, rows])."""
+        """Address of sequence b's qkv row of a layer (float32, QKV's output; {value, epoch} words where the hops
+        are flagged); where QKV's reduce is folded into the attention, of its row of the layer's first K range's
+        partials (part_qkv [L, E, B, rows])."""
         if cutlass.const_expr(self.qkv_folded):
             NP = k_splits(self.layout, Opcode.QKV)
             return p.part_qkv + ((Int64(layer) * NP * self.B + Int64(b)) * self.QKV) * 4
-        return p.qkv + (Int64(layer) * self.B + Int64(b)) * (self.QKV * 4)
+        return p.qkv + (Int64(layer) * self.B + Int64(b)) * (self.QKV * (8 if self.flagged else 4))
 
     @cute.jit
     def qkv_scale(self, lane: Int32, layer: Int32, b: Int32, p) -> Float32:
@@ -247,7 +251,7 @@ class AttentionStage(SoftmaxPass):
         # ---- phase A: q heads of the group, then k, then v of the new token -> smem
         for hh in range(warp, G + 2, self.warps):
             vals = cute.make_rmem_tensor((self.E,), Float32)
-            self.load_head(hh, lane, kvh, row, vals, 0, scale)
+            self.load_head(hh, lane, kvh, row, vals, 0, scale, p, s)
             self.finish_head(hh, lane, layer, kvh, pos, blk, k_base, v_base, append, vals, 0, Int32(0), Int32(0), p, s)
         self.consumer_sync()
         if cutlass.const_expr(self.options.trace and self.wide):
@@ -345,7 +349,7 @@ class AttentionStage(SoftmaxPass):
             scale = self.qkv_scale(lane, layer, b, p)
             for hh in range(sub, G + 2, WPS):
                 vals = cute.make_rmem_tensor((E,), Float32)
-                self.load_head(hh, lane, kvh, row, vals, 0, scale)
+                self.load_head(hh, lane, kvh, row, vals, 0, scale, p, s)
                 self.finish_head(hh, lane, layer, kvh, pos, blk, k_base, v_base, append, vals, 0, q_at, kv_at, p, s)
         self.consumer_sync()
         if cutlass.const_expr(self.options.trace):

@@ -17,12 +17,13 @@ A CTA's warps:
          .attention, .tokens): a matvec stages its input, then takes its weights slot by slot from the ring
          and multiplies them on the tensor cores;
       4. after a consumer barrier, thread 0 signals its stage counter with red.release.gpu.
-    At batch 1 on one GPU (instructions.flagged) the hops into x, h and act carry their own readiness: O_PROJ,
-    GATE_UP, DOWN and EMBED store {value, epoch} words (st_flagged) and O_PROJ, GATE_UP and DOWN signal nothing;
-    QKV (but layer 0's of a folded embedding), GATE_UP, DOWN and LM_HEAD wait on no counter and poll the words
-    they stage instead (staging.stage_round_polled; a timeout there is ERR_TIMEOUT with counter -1). A
-    residual (O_PROJ's x, DOWN's h) is read after an acquire or a polled input that the residual's producer
-    preceded. The attention's hops keep their counters.
+    At batch 1 on one GPU (instructions.flagged) the hops into x, h, act and qkv carry their own readiness:
+    QKV, O_PROJ, GATE_UP, DOWN and EMBED store {value, epoch} words (st_flagged) and the stages in UNSIGNALLED
+    signal nothing; those in POLLING (QKV but layer 0's of a folded embedding, GATE_UP, DOWN, LM_HEAD and
+    ATTN_PARTIAL) wait on no counter and poll the words they read instead (staging.stage_round_polled,
+    staging.poll_words; a timeout there is ERR_TIMEOUT with counter -1). A residual (O_PROJ's x, DOWN's h) is
+    read after an acquire or a polled input that the residual's producer preceded. The attention's output hop
+    (ATTN_PARTIAL -> O_PROJ) keeps its counter.
 The consumers synchronise among themselves with named barrier 1 (the producer never joins it); all warps
 meet at barrier 0 only at the start and at the end. The last CTA to finish advances the epoch, so counters
 are never reset and a CUDA graph can replay steps with no host work.
@@ -46,7 +47,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Int32, Int64
 
-from ..instructions.flagged import flagged_hops
+from ..instructions.flagged import UNSIGNALLED, flagged_hops
 from ..instructions.layout import StepLayout, require_kernel_batch
 from ..instructions.matvec_stages import weight_rows
 from ..instructions.opcodes import Opcode
@@ -190,7 +191,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
         self.wide_groups = self.options.wide_groups or wide_groups(self.B, widest)
         self.plan = StreamPlan.for_config(c, self.B, tuple(self.split_widths.values()), self.wide_groups)
         self.wide = wide(self.B)
-        # batch 1, one GPU: x, h and act as {value, epoch} words (instructions.flagged); their consumers poll
+        # batch 1, one GPU: x, h, act and qkv as {value, epoch} words (instructions.flagged); their consumers poll
         self.flagged = flagged_hops(layout)
         self.warp_attention = warp_attention(layout)
         self.qkv_folded = qkv_reduce_folded(layout)
@@ -364,7 +365,8 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
             s_ctrl[3] = Int32(0)
             s_ctrl[4] = Int32(0)
             s_ctrl[HOP_WORD] = Int32(0)   # 1 while the consumers cross a hop (stream.HOP_IN_FLIGHT)
-            s_ctrl[POLL_WORD] = Int32(0)  # 1 once a poll of a flagged input timed out (staging.stage_round_polled)
+            s_ctrl[POLL_WORD] = Int32(0)  # 1 once a poll of a flagged input timed out (staging: stage_round_polled,
+                                          # poll_words)
         s_alias = bufs["alias"]          # per sequence: 1 where its new KV slot aliases (scan_aliasing)
         for b in range(tidx, self.B, self.threads):
             s_alias[b] = Int32(0)
@@ -495,12 +497,14 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
             # ---- signal: every consumer's stores precede the barrier; the release orders them
             self.consumer_sync()
             signal_id = s_queue[ins + W_SIGNAL_ID]
-            unsignalled = Boolean(False)  # flagged hops: what O_PROJ, GATE_UP and DOWN write is polled, not waited on
+            unsignalled = Boolean(False)  # flagged hops: what these stages write is polled, not waited on
             if cutlass.const_expr(self.flagged):
-                unsignalled = op == OP_GATE_UP or op == OP_DOWN or op == OP_O_PROJ
+                unsignalled = op == int(UNSIGNALLED[0])
+                for u in cutlass.range_constexpr(1, len(UNSIGNALLED)):
+                    unsignalled = unsignalled or op == int(UNSIGNALLED[u])
                 if tidx == 0 and s_ctrl[POLL_WORD] != 0:
                     # a poll of the stage's flagged input timed out or saw another CTA's error
-                    # (staging.stage_round_polled): no signal, the loop stops; the error word names the
+                    # (staging.stage_round_polled, poll_words): no signal, the loop stops; the error word names the
                     # instruction, no counter (-1) and the epoch it polled for
                     report_error(error, Int32(ERR_TIMEOUT), s_queue[ins + W_INDEX], Int32(-1), s_ctrl[0] + 1)
                     s_ctrl[1] = Int32(1)

@@ -13,9 +13,9 @@ The stage's record, operands and torch reference are in megakernel.instructions.
      sequence), and frees its part;
   3. per chunk of rows, one thread per output adds its partials in a fixed order (the same bits every
      run) and runs the epilogue: store, residual add, SiLU-and-multiply, or logits + tile argmax.
-At batch 1 on one GPU (instructions.flagged) x, h and act are {value, epoch} words: the epilogues of O_PROJ,
-GATE_UP and DOWN store them with st_flagged, and the stages in POLLING stage their input by polling the words
-(staging.stage_round_polled) instead of a counter wait; DOWN's residual h is read past that poll.
+At batch 1 on one GPU (instructions.flagged) x, h, act and qkv are {value, epoch} words: the epilogues of QKV,
+O_PROJ, GATE_UP and DOWN store them with st_flagged, and the matvecs in POLLING stage their input by polling the
+words (staging.stage_round_polled) instead of a counter wait; DOWN's residual h is read past that poll.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64
 
+from ..instructions.flagged import POLLING
 from ..instructions.layout import ROW_GROUP
 from ..instructions.opcodes import Opcode
 from .ptx import (ex2, globaltimer_lo, ld_f32, load_shared_b32, load_shared_raw, max_index, mbarrier_arrive,
@@ -48,14 +49,10 @@ def silu(g: Float32) -> Float32:
     return g / (Float32(1.0) + ex2(-g * Float32(LOG2E)))
 
 
-# The stages that poll their flagged input (instructions.flagged) instead of waiting on their counter, but layer 0's
-# QKV of a folded embedding (record a3 == 1), which reads embed[token]
-POLLING = (Opcode.DOWN, Opcode.GATE_UP, Opcode.LM_HEAD, Opcode.QKV)
-
-
 @cute.jit
 def polls_input(op: Int32, from_embed: Boolean) -> Boolean:
-    """Whether stage `op` polls its flagged input (POLLING)."""
+    """Whether stage `op` polls its flagged input (instructions.flagged.POLLING; not layer 0's QKV of a folded
+    embedding, which reads embed[token])."""
     polled = op == int(POLLING[0])
     for i in cutlass.range_constexpr(1, len(POLLING)):
         if cutlass.const_expr(POLLING[i] == Opcode.QKV):
@@ -92,13 +89,13 @@ class MatvecStage:
         out_w = Int32(0)
         res_addr = Int64(0)
         has_res = Boolean(False)
-        # bytes per word of x, h and act: {value, epoch} pairs where the hops are flagged (instructions.flagged)
+        # bytes per word of x, h, act and qkv: {value, epoch} pairs where the hops are flagged (instructions.flagged)
         xh = 8 if self.flagged else 4
         if op == OP_QKV:
             in_addr = p.x + l64 * (B * H * xh)
             norm_addr = p.attn_norm + l64 * (H * 2)
             has_norm = Boolean(True)
-            out_addr = p.qkv + (l64 * (B * self.QKV) + Int64(a0)) * 4
+            out_addr = p.qkv + (l64 * (B * self.QKV) + Int64(a0)) * xh
             out_w = Int32(self.QKV)
         if op == OP_O_PROJ:
             in_addr = p.attn_out + l64 * (B * self.Q * 4)
@@ -437,7 +434,7 @@ class MatvecStage:
         is_down: recv_down, else recv_o)."""
         s_part, s_rstd, s_wi, s_wv = s.part, s.rstd, s.wi, s.wv
         B, H = self.B, self.H
-        xh = 8 if self.flagged else 4                 # (flagged hops: h, x and act as {value, epoch} words)
+        xh = 8 if self.flagged else 4                 # (flagged hops: x, h, act and qkv as {value, epoch} words)
         word = Int32(PEER_RECV_O)         # (an exchange: the receive buffer it stores into)
         if is_down:
             word = Int32(PEER_RECV_DOWN)
@@ -452,8 +449,9 @@ class MatvecStage:
                 scale = s_rstd[b]
             ob = out_addr + Int64(b) * Int64(out_w) * 4
             if cutlass.const_expr(self.flagged):
-                if is_gate_up or has_res:
-                    ob = out_addr + Int64(b) * Int64(out_w) * 8      # (act, h, x)
+                ob = out_addr + Int64(b) * Int64(out_w) * 8          # (act, h, x, qkv)
+                if is_lm:
+                    ob = out_addr + Int64(b) * Int64(out_w) * 4      # (the logits)
             if is_gate_up:
                 # output r = (pair p, row j): gate row p*16+j, up row p*16+8+j
                 pr = r // ROW_GROUP
@@ -485,10 +483,10 @@ class MatvecStage:
                         st_f32(self.peer_address(p, rk, word) + ob + Int64(c0 + r) * 4, y)
                 else:
                     if cutlass.const_expr(self.flagged):
-                        if has_res:
-                            st_flagged(ob + Int64(c0 + r) * 8, y, s.ctrl[0] + 1)     # (h, x)
-                        else:
+                        if is_lm:
                             st_f32(ob + Int64(c0 + r) * 4, y)
+                        else:
+                            st_flagged(ob + Int64(c0 + r) * 8, y, s.ctrl[0] + 1)     # (h, x, qkv)
                     else:
                         st_f32(ob + Int64(c0 + r) * 4, y)
                 if is_lm:

@@ -9,7 +9,8 @@ SPLIT_BATCH no consumer stages its input: the stage that produced it wrote it pr
     suite's bf16 bounds (tools/activation_precision.py);
   - every load of a round first, so a round is one memory round trip;
   - at batch 1 on one GPU a flagged input (instructions.flagged: x, h, act as {value, epoch} words) is polled until
-    every word is this step's (stage_round_polled), in place of the counter wait.
+    every word is this step's (stage_round_polled), in place of the counter wait; the attention's q, k and v (qkv)
+    likewise (poll_words).
 """
 
 from __future__ import annotations
@@ -200,6 +201,34 @@ class InputStaging:
                     if load_relaxed(p.error) != 0 or cute.arch.globaltimer() - t0 > self.options.timeout_ns:
                         s_ctrl[POLL_WORD] = Int32(1)
         self.scale_round(q0, U, gather, nw, xv, s, ss, kw, stride)
+
+    @cute.jit
+    def poll_words(self, addr: Int64, n: int, vals: cute.Tensor, at: int, p, s):
+        """n flagged {value, epoch} words at addr (16-byte aligned, n even; the attention's q, k and v) into
+        vals[at:], every word loaded again until each carries this step's epoch; as stage_round_polled, a thread
+        past options.timeout_ns or seeing another CTA's error sets s.ctrl[POLL_WORD] and stops polling."""
+        s_ctrl = s.ctrl
+        epoch = s_ctrl[0] + 1
+        raw = cute.make_rmem_tensor((n,), Int32)
+        for e in cutlass.range_constexpr(n):
+            raw[e] = Int32(0)          # (set before the loop: else the polled words live in local memory)
+        t0 = cute.arch.globaltimer()
+        ready = Boolean(False)
+        spins = Int32(0)
+        while not ready and s_ctrl[POLL_WORD] == 0:
+            ready = Boolean(True)
+            for j in cutlass.range_constexpr(n // 2):
+                w0, f0, w1, f1 = ld_flagged_x2(addr + j * 16)
+                raw[2 * j], raw[2 * j + 1] = w0, w1
+                if f0 != epoch or f1 != epoch:
+                    ready = Boolean(False)
+            if not ready:
+                spins = spins + 1
+                if spins % POLL_ERROR_EVERY == 0:
+                    if load_relaxed(p.error) != 0 or cute.arch.globaltimer() - t0 > self.options.timeout_ns:
+                        s_ctrl[POLL_WORD] = Int32(1)
+        for e in cutlass.range_constexpr(n):
+            vals[at + e] = as_f32(raw[e])
 
     @cute.jit
     def stage_merged_attention(self, tidx: Int32, layer: Int32, p, s, s0: Int32,

@@ -413,10 +413,9 @@ class MegakernelEngine:
 
     def counter_waits(self) -> list[tuple[int, int]]:
         """(queue, index) of every queue entry that waits on a counter the kernel spins on: not those of the
-        stages that poll a flagged input instead (megakernel.kernel.matvec.POLLING)."""
-        from ..instructions.flagged import flagged_hops
+        stages that poll a flagged input instead (instructions.flagged.POLLING)."""
+        from ..instructions.flagged import POLLING, flagged_hops
         from ..instructions.record import W_A3, W_OPCODE, W_WAIT_ID
-        from ..kernel.matvec import POLLING
         table, lengths = self.queue_table.cpu(), self.queue_lengths.cpu().tolist()
 
         def polls(op: int, a3: int) -> bool:

@@ -588,8 +588,8 @@ def test_error_word_names_the_instruction_and_the_sequence_it_failed_on():
     assert polled.startswith(f"{what} timed out polling its flagged input for epoch 7"), polled
 
 
-def test_batch_1_buffers_hold_x_h_and_act_as_value_views_of_flagged_pairs():
-    """At batch 1 on one GPU (instructions.flagged) x, h and act are the value halves of float32 {value, epoch}
+def test_batch_1_buffers_hold_x_h_act_and_qkv_as_value_views_of_flagged_pairs():
+    """At batch 1 on one GPU (instructions.flagged) x, h, act and qkv are the value halves of float32 {value, epoch}
     pairs: the kernel's argument (data_ptr) is the pairs' base, the views index [layer, sequence, column] as at
     any batch, their epochs start at 0 (no step's), and a write through either half leaves the other as it was.
     At batch 2, and on a rank of two GPUs, nothing is flagged."""
@@ -602,7 +602,7 @@ def test_batch_1_buffers_hold_x_h_and_act_as_value_views_of_flagged_pairs():
     assert flagged_hops(layout) and len(bufs.epochs()) == len(FLAGGED_BUFFERS)
     c = layout.config
     shapes = {"x": (c.num_layers + 1, 1, c.hidden_size), "h": (c.num_layers, 1, c.hidden_size),
-              "act": (c.num_layers, 1, c.intermediate_size)}
+              "act": (c.num_layers, 1, c.intermediate_size), "qkv": (c.num_layers, 1, c.qkv_rows)}
     gen = torch.Generator().manual_seed(66)
     for name in FLAGGED_BUFFERS:
         values = getattr(bufs, name)
@@ -617,7 +617,7 @@ def test_batch_1_buffers_hold_x_h_and_act_as_value_views_of_flagged_pairs():
         pairs = torch.as_strided(values, (values.numel(), 2), (2, 1), values.storage_offset())
         assert torch.equal(pairs[:, 0], new.flatten()) and (pairs[:, 1].view(torch.int32) == 7).all(), name
     with pytest.raises(ValueError, match="value view of a flagged buffer"):
-        epoch_words(bufs.qkv)
+        epoch_words(bufs.attn_out)
     wide = _layout("tiny-llama", batch=2, max_seq_len=32)
     program2 = build_program(wide)
     assert not flagged_hops(wide) and allocate_buffers(wide, program2.lm_tiles, program2.num_counters).epochs() == []
@@ -629,10 +629,11 @@ def test_batch_1_buffers_hold_x_h_and_act_as_value_views_of_flagged_pairs():
 def test_counter_waits_are_the_queue_entries_whose_counter_the_kernel_spins_on(batch):
     """MegakernelEngine.counter_waits (what the timeout tests and tools/vllm_error_path.py raise): every entry with a
     wait id within its queue's length, the zero padding past it excluded (its wait id reads 0), and at batch 1 the
-    stages that poll a flagged input (kernel.matvec.POLLING, but layer 0's QKV of a folded embedding) excluded."""
+    stages that poll a flagged input (instructions.flagged.POLLING, but layer 0's QKV of a folded embedding)
+    excluded: there the attention's output hop (O_PROJ) and ARGMAX keep their waits."""
+    from megakernel.instructions.flagged import POLLING
     from megakernel.instructions.opcodes import Opcode
     from megakernel.instructions.record import W_A3, W_OPCODE, W_WAIT_ID, serialize
-    from megakernel.kernel.matvec import POLLING
     from megakernel.runtime.engine import MegakernelEngine
     from megakernel.schedule import assign
 
@@ -654,4 +655,4 @@ def test_counter_waits_are_the_queue_entries_whose_counter_the_kernel_spins_on(b
     assert set(got) == expected, f"batch {batch}: {sorted(expected - set(got))[:4]} missing, " \
                                  f"{sorted(set(got) - expected)[:4]} extra"
     ops = {Opcode(int(table[sm, i, W_OPCODE])) for sm, i in got}
-    assert Opcode.ATTN_PARTIAL in ops and (Opcode.GATE_UP in ops) == (batch > 1), ops
+    assert Opcode.O_PROJ in ops and (Opcode.GATE_UP in ops) == (Opcode.ATTN_PARTIAL in ops) == (batch > 1), ops

@@ -144,9 +144,12 @@ def test_a_wait_that_times_out_aborts_the_step_and_the_engine_recovers_after_che
     _check_step(weights, eng, tokens, torch.tensor([5], dtype=torch.int32), "tiny-llama: the step after the timeout")
 
 
-def test_a_poll_of_a_flagged_input_that_times_out_aborts_the_step_and_the_engine_recovers_after_check():
-    """At batch 1 DOWN polls act's {value, epoch} words (instructions.flagged): run alone on words no step wrote
-    (reset_sync zeroed their epochs), its poll times out; the error word names it, counter -1, and the epoch."""
+@pytest.mark.parametrize("stage,polled", [("DOWN", "act"), ("ATTN_PARTIAL", "qkv")])
+def test_a_poll_of_a_flagged_input_that_times_out_aborts_the_step_and_the_engine_recovers_after_check(stage, polled):
+    """At batch 1 DOWN polls act's {value, epoch} words and ATTN_PARTIAL its q, k and v in qkv's
+    (instructions.flagged): run alone on words no step wrote (reset_sync zeroed their epochs), the poll times out;
+    the error word names the instruction, counter -1, and the epoch."""
+    from megakernel.instructions.flagged import FLAGGED_BUFFERS
     from megakernel.instructions.opcodes import Opcode
     from megakernel.instructions.record import NO_COUNTER, WORDS
     from megakernel.kernel.interpreter import ERR_TIMEOUT, KernelOptions
@@ -154,25 +157,26 @@ def test_a_poll_of_a_flagged_input_that_times_out_aborts_the_step_and_the_engine
 
     weights, eng = _engine("tiny-llama", 1, seed=65, options=KernelOptions(timeout_ns=50_000_000))
     c = weights.config
-    assert len(eng.bufs.epochs()) == 3
-    down = next(ins for ins in eng.program.instructions if ins.opcode == Opcode.DOWN and ins.layer == 1)
+    assert len(eng.bufs.epochs()) == len(FLAGGED_BUFFERS) and polled in FLAGGED_BUFFERS
+    ins = next(i for i in eng.program.instructions if i.opcode == Opcode[stage] and i.layer == 1)
     saved_table, saved_len = eng.queue_table.clone(), eng.queue_lengths.clone()
     eng.reset_sync()
-    eng.bufs.act.normal_()
+    getattr(eng.bufs, polled).normal_()
+    eng.bufs.positions.fill_(4)
     eng.queue_table.zero_()
-    eng.queue_table[0, 0] = torch.tensor(dataclasses.replace(down, wait_id=NO_COUNTER, wait_count=0,
+    eng.queue_table[0, 0] = torch.tensor(dataclasses.replace(ins, wait_id=NO_COUNTER, wait_count=0,
                                                              signal_id=NO_COUNTER).encode(), dtype=torch.int32)
     assert eng.queue_table.shape[2] == WORDS
     eng.queue_lengths.zero_()
     eng.queue_lengths[0] = 1
     eng.launch()
     torch.cuda.synchronize()
-    assert eng.bufs.error.tolist() == [ERR_TIMEOUT, down.index, -1, 1], eng.bufs.error.tolist()
+    assert eng.bufs.error.tolist() == [ERR_TIMEOUT, ins.index, -1, 1], eng.bufs.error.tolist()
     _assert_later_launches_change_nothing(eng, eng.launch, "a launch after the timed-out poll")
     assert eng.error_flag() == ERR_TIMEOUT
     eng.queue_table.copy_(saved_table)
     eng.queue_lengths.copy_(saved_len)
-    with pytest.raises(MegakernelError, match=f"#{down.index} DOWN \\(layer 1\\) timed out polling"):
+    with pytest.raises(MegakernelError, match=f"#{ins.index} {stage} \\(layer 1\\) timed out polling"):
         eng.check()
     gen = torch.Generator().manual_seed(65)
     tokens = torch.randint(0, c.vocab_size, (1,), generator=gen).int()

@@ -174,18 +174,18 @@ def test_long_attention_splits_run_on_the_tensor_cores(name, batch):
 
 
 @pytest.mark.parametrize("name", REAL_PRESETS)
-def test_batch_1_hands_x_h_and_act_on_as_flagged_words_and_batch_2_does_not(name):
-    """At batch 1 (instructions.flagged) x, h and act are {value, epoch} words: EMBED's octet of columns (8), GATE_UP's
-    and the residual stages' epilogue stores (at least 1 each: the compiler may unroll) are 64-bit stores at gpu
-    scope, and the polled staging loads 16 bytes (two words) at gpu scope; at batch 2 neither is in the SASS
-    (float32 stores, counter waits)."""
+def test_batch_1_hands_x_h_act_and_qkv_on_as_flagged_words_and_batch_2_does_not(name):
+    """At batch 1 (instructions.flagged) x, h, act and qkv are {value, epoch} words: EMBED's octet of columns (8),
+    GATE_UP's and the other matvecs' epilogue stores (at least 1 each: the compiler may unroll) are 64-bit stores at
+    gpu scope, and the polled staging (2) and the attention's poll of q, k and v (at least 1) load 16 bytes (two
+    words) at gpu scope; at batch 2 neither is in the SASS (float32 stores, counter waits)."""
     for batch in (1, 2):
         art = compiled(name, batch)
         what = _what(name, batch, art)
         stores = len(re.findall(r"\bSTG\.E\.64\.STRONG\.GPU\b", art["sass"]))
         polls = len(re.findall(r"\bLDG\.E\.128\.STRONG\.GPU\b", art["sass"]))
         if batch == 1:
-            assert stores >= 8 + 2 and polls >= 2, f"{what}: {stores} flagged stores, {polls} polled loads"
+            assert stores >= 8 + 2 and polls >= 2 + 1, f"{what}: {stores} flagged stores, {polls} polled loads"
         else:
             assert stores == 0 and polls == 0, f"{what}: {stores} flagged stores, {polls} polled loads at batch 2"
 
