@@ -162,7 +162,8 @@ def test_a_poll_of_a_flagged_input_that_times_out_aborts_the_step_and_the_engine
     saved_table, saved_len = eng.queue_table.clone(), eng.queue_lengths.clone()
     eng.reset_sync()
     getattr(eng.bufs, polled).normal_()
-    eng.bufs.positions.fill_(4)
+    eng.bufs.positions.fill_(4)          # (ATTN_PARTIAL: a position in the sequence's own first block)
+    eng.bufs.block_table.copy_(contiguous_block_table(1, MAX_SEQ, BLOCK, GPU))
     eng.queue_table.zero_()
     eng.queue_table[0, 0] = torch.tensor(dataclasses.replace(ins, wait_id=NO_COUNTER, wait_count=0,
                                                              signal_id=NO_COUNTER).encode(), dtype=torch.int32)
