@@ -160,6 +160,18 @@ class InputStaging:
         self.scale_round(q0, U, gather, nw, xv, s, ss, kw, stride)
 
     @cute.jit
+    def poll_missed(self, spins: Int32, t0, p, s_ctrl: cute.Tensor) -> Int32:
+        """A poll round of a flagged input that found a word not yet this step's: every POLL_ERROR_EVERY such
+        rounds, if another CTA has failed (this step's words may never come) or options.timeout_ns has passed
+        since t0, set s_ctrl[POLL_WORD], which ends the thread's polls (stage_round_polled, poll_words) and has
+        the interpreter write ERR_TIMEOUT once the instruction ends. The rounds missed so far, this one counted."""
+        spins = spins + 1
+        if spins % POLL_ERROR_EVERY == 0:
+            if load_relaxed(p.error) != 0 or cute.arch.globaltimer() - t0 > self.options.timeout_ns:
+                s_ctrl[POLL_WORD] = Int32(1)
+        return spins
+
+    @cute.jit
     def stage_round_polled(self, q0: Int32, U: int, gather: Boolean, K: Int32, in_addr: Int64, norm_addr: Int64, p,
                            s, ss: cute.Tensor, s0: Int32, kw: Int32, stride: Int32):
         """stage_round of a flagged input (8-byte {value, epoch} words, st_flagged): every word of the round loaded,
@@ -195,11 +207,7 @@ class InputStaging:
                         if f0 != epoch or f1 != epoch or f2 != epoch or f3 != epoch:
                             ready = Boolean(False)
             if not ready:
-                spins = spins + 1
-                if spins % POLL_ERROR_EVERY == 0:
-                    # another CTA failed (this step's words may never come) or the bound is past
-                    if load_relaxed(p.error) != 0 or cute.arch.globaltimer() - t0 > self.options.timeout_ns:
-                        s_ctrl[POLL_WORD] = Int32(1)
+                spins = self.poll_missed(spins, t0, p, s_ctrl)
         self.scale_round(q0, U, gather, nw, xv, s, ss, kw, stride)
 
     @cute.jit
@@ -223,10 +231,7 @@ class InputStaging:
                 if f0 != epoch or f1 != epoch:
                     ready = Boolean(False)
             if not ready:
-                spins = spins + 1
-                if spins % POLL_ERROR_EVERY == 0:
-                    if load_relaxed(p.error) != 0 or cute.arch.globaltimer() - t0 > self.options.timeout_ns:
-                        s_ctrl[POLL_WORD] = Int32(1)
+                spins = self.poll_missed(spins, t0, p, s_ctrl)
         for e in cutlass.range_constexpr(n):
             vals[at + e] = as_f32(raw[e])
 
