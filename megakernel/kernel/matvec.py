@@ -449,9 +449,8 @@ class MatvecStage:
                 scale = s_rstd[b]
             ob = out_addr + Int64(b) * Int64(out_w) * 4
             if cutlass.const_expr(self.flagged):
-                ob = out_addr + Int64(b) * Int64(out_w) * 8          # (act, h, x, qkv)
-                if is_lm:
-                    ob = out_addr + Int64(b) * Int64(out_w) * 4      # (the logits)
+                if not is_lm:
+                    ob = out_addr + Int64(b) * Int64(out_w) * 8      # (act, h, x, qkv: all but the logits)
             if is_gate_up:
                 # output r = (pair p, row j): gate row p*16+j, up row p*16+8+j
                 pr = r // ROW_GROUP
