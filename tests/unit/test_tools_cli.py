@@ -24,6 +24,7 @@ TOOLS = {
     "activation_precision.py": ("Usage: python3 tools/activation_precision.py", [["--presets=no-such-preset"],
                                                                                  ["--steps=many"]]),
     "ncu_stalls.py": ("Usage: python3 tools/ncu_stalls.py NAME_sass.csv", [[], ["no_such_report.csv"]]),
+    "atomics_bench.py": ("Usage: python3 tools/atomics_bench.py [--reps=R]", [["--reps=x"], ["--reps=0"]]),
 }
 
 
