@@ -47,7 +47,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Boolean, Int32, Int64
 
-from ..instructions.flagged import UNSIGNALLED, flagged_hops
+from ..instructions.flagged import POLLING, UNSIGNALLED, flagged_hops
 from ..instructions.layout import StepLayout, require_kernel_batch
 from ..instructions.matvec_stages import weight_rows
 from ..instructions.opcodes import Opcode
@@ -56,7 +56,7 @@ from ..instructions.record import (W_A0, W_A1, W_A2, W_A3, W_INDEX, W_K_PART, W_
                                    W_SIGNAL_ID, W_WAIT_COUNT, W_WAIT_ID, WORDS)
 from ..instructions.split_k import SPLIT_STAGES, k_splits, qkv_reduce_folded
 from .attention import ERR_ALIAS, ERR_POSITION, LOG2E, AttentionStage  # noqa: F401  (error codes re-exported)
-from .matvec import MatvecStage, polls_input
+from .matvec import MatvecStage, opcode_in
 from .matvec_wide import WideMatvec
 from .staging import POLL_WORD, InputStaging
 from .ptx import (atomic_add_acq_rel, cp_async_wait_all, globaltimer_lo, ld_i32, ld_i64, load_acquire,
@@ -443,7 +443,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
             wait_id = s_queue[ins + W_WAIT_ID]
             polled = Boolean(False)       # flagged hops: the stage polls its input's words instead
             if cutlass.const_expr(self.flagged):
-                polled = polls_input(op, a3 == 1)    # (a3 == 1: layer 0's QKV of a folded embedding)
+                polled = opcode_in(op, POLLING, a3 == 1)    # (a3 == 1: layer 0's QKV of a folded embedding)
             if tidx == 0 and wait_id >= 0 and not polled:
                 target = (s_ctrl[0] + 1) * s_queue[ins + W_WAIT_COUNT]
                 caddr = counters + Int64(wait_id) * 4
@@ -499,9 +499,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
             signal_id = s_queue[ins + W_SIGNAL_ID]
             unsignalled = Boolean(False)  # flagged hops: what these stages write is polled, not waited on
             if cutlass.const_expr(self.flagged):
-                unsignalled = op == int(UNSIGNALLED[0])
-                for u in cutlass.range_constexpr(1, len(UNSIGNALLED)):
-                    unsignalled = unsignalled or op == int(UNSIGNALLED[u])
+                unsignalled = opcode_in(op, UNSIGNALLED, Boolean(False))   # (layer 0's QKV stores qkv too)
                 if tidx == 0 and s_ctrl[POLL_WORD] != 0:
                     # a poll of the stage's flagged input timed out or saw another CTA's error
                     # (staging.stage_round_polled, poll_words): no signal, the loop stops; the error word names the

@@ -50,16 +50,16 @@ def silu(g: Float32) -> Float32:
 
 
 @cute.jit
-def polls_input(op: Int32, from_embed: Boolean) -> Boolean:
-    """Whether stage `op` polls its flagged input (instructions.flagged.POLLING; not layer 0's QKV of a folded
-    embedding, which reads embed[token])."""
-    polled = op == int(POLLING[0])
-    for i in cutlass.range_constexpr(1, len(POLLING)):
-        if cutlass.const_expr(POLLING[i] == Opcode.QKV):
-            polled = polled or (op == OP_QKV and not from_embed)
+def opcode_in(op: Int32, opcodes: cutlass.Constexpr, qkv_from_embed: Boolean) -> Boolean:
+    """Whether stage `op` is one of `opcodes` (instructions.flagged's POLLING or UNSIGNALLED), QKV not counted where
+    qkv_from_embed (layer 0's QKV of a folded embedding, which reads embed[token] and polls nothing)."""
+    hit = op == int(opcodes[0])
+    for i in cutlass.range_constexpr(1, len(opcodes)):
+        if cutlass.const_expr(opcodes[i] == Opcode.QKV):
+            hit = hit or (op == OP_QKV and not qkv_from_embed)
         else:
-            polled = polled or op == int(POLLING[i])
-    return polled
+            hit = hit or op == int(opcodes[i])
+    return hit
 
 
 class MatvecStage:
@@ -165,7 +165,7 @@ class MatvecStage:
         poll = Boolean(False)                         # (flagged hops: the input polled, as no counter was waited on)
         if cutlass.const_expr(self.flagged):
             early = has_res and op != OP_DOWN     # (DOWN waits for nothing: its residual h is read past the poll)
-            poll = polls_input(op, from_embed)
+            poll = opcode_in(op, POLLING, from_embed)
         if early and tidx < n_res0:
             r0 = tidx // B
             res0 = ld_f32(res_addr + (Int64(tidx - r0 * B) * Int64(H) + Int64(r0)) * xh)
