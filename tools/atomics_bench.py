@@ -1,10 +1,11 @@
 """The L2's rate for 64-bit integer atomic adds in the pattern of a split-K sum folded into its producers: N
 contributors each adding one word to every one of H words (N x H atomics onto H addresses), against the same
-number of atomics onto N x H distinct words and a plain copy of N x H words. Each case runs as a CUDA graph of
---reps back-to-back launches (torch's index_add_ on int64, which adds with atomics, and copy_); the time per
-launch, fitted over N = 16 .. 256, gives a slope (ns per 1,000 words) free of the launch's fixed cost, and the
-burst a step would pay at N = 128 contributors for the presets' hidden sizes. Integer adds are associative, so such
-a sum has the same bits in any order (the determinism the suite asks of every step), where float atomics do not.
+number of atomics onto N x H distinct words and a plain copy of N x H words. Each case is one launch (torch's
+index_add_ on int64, which adds with atomics, and copy_) captured in a CUDA graph and replayed --reps times back to
+back (megakernel.integrations.bench.time_cuda_graph, the benchmarks' own timer); the time per launch, fitted over
+N = 16 .. 256, gives a slope (ns per 1,000 words) free of the launch's fixed cost, and the burst a step would pay
+at N = 128 contributors for the presets' hidden sizes. Integer adds are associative, so such a sum has the same bits
+in any order (the determinism the suite asks of every step), where float atomics do not.
 Usage: python3 tools/atomics_bench.py [--reps=R] (GPU host)"""
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import torch
 
 sys.path.insert(0, "tools")
 from toolargs import int_flag, positional  # noqa: E402
+
+from megakernel.integrations.bench import time_cuda_graph  # noqa: E402
 
 USAGE = "atomics_bench.py [--reps=R]"
 positional(__doc__, USAGE, 0, flags=("--reps",))
@@ -25,22 +28,8 @@ if not torch.cuda.is_available():
 
 
 def per_launch_us(fn) -> float:
-    """Median over 5 replays of a graph of REPS launches of fn, in us per launch."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPS):
-            fn()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / REPS)
-    return sorted(times)[2]
+    """Median us per launch of fn, replayed REPS times from a CUDA graph."""
+    return time_cuda_graph(fn, replays=REPS) * 1000
 
 
 def slope_ns_per_1000(ns: list[int], us: list[float], h: int) -> float:
