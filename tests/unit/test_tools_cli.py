@@ -25,6 +25,7 @@ TOOLS = {
                                                                                  ["--steps=many"]]),
     "ncu_stalls.py": ("Usage: python3 tools/ncu_stalls.py NAME_sass.csv", [[], ["no_such_report.csv"]]),
     "atomics_bench.py": ("Usage: python3 tools/atomics_bench.py [--reps=R]", [["--reps=x"], ["--reps=0"]]),
+    "cluster_fit.py": ("Usage: python3 tools/cluster_fit.py [--threads=T]", [["--threads=x"], ["--threads=0"]]),
 }
 
 
