@@ -41,8 +41,9 @@ def checked(result):
 
 
 def main():
-    torch.zeros(1, device="cuda")                 # the primary context, current on this thread
-    dev = checked(cu.cuCtxGetDevice())
+    checked(cu.cuInit(0))
+    dev = checked(cu.cuDeviceGet(torch.cuda.current_device()))
+    checked(cu.cuCtxSetCurrent(checked(cu.cuDevicePrimaryCtxRetain(dev))))    # the context torch's runtime uses
     attr = cu.CUdevice_attribute
     sms = checked(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev))
     smem = checked(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, dev))
