@@ -240,8 +240,9 @@ class InputStaging:
                                kw: Int32, stride: Int32):
         """O_PROJ folded with the attention merge: s.x = the merged attention output of every sequence, one
         quad per thread at a time. Up to MERGE_PAIRS splits: the lse values and partials of as many sequences
-        as fit MERGE_PAIRS (sequence, split) pairs load in one round (merge_round); more splits: one sequence at
-        a time (merge_quad)."""
+        as fit MERGE_PAIRS (sequence, split) pairs load in one round (merge_round), and a batch of more sequences
+        than a round holds deals its (quad, round) items over the threads as one list; more splits: one sequence
+        at a time (merge_quad)."""
         S = self.S
         # sequences per round (0: more splits than a round holds; half the pairs with 15 consumer warps, whose 128
         # registers would spill)
@@ -250,17 +251,32 @@ class InputStaging:
         # widest input, 2048 columns, is 512 quads over 480 threads, whose second round of one quad a thread kept
         # the CTA waiting on 32 threads), their loads out together
         UQ = 2 if GB > 0 and self.B * S <= 8 else 1
-        for q0 in range(tidx, kw // 4, self.cthreads * UQ):
-            if cutlass.const_expr(GB == 0):
-                q = q0
-                k = s0 + q * 4
-                for b in cutlass.range_constexpr(self.B):
-                    xv = cute.make_rmem_tensor((4,), Float32)
-                    self.merge_quad(layer, b, k, p.attn_part_o, p.attn_part_lse, xv)
-                    self.store_x_quad(s, b, q * 4, stride, xv)
-            else:
-                for b0 in cutlass.range_constexpr(0, self.B, GB):
-                    self.merge_round(layer, p, s, s0, q0, b0, min(GB, self.B - b0), UQ, kw, stride)
+        NBG = -(-self.B // GB) if GB > 0 else 0          # rounds of GB sequences
+        if cutlass.const_expr(NBG > 1):
+            # several rounds of sequences: the (quad, round) items dealt over the threads as one list, quads fastest
+            # (a warp's loads stay coalesced), so the slowest thread makes ceil(quads x NBG / threads) dependent round
+            # trips, not ceil(quads / threads) x NBG (batch 8 with 2 splits, 2,048 columns: 3, not 4). Each item's
+            # merge is merge_round's own arithmetic (H100, 2026-12-07: O_PROJ's ready -> staged 4.20 -> 3.56 us at
+            # llama-3.2-1b 8, qwen3-0.6b 8 -3.0%, logits bit for bit; profiles/RESULTS.md)
+            Q = kw // 4
+            for it in range(tidx, Q * NBG, self.cthreads):
+                g = it // Q
+                q = it - g * Q
+                for gg in cutlass.range_constexpr(NBG):
+                    if g == gg:
+                        self.merge_round(layer, p, s, s0, q, gg * GB, min(GB, self.B - gg * GB), 1, kw, stride)
+        else:
+            for q0 in range(tidx, kw // 4, self.cthreads * UQ):
+                if cutlass.const_expr(GB == 0):
+                    q = q0
+                    k = s0 + q * 4
+                    for b in cutlass.range_constexpr(self.B):
+                        xv = cute.make_rmem_tensor((4,), Float32)
+                        self.merge_quad(layer, b, k, p.attn_part_o, p.attn_part_lse, xv)
+                        self.store_x_quad(s, b, q * 4, stride, xv)
+                else:
+                    for b0 in cutlass.range_constexpr(0, self.B, GB):
+                        self.merge_round(layer, p, s, s0, q0, b0, min(GB, self.B - b0), UQ, kw, stride)
 
     @cute.jit
     def merge_round(self, layer: Int32, p, s, s0: Int32, q0: Int32, b0: Int32, nb: int, UQ: int, kw: Int32,
