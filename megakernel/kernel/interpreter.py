@@ -58,6 +58,7 @@ from ..instructions.split_k import SPLIT_STAGES, k_splits, qkv_reduce_folded
 from .attention import ERR_ALIAS, ERR_POSITION, LOG2E, AttentionStage  # noqa: F401  (error codes re-exported)
 from .matvec import MatvecStage, opcode_in
 from .matvec_wide import WideMatvec
+from .ring_model import ring_readers
 from .staging import POLL_WORD, InputStaging
 from .ptx import (atomic_add_acq_rel, cp_async_wait_all, globaltimer_lo, ld_i32, ld_i64, load_acquire,
                   load_acquire_sys, load_relaxed, mbarrier_init, mbarrier_init_fence, red_release_add,
@@ -199,6 +200,9 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
         self.ring_slots = StreamPlan.ring_slots(free)
         self.in_flight = min(self.options.max_in_flight or max_in_flight(self.B, 2 * c.layer_params() // self.num_sms),
                              self.ring_slots)
+        # the consumer warps that read ring parts up to SPLIT_BATCH (matvec_narrow): the most that divide the ring's
+        # parts (ring_model.ring_readers); past it every warp reads every slot
+        self.readers = self.warps if self.wide else ring_readers(self.ring_slots, self.plan.parts, self.warps)
 
     def tile_k(self, ins) -> int:
         """K of a matvec instruction's tile (host side, as tile_geometry gives it on the device): its stage's, or the

@@ -190,11 +190,12 @@ class MatvecStage:
         # The walk's position is k_slot modulo 2 x ring_slots (a slot's ring index and its use's parity are all the
         # consumers need of it), counted along instead of divided out per slot part: every warp walks every part,
         # and at 15 warps a modulo is a chain of ~20 dependent instructions. A part's reader,
-        # reader_warp(slot, part, P, warps), is then a subtraction at most where slot * P + part < 2 * warps
-        # (every layout the engine builds: at most 12 slots, 2 parts with 15 warps at batch 1, 1 with 8 or 15 past it).
+        # reader_warp(slot, part, P, readers), is then a subtraction at most where slot * P + part < 2 * readers
+        # (every layout the engine builds: at most 12 slots, 2 parts at batch 1, 1 past it; the readers, the most
+        # consumer warps that divide the ring's parts, are at least half of them).
         # (k_slot arrives below 2 x ring_slots: the CTA's count starts at 0, and in a kernel of these batches only
         # this path advances it)
-        R, W = self.ring_slots, self.warps
+        R, W = self.ring_slots, self.readers     # (the warps that read ring parts: ring_model.ring_readers)
         one_sub = R * P <= 2 * W
         for c0 in range(0, a1, chunk):
             rows = a1 - c0

@@ -14,8 +14,9 @@ Past SPLIT_BATCH (megakernel.kernel.matvec_wide) every consumer warp waits for e
 set of four slots until the set's last has landed (`wide_programs`, `simulate_wide_ring`): the same checks, and a
 ring too shallow for a set is the deadlock the model must see.
 
-`reader_warp` is the rule itself, which the device code calls (or, where ring_slot * parts + part stays below
-2 x warps, as on every layout the engine builds, computes as that sum less warps at most). Pure Python (no CuTe
+`reader_warp` is the rule itself, over the reader warps up to SPLIT_BATCH (`ring_readers`: the most consumer warps
+that divide the ring's parts), which the device code calls (or, where ring_slot * parts + part stays below 2 x
+readers, as on every layout the engine builds, computes as that sum less readers at most). Pure Python (no CuTe
 DSL), so the suite runs it on the real presets' slot sequences (tests/unit/test_ring_model.py), as the schedule's
 VM runs its queues.
 """
@@ -32,6 +33,17 @@ def reader_warp(ring_slot, part, parts: int, warps: int):
     (ring slot, part), so a warp's wait for use u follows its own read of use u - 1 (the parity argument
     above). Works on ints and on the kernel's Int32 values alike."""
     return (ring_slot * parts + part) % warps
+
+
+def ring_readers(ring_slots: int, parts: int, warps: int) -> int:
+    """The consumer warps that read the ring up to SPLIT_BATCH: the most, up to `warps`, that divide the ring's
+    parts (ring_slots x parts), so that any run of n consecutive ring parts (a tile's slots, which follow one
+    another round the ring) gives no warp more than ceil(n / readers) of them. With all 15 warps, 12 ring slots and
+    2 parts (qwen3-0.6b 1) the 24 parts wrap onto warps 0-8 twice and 9-14 once: 5 of 12 six-slot tiles gave a
+    warp two items in series, where 12 readers give each one (H100, 2026-12-07: qwen3-0.6b 1 -2.1%, llama-3.2-1b
+    1 -0.3%, llama-3.1-8b 1 -0.2%, logits bit for bit; profiles/RESULTS.md). At batch 2-8 (one part, at most 12
+    slots) they are the first ring_slots warps, as before the rule."""
+    return max(d for d in range(1, warps + 1) if (ring_slots * parts) % d == 0)
 
 
 class RingProtocolError(AssertionError):

@@ -12,7 +12,8 @@ the fragment order of the packed weights (megakernel.instructions.layout.fragmen
 the slab's 512-byte blocks of 32 columns, row blocks `slab_cols * 16` bytes apart. Each slot has a `full`
 mbarrier (the producer arms it with the slot's byte count, the copy engine completes it) and an `empty`
 mbarrier (each of the `parts` consumer warps that read the slot arrives once it has read its part: part p of
-ring slot r, in every use, is warp (r * parts + p) % warps's). Producer and consumers enumerate a tile's
+ring slot r, in every use, is warp (r * parts + p) % readers's, the readers the most consumer warps that divide the
+ring's parts: ring_model.ring_readers). Producer and consumers enumerate a tile's
 slots in the same order, chunk by chunk (the rows whose partial sums fit shared memory at once), slab by
 slab, row group by row group, so slot number k of the CTA is ring slot k % slots in use k // slots by
 both sides.

@@ -15,7 +15,8 @@ from megakernel.instructions.layout import SPLIT_BATCH, StepLayout, default_kv_s
 from megakernel.instructions.matvec_stages import MATVEC_OPCODES
 from megakernel.kernel.compile import device_code
 from megakernel.kernel.interpreter import KernelOptions
-from megakernel.kernel.ring_model import RingProtocolError, reader_warp, simulate_ring, simulate_wide_ring
+from megakernel.kernel.ring_model import (RingProtocolError, reader_warp, ring_readers, simulate_ring,
+                                          simulate_wide_ring)
 from megakernel.kernel.stream import HOP_IN_FLIGHT, ITEM_ROWS, STREAM_BOUND_BYTES, WIDE_WARPS, max_in_flight
 from megakernel.model.presets import get_preset
 from megakernel.schedule import assign, build_program
@@ -43,29 +44,53 @@ def kernel_case(preset: str, batch: int, sm: int = 0, layers: int = 2):
 
 
 def ring_case(preset: str, batch: int):
-    """(chunks, ring slots, parts, warps, in-flight cap) of one CTA of the real kernel: the slot counts of its
-    queue's matvec chunks in order, from the kernel's own geometry."""
+    """(chunks, ring slots, parts, reader warps, in-flight cap) of one CTA of the real kernel: the slot counts of
+    its queue's matvec chunks in order, from the kernel's own geometry."""
     kernel, matvecs = kernel_case(preset, batch)
     chunks = []
     for ins, k in matvecs:
         chunks += kernel.plan.geometry(k).chunk_slots(ins.a1)
-    return tuple(chunks), kernel.ring_slots, kernel.plan.parts, kernel.warps, kernel.in_flight
+    return tuple(chunks), kernel.ring_slots, kernel.plan.parts, kernel.readers, kernel.in_flight
 
 
 @pytest.mark.parametrize("preset,batch", [("llama-3.2-1b", 1), ("llama-3.2-1b", 4), ("llama-3.2-1b", 8),
                                           ("qwen3-0.6b", 1), ("qwen3-0.6b", 3), ("llama-3.1-8b", 1),
                                           ("llama-3.1-8b", 8), ("llama-2-7b", 2)])
 def test_the_kernels_reader_rule_keeps_every_wait_on_its_phase(preset, batch):
-    chunks, ring_slots, parts, warps, cap = ring_case(preset, batch)
+    chunks, ring_slots, parts, readers, cap = ring_case(preset, batch)
     assert sum(chunks) > 2 * ring_slots, "the case must reuse every ring slot"
+    # the reader warps: the most of the 15 consumer warps that divide the ring's parts (a ring of 12 slots of two
+    # parts, qwen3-0.6b 1's, is read by 12, not by all 15)
+    assert readers == ring_readers(ring_slots, parts, 15) and (ring_slots * parts) % readers == 0
     for seed in range(4):
         # (the producer keeps HOP_IN_FLIGHT slots on their way while the consumers cross a hop)
-        run = simulate_ring(list(chunks), ring_slots, parts, warps, cap, seed=seed, hop_in_flight=HOP_IN_FLIGHT)
+        run = simulate_ring(list(chunks), ring_slots, parts, readers, cap, seed=seed, hop_in_flight=HOP_IN_FLIGHT)
         assert run.reads == run.slots * parts == sum(chunks) * parts
         # the cap waits for slot k - cap alone, and copies may land out of order (as bulk copies do)
         assert cap <= run.max_in_flight <= ring_slots, run
         assert run.waited > 0, "random timings that never made a reader wait test nothing"
         assert run.hop_issued > 0, "a run that never issued a slot during a hop does not test the hold"
+
+
+@pytest.mark.parametrize("ring_slots", range(4, 13))
+@pytest.mark.parametrize("parts", [1, 2])
+def test_ring_readers_spread_every_run_of_consecutive_parts(ring_slots, parts):
+    """Any run of n consecutive ring parts (a tile's slots, round the ring from any start) gives no reader more than
+    ceil(n / readers); the rule of all 15 warps does not at 12 slots of 2 parts (qwen3-0.6b 1's six-slot tiles)."""
+    readers = ring_readers(ring_slots, parts, 15)
+    total = ring_slots * parts
+    for start in range(total):
+        for n in range(1, total + 1):
+            load = [0] * readers
+            for v in range(start, start + n):
+                load[reader_warp(v % total, 0, 1, readers)] += 1
+            assert max(load) == -(-n // readers), (ring_slots, parts, readers, start, n, load)
+    if (ring_slots, parts) == (12, 2):
+        assert readers == 12
+        load = [0] * 15
+        for v in range(14, 26):                     # a six-slot tile from ring slot 7
+            load[reader_warp(v % total, 0, 1, 15)] += 1
+        assert max(load) == 2
 
 
 def wide_ring_case(preset: str, batch: int):
@@ -136,8 +161,9 @@ def test_max_in_flight_option_overrides_the_rule_up_to_the_ring():
 def test_the_model_catches_the_rule_that_failed_on_the_gpu(preset, batch):
     """Slot number k to warp k % warps (one part per slot at batch 2-8): a warp waits for use u of a ring slot
     whose barrier still shows use u - 2's phase, of the same parity. (Where the ring's depth is a multiple of the
-    warps the two rules coincide.)"""
-    chunks, ring_slots, parts, warps, cap = ring_case(preset, batch)
+    warps the two rules coincide; the kernel's own readers, ring_readers', divide the ring.)"""
+    chunks, ring_slots, parts, _, cap = ring_case(preset, batch)
+    warps = kernel_case(preset, batch)[0].warps          # every consumer warp, as that rule had it
     assert parts == 1 and ring_slots % warps != 0
     with pytest.raises(RingProtocolError, match="passed its wait|deadlock"):
         for seed in range(8):
