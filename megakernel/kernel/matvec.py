@@ -192,7 +192,7 @@ class MatvecStage:
         # and at 15 warps a modulo is a chain of ~20 dependent instructions. A part's reader,
         # reader_warp(slot, part, P, readers), is then a subtraction at most where slot * P + part < 2 * readers
         # (every layout the engine builds: at most 12 slots, 2 parts at batch 1, 1 past it; the readers, the most
-        # consumer warps that divide the ring's parts, are at least half of them).
+        # consumer warps that divide the ring's parts, number at least half the parts).
         # (k_slot arrives below 2 x ring_slots: the CTA's count starts at 0, and in a kernel of these batches only
         # this path advances it)
         R, W = self.ring_slots, self.readers     # (the warps that read ring parts: ring_model.ring_readers)
