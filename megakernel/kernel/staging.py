@@ -247,10 +247,6 @@ class InputStaging:
         # sequences per round (0: more splits than a round holds; half the pairs with 15 consumer warps, whose 128
         # registers would spill)
         GB = (MERGE_PAIRS if self.warps <= 8 else MERGE_PAIRS // 2) // S
-        # quads per thread per round: two where one round's loads of both fit the registers (at most 8 pairs: the
-        # widest input, 2048 columns, is 512 quads over 480 threads, whose second round of one quad a thread kept
-        # the CTA waiting on 32 threads), their loads out together
-        UQ = 2 if GB > 0 and self.B * S <= 8 else 1
         NBG = -(-self.B // GB) if GB > 0 else 0          # rounds of GB sequences
         if cutlass.const_expr(NBG > 1):
             # several rounds of sequences: the (quad, round) items dealt over the threads as one list, quads fastest
@@ -266,6 +262,11 @@ class InputStaging:
                     if g == gg:
                         self.merge_round(layer, p, s, s0, q, gg * GB, min(GB, self.B - gg * GB), 1, kw, stride)
         else:
+            # one round holds every sequence (or, GB == 0, one sequence at a time): quads per thread per round, two
+            # where one round's loads of both fit the registers (at most 8 pairs: the widest input, 2048 columns, is
+            # 512 quads over 480 threads, whose second round of one quad a thread kept the CTA waiting on 32
+            # threads), their loads out together
+            UQ = 2 if GB > 0 and self.B * S <= 8 else 1
             for q0 in range(tidx, kw // 4, self.cthreads * UQ):
                 if cutlass.const_expr(GB == 0):
                     q = q0
@@ -275,8 +276,7 @@ class InputStaging:
                         self.merge_quad(layer, b, k, p.attn_part_o, p.attn_part_lse, xv)
                         self.store_x_quad(s, b, q * 4, stride, xv)
                 else:
-                    for b0 in cutlass.range_constexpr(0, self.B, GB):
-                        self.merge_round(layer, p, s, s0, q0, b0, min(GB, self.B - b0), UQ, kw, stride)
+                    self.merge_round(layer, p, s, s0, q0, 0, self.B, UQ, kw, stride)
 
     @cute.jit
     def merge_round(self, layer: Int32, p, s, s0: Int32, q0: Int32, b0: Int32, nb: int, UQ: int, kw: Int32,
