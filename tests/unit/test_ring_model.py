@@ -44,24 +44,23 @@ def kernel_case(preset: str, batch: int, sm: int = 0, layers: int = 2):
 
 
 def ring_case(preset: str, batch: int):
-    """(chunks, ring slots, parts, reader warps, in-flight cap) of one CTA of the real kernel: the slot counts of
-    its queue's matvec chunks in order, from the kernel's own geometry."""
+    """(chunks, ring slots, parts, reader warps, consumer warps, in-flight cap) of one CTA of the real kernel: the
+    slot counts of its queue's matvec chunks in order, from the kernel's own geometry."""
     kernel, matvecs = kernel_case(preset, batch)
     chunks = []
     for ins, k in matvecs:
         chunks += kernel.plan.geometry(k).chunk_slots(ins.a1)
-    return tuple(chunks), kernel.ring_slots, kernel.plan.parts, kernel.readers, kernel.in_flight
+    return tuple(chunks), kernel.ring_slots, kernel.plan.parts, kernel.readers, kernel.warps, kernel.in_flight
 
 
 @pytest.mark.parametrize("preset,batch", [("llama-3.2-1b", 1), ("llama-3.2-1b", 4), ("llama-3.2-1b", 8),
                                           ("qwen3-0.6b", 1), ("qwen3-0.6b", 3), ("llama-3.1-8b", 1),
                                           ("llama-3.1-8b", 8), ("llama-2-7b", 2)])
 def test_the_kernels_reader_rule_keeps_every_wait_on_its_phase(preset, batch):
-    chunks, ring_slots, parts, readers, cap = ring_case(preset, batch)
+    chunks, ring_slots, parts, readers, warps, cap = ring_case(preset, batch)
     assert sum(chunks) > 2 * ring_slots, "the case must reuse every ring slot"
     # the reader warps: the most consumer warps that divide the ring's parts (a ring of 12 slots of two parts,
     # qwen3-0.6b 1's, is read by 12 of the 15), never fewer than half the parts (reader_warp's one subtraction)
-    warps = kernel_case(preset, batch)[0].warps
     assert readers == ring_readers(ring_slots, parts, warps) and (ring_slots * parts) % readers == 0
     assert ring_slots * parts <= 2 * readers <= 2 * warps
     for seed in range(4):
@@ -143,7 +142,7 @@ def test_the_wide_model_sees_a_ring_too_shallow_for_a_set():
 def test_in_flight_cap_is_three_only_where_the_stream_bounds_the_step(preset, batch, cap):
     """The kernel's cap (stream.max_in_flight) as the sweeps chose it: two weight slots on their way per SM,
     three where a layer's weights pass STREAM_BOUND_BYTES per SM up to SPLIT_BATCH."""
-    assert ring_case(preset, batch)[4] == cap
+    assert ring_case(preset, batch)[5] == cap
     assert max_in_flight(batch, STREAM_BOUND_BYTES) == (3 if batch <= SPLIT_BATCH else 2)
     assert max_in_flight(batch, STREAM_BOUND_BYTES - 1) == 2
 
@@ -164,8 +163,7 @@ def test_the_model_catches_the_rule_that_failed_on_the_gpu(preset, batch):
     """Slot number k to warp k % warps (one part per slot at batch 2-8): a warp waits for use u of a ring slot
     whose barrier still shows use u - 2's phase, of the same parity. (Where the ring's depth is a multiple of the
     warps the two rules coincide; the kernel's own readers, ring_readers', divide the ring.)"""
-    chunks, ring_slots, parts, _, cap = ring_case(preset, batch)
-    warps = kernel_case(preset, batch)[0].warps          # every consumer warp, as that rule had it
+    chunks, ring_slots, parts, _, warps, cap = ring_case(preset, batch)    # every consumer warp, as that rule had it
     assert parts == 1 and ring_slots % warps != 0
     with pytest.raises(RingProtocolError, match="passed its wait|deadlock"):
         for seed in range(8):
