@@ -998,6 +998,27 @@ def test_stages_on_gpu_match_reference_with_long_splits(case):
     run_gpu_stages(case)
 
 
+# Up to SPLIT_BATCH, O_PROJ merges the attention splits of MERGE_PAIRS // 2 // splits sequences a round, and a batch of
+# more takes its (quad, round) items as one list (stage_merged_attention): batch 3 with 4 splits (rounds of 2, the
+# last one sequence) and batch 7 with 2 (rounds of 4, the last three), sequences past the batch in the last round.
+MERGE_ROUND_CASES = [
+    StageCase(shape=DecodeShape(hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=64, intermediate_size=512,
+                                batch=3, kv_lens=(300, 7, 129), block_size=16, max_seq_len=512),
+              architecture="LlamaForCausalLM", num_layers=1, layer=0, vocab_size=512, kv_splits=4, seed=15),
+    StageCase(shape=DecodeShape(hidden_size=1024, num_heads=8, num_kv_heads=4, head_dim=128, intermediate_size=768,
+                                batch=7, kv_lens=(33, 1, 250, 64, 17, 199, 90), block_size=16, max_seq_len=256),
+              architecture="Qwen3ForCausalLM", num_layers=1, layer=0, vocab_size=256, kv_splits=2, seed=16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("case", MERGE_ROUND_CASES, ids=["b3-s4", "b7-s2"])
+def test_stages_on_gpu_match_reference_with_ragged_merge_rounds(case):
+    """Every stage where O_PROJ's merge rounds do not divide the batch."""
+    run_gpu_stages(case)
+
+
 # Past SPLIT_BATCH with more (sequence, kv head) pairs than SMs on long caches: an ATTN_PARTIAL takes several
 # sequences (warp_attention has no cache bound since 2026-12-06), each sequence's warps streaming a context of up to
 # ~1,900 tokens, next to 1-token ones; head dims 128 (Qwen3, QK-norm) and 64.
