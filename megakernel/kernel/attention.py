@@ -132,12 +132,19 @@ class AttentionStage(SoftmaxPass):
     @cute.jit
     def finish_head(self, hh: Int32, lane: Int32, layer: Int32, kvh: Int32, pos: Int32, blk: Int32, k_base: Int64,
                     v_base: Int64, append: cutlass.Boolean, vals: cute.Tensor, at: int, q_at: Int32, kv_at: Int32,
-                    p, s):
+                    p, s, rope=None):
         """Head hh of load_head's vals[at:] (QK-norm, RoPE at pos): the query into s.q from element q_at, k and v
         rounded to bf16 into s.kv from element kv_at and, where `append`, into the paged cache (block blk). (A
-        step with a bad position or an aliased slot writes no cache slot: the error is raised, the cache kept.)"""
+        step with a bad position or an aliased slot writes no cache slot: the error is raised, the cache kept.)
+        The norm weights and RoPE factors (rope_factors) are loaded here, after the wait, or at batch 1 on one GPU
+        come in `rope`: attn_preload loaded them before the wait, for head hh = the warp."""
         s_kv, s_q = s.kv, s.q
         D, E, G, half = self.D, self.E, self.G, self.D // 2
+        f = rope                  # (hh is then the warp's one head: attend_split)
+        if cutlass.const_expr(rope is None):
+            f = cute.make_rmem_tensor((3 * E,), Float32)
+            if hh <= G:
+                self.rope_factors(hh, lane, layer, pos, p, f)
         if cutlass.const_expr(self.qk_norm):
             if hh <= G:
                 ssq = Float32(0.0)
@@ -145,20 +152,14 @@ class AttentionStage(SoftmaxPass):
                     ssq = ssq + vals[at + e] * vals[at + e]
                 ssq = warp_sum(ssq)
                 r = rsqrt(ssq / Float32(D) + Float32(self.eps))
-                nbase = p.q_norm
-                if hh == G:
-                    nbase = p.k_norm
                 for e in cutlass.range_constexpr(E):
-                    vals[at + e] = vals[at + e] * r * ld_bf16(nbase + (Int64(layer) * D + Int64(lane * E + e)) * 2)
+                    vals[at + e] = vals[at + e] * r * f[e]
         if hh <= G:
             for e in cutlass.range_constexpr(E):
                 partner = cute.arch.shuffle_sync_bfly(vals[at + e], offset=16)
-                fi = (lane * E + e) % half
-                cs = ld_f32(p.rope_cos + (Int64(pos) * half + Int64(fi)) * 4)
-                sn = ld_f32(p.rope_sin + (Int64(pos) * half + Int64(fi)) * 4)
-                rot = vals[at + e] * cs + partner * sn
+                rot = vals[at + e] * f[E + e] + partner * f[2 * E + e]
                 if lane < 16:
-                    rot = vals[at + e] * cs - partner * sn
+                    rot = vals[at + e] * f[E + e] - partner * f[2 * E + e]
                 vals[at + e] = rot
         if hh < G:
             for e in cutlass.range_constexpr(E):
@@ -227,22 +228,25 @@ class AttentionStage(SoftmaxPass):
 
     @cute.jit
     def attn_partial(self, tidx: Int32, warp: Int32, lane: Int32, layer: Int32, b: Int32, kvh: Int32,
-                     split: Int32, num_splits: Int32, seqs: Int32, index: Int32, p, s, rec: Int64):
+                     split: Int32, num_splits: Int32, seqs: Int32, index: Int32, p, s, rec: Int64, rope=None):
         """The instruction's phases A-C (the module docstring); s.alias[b] = 1 (scan_aliasing): the last split
         writes no K/V and reports ERR_ALIAS. With KernelOptions.trace past SPLIT_BATCH, the ends of phases A and B
         in its trace record (rec: TR_STAGED, TR_CONSUMED; at batch 1-8 the stamps' registers would spill). Where
         the layout has warp_attention, `seqs` sequences from b, the consumer warps shared out among them
-        (attend_sequences)."""
+        (attend_sequences). `rope`: the QK-norm and RoPE factors of the warp's first head, loaded before the wait
+        (attn_preload)."""
         if cutlass.const_expr(self.warp_attention):
             self.attend_sequences(tidx, warp, lane, layer, b, kvh, seqs, index, p, s, rec)
         else:
-            self.attend_split(tidx, warp, lane, layer, b, kvh, split, num_splits, index, p, s, rec)
+            self.attend_split(tidx, warp, lane, layer, b, kvh, split, num_splits, index, p, s, rec, rope)
 
     @cute.jit
     def attend_split(self, tidx: Int32, warp: Int32, lane: Int32, layer: Int32, b: Int32, kvh: Int32,
-                     split: Int32, num_splits: Int32, index: Int32, p, s, rec: Int64):
+                     split: Int32, num_splits: Int32, index: Int32, p, s, rec: Int64, rope=None):
         """One (sequence, kv head, split) on all the consumer warps: phases A-C of the module docstring."""
         D, G = self.D, self.G
+        # (phase A takes one head a warp, G + 2 <= warps: the G query heads of a kv head are at most ROW_GROUP)
+        assert rope is None or G + 2 <= self.warps, "a warp's preloaded RoPE factors are of one head"
         last = split == num_splits - 1
         pos, append, k_base, v_base, blk = self.new_token_setup(tidx == 0, layer, b, last, index, p, s)
         row = self.qkv_row(layer, b, p)
@@ -252,7 +256,8 @@ class AttentionStage(SoftmaxPass):
         for hh in range(warp, G + 2, self.warps):
             vals = cute.make_rmem_tensor((self.E,), Float32)
             self.load_head(hh, lane, kvh, row, vals, 0, scale, p, s)
-            self.finish_head(hh, lane, layer, kvh, pos, blk, k_base, v_base, append, vals, 0, Int32(0), Int32(0), p, s)
+            self.finish_head(hh, lane, layer, kvh, pos, blk, k_base, v_base, append, vals, 0, Int32(0), Int32(0), p, s,
+                             rope)
         self.consumer_sync()
         if cutlass.const_expr(self.options.trace and self.wide):
             if tidx == 0:

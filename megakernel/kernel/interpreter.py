@@ -439,9 +439,16 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
             t_ready = Int32(0)
             if cutlass.const_expr(self.options.trace):
                 t_begin = globaltimer_lo()
+            # batch 1 on one GPU: the RoPE and QK-norm factors of the attention head a warp finishes, loaded before the
+            # wait (attn_preload), so that the polled q, k and v are the only loads of phase A after it (H100,
+            # 2026-12-07: qwen3-0.6b 1 -1.6% at 32 positions, -2.6% at 200; the llama shapes level at batch 1;
+            # qwen3-0.6b 8 +0.7% with them: not past batch 1; profiles/RESULTS.md)
+            rope = None
+            if cutlass.const_expr(self.flagged):
+                rope = self.rope_registers()
             if cutlass.const_expr(not self.warp_attention):
                 if op == OP_ATTN_PARTIAL:
-                    self.attn_preload(warp, lane, layer, a0, a1, a2, a3, p, s)
+                    self.attn_preload(warp, lane, layer, a0, a1, a2, a3, p, s, rope)
 
             # ---- wait for the producing stage (thread 0 spins, the consumer barrier broadcasts)
             wait_id = s_queue[ins + W_WAIT_ID]
@@ -486,7 +493,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                         self.embed(tidx, s_queue[ins + W_INDEX], a0, a1, p, s_ctrl[0] + 1)
                     if op == OP_ATTN_PARTIAL:
                         self.attn_partial(tidx, warp, lane, layer, a0, a1, a2, a3, s_queue[ins + W_SEQS],
-                                          s_queue[ins + W_INDEX], p, s, rec)
+                                          s_queue[ins + W_INDEX], p, s, rec, rope)
                     if op == OP_ATTN_REDUCE:
                         self.attn_reduce(tidx, layer, a0, a1, a3, p)
                     if op == OP_ARGMAX:

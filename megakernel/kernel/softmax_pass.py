@@ -20,9 +20,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from .ptx import (cp_async_shared, cp_async_wait_all, ex2, high_halves, ld_bf16, ld_i32, ld_i64, ld_shared_f32x4,
-                  load_global_b32x4, load_shared_b32, load_shared_raw, low_halves, mma_bf16_1688, mma_bf16_16816_rows8,
-                  mma_bf16_16816_rows8_zero, pack_bf16x2, round_bf16, st_shared_b32x4, unpack_bf16x2, warp_sum)
+from .ptx import (cp_async_shared, cp_async_wait_all, ex2, high_halves, ld_bf16, ld_f32, ld_i32, ld_i64,
+                  ld_shared_f32x4, load_global_b32x4, load_shared_b32, load_shared_raw, low_halves, mma_bf16_1688,
+                  mma_bf16_16816_rows8, mma_bf16_16816_rows8_zero, pack_bf16x2, round_bf16, st_shared_b32x4,
+                  unpack_bf16x2, warp_sum)
 
 STREAM_ELEMS = 8           # streamed pass: elements of a token's k (and v) per lane, one 16-byte load each (8: the
                            # 16-byte stores of attend_sequences)
@@ -82,15 +83,47 @@ class SoftmaxPass:
         return hi - lo > self.warps
 
     @cute.jit
+    def rope_registers(self):
+        """Registers for the factors of one head's QK-norm and RoPE, a lane's E elements each: the norm weights,
+        cos, sin (rope_factors), zeros. (Zeroed where they are made, at the top of the queue loop, so that before
+        the wait of an instruction that is not the attention's nothing of them is live.)"""
+        f = cute.make_rmem_tensor((3 * self.E,), Float32)
+        for e in cutlass.range_constexpr(3 * self.E):
+            f[e] = Float32(0.0)
+        return f
+
+    @cute.jit
+    def rope_factors(self, hh: Int32, lane: Int32, layer: Int32, pos: Int32, p, f: cute.Tensor):
+        """Into f: this lane's E QK-norm weights of head hh (hh < G: the query's, G: the key's; 1 without QK-norm),
+        then its E RoPE cos and E sin at position pos, as finish_head applies them (heads hh <= G)."""
+        D, E, G, half = self.D, self.E, self.G, self.D // 2
+        for e in cutlass.range_constexpr(E):
+            f[e] = Float32(1.0)
+            if cutlass.const_expr(self.qk_norm):
+                nbase = p.q_norm
+                if hh == G:
+                    nbase = p.k_norm
+                f[e] = ld_bf16(nbase + (Int64(layer) * D + Int64(lane * E + e)) * 2)
+            fi = (lane * E + e) % half
+            f[E + e] = ld_f32(p.rope_cos + (Int64(pos) * half + Int64(fi)) * 4)
+            f[2 * E + e] = ld_f32(p.rope_sin + (Int64(pos) * half + Int64(fi)) * 4)
+
+    @cute.jit
     def attn_preload(self, warp: Int32, lane: Int32, layer: Int32, b: Int32, kvh: Int32, split: Int32,
-                     num_splits: Int32, p, s):
+                     num_splits: Int32, p, s, rope=None):
         """Before ATTN_PARTIAL's wait: this warp's first cached token of the split (position lo + warp), its
         lane's bf16 k and v elements copied to the warp's preload slot by cp.async, when the warp has one and, up to
         SPLIT_BATCH, the split has no more tokens than warps (a longer one takes the tensor-core pass, which reads
-        the cache itself and keeps its query fragments in the slots)."""
+        the cache itself and keeps its query fragments in the slots). With `rope` (batch 1 on one GPU): the
+        QK-norm and RoPE factors of the head the warp finishes first in phase A (head `warp`, where it is one that
+        takes them: phase A takes one head a warp), so that phase A has no load after the wait but the new token's
+        own (rope_factors)."""
         pos = ld_i32(p.positions + Int64(b) * 4)
         if pos < 0 or pos >= self.max_seq_len:
             pos = Int32(0)                      # attn_partial reports it; no cached token is read
+        if cutlass.const_expr(rope is not None):
+            if warp <= self.G:
+                self.rope_factors(warp, lane, layer, pos, p, rope)
         lo, hi = self.split_bounds(pos, split, num_splits)
         copies = lo + warp < hi
         if cutlass.const_expr(not self.wide):

@@ -994,7 +994,8 @@ LONG_SPLIT_CASES = [
 @pytest.mark.hopper
 @pytest.mark.parametrize("case", LONG_SPLIT_CASES, ids=["d64-b4", "d128-b1", "d64-b1"])
 def test_stages_on_gpu_match_reference_with_long_splits(case):
-    """Every stage, on caches long enough that attention splits take the tensor-core pass."""
+    """Every stage, on caches long enough that attention splits take the tensor-core pass (at batch 1 with each
+    phase-A warp's RoPE factors and QK-norm weights loaded before the wait, at batch 4 after it)."""
     run_gpu_stages(case)
 
 
