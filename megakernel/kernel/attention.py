@@ -25,7 +25,7 @@ from ..instructions.attention import sequence_groups
 from ..instructions.layout import wide_x_byte
 from ..instructions.opcodes import Opcode
 from ..instructions.split_k import k_splits
-from .ptx import (cp_async_wait_all, ex2, globaltimer_lo, ld_bf16, ld_f32, ld_i32, ld_i64, lg2, load_f32x4,
+from .ptx import (cp_async_wait_all, ex2, globaltimer_lo, ld_f32, ld_i32, ld_i64, lg2, load_f32x4,
                   report_error, round_bf16, rsqrt, st_bf16, st_f32, st_i32, warp_sum)
 from .softmax_pass import LOG2E, STREAM_ELEMS, WARP_UNROLL, SoftmaxPass
 from .stream import TR_CONSUMED, TR_STAGED
@@ -139,7 +139,7 @@ class AttentionStage(SoftmaxPass):
         The norm weights and RoPE factors (rope_factors) are loaded here, after the wait, or at batch 1 on one GPU
         come in `rope`: attn_preload loaded them before the wait, for head hh = the warp."""
         s_kv, s_q = s.kv, s.q
-        D, E, G, half = self.D, self.E, self.G, self.D // 2
+        D, E, G = self.D, self.E, self.G
         f = rope                  # (hh is then the warp's one head: attend_split)
         if cutlass.const_expr(rope is None):
             f = cute.make_rmem_tensor((3 * E,), Float32)
@@ -233,8 +233,8 @@ class AttentionStage(SoftmaxPass):
         writes no K/V and reports ERR_ALIAS. With KernelOptions.trace past SPLIT_BATCH, the ends of phases A and B
         in its trace record (rec: TR_STAGED, TR_CONSUMED; at batch 1-8 the stamps' registers would spill). Where
         the layout has warp_attention, `seqs` sequences from b, the consumer warps shared out among them
-        (attend_sequences). `rope`: the QK-norm and RoPE factors of the warp's first head, loaded before the wait
-        (attn_preload)."""
+        (attend_sequences). `rope` (batch 1 on one GPU, else None): the QK-norm and RoPE factors of the warp's
+        head, loaded before the wait (attn_preload)."""
         if cutlass.const_expr(self.warp_attention):
             self.attend_sequences(tidx, warp, lane, layer, b, kvh, seqs, index, p, s, rec)
         else:

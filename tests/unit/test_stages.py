@@ -1001,7 +1001,7 @@ def test_stages_on_gpu_match_reference_with_long_splits(case):
 
 # Up to SPLIT_BATCH, O_PROJ merges the attention splits of MERGE_PAIRS // 2 // splits sequences a round, and a batch of
 # more takes its (quad, round) items as one list (stage_merged_attention): batch 3 with 4 splits (rounds of 2, the
-# last one sequence) and batch 7 with 2 (rounds of 4, the last three), sequences past the batch in the last round.
+# last one sequence) and batch 7 with 2 (rounds of 4, the last three).
 MERGE_ROUND_CASES = [
     StageCase(shape=DecodeShape(hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=64, intermediate_size=512,
                                 batch=3, kv_lens=(300, 7, 129), block_size=16, max_seq_len=512),
