@@ -131,8 +131,9 @@ K_WIDE = "megakernel/kernel/matvec_wide.py"
 K_ATTN = "megakernel/kernel/attention.py"
 K_TOKENS = "megakernel/kernel/tokens.py"
 K_PTX = "megakernel/kernel/ptx.py"
+K_SOFTMAX = "megakernel/kernel/softmax_pass.py"
 KERNEL_MODULES = (K_INTERP, K_MATVEC, K_WIDE, K_ATTN, K_TOKENS, K_PTX, "megakernel/kernel/stream.py",
-                  "megakernel/kernel/staging.py", "megakernel/kernel/softmax_pass.py")
+                  "megakernel/kernel/staging.py", K_SOFTMAX)
 VM_MODULE = "megakernel/schedule/vm.py"
 ENGINE_OPTIONS = "tests/unit/test_engine_options.py"
 
@@ -151,10 +152,10 @@ MUTATIONS: tuple[Mutation, ...] = tuple(
           (Patch(ATTN, "cos, sin = w.rope_cos[pos], w.rope_sin[pos]",
                  "cos, sin = w.rope_cos[pos + 1], w.rope_sin[pos + 1]"),),
           CPU_PROBES_ATTENTION,
-          (Patch(K_ATTN, "cs = ld_f32(p.rope_cos + (Int64(pos) * half + Int64(fi)) * 4)",
-                 "cs = ld_f32(p.rope_cos + (Int64(pos + 1) * half + Int64(fi)) * 4)"),
-           Patch(K_ATTN, "sn = ld_f32(p.rope_sin + (Int64(pos) * half + Int64(fi)) * 4)",
-                 "sn = ld_f32(p.rope_sin + (Int64(pos + 1) * half + Int64(fi)) * 4)")))
+          (Patch(K_SOFTMAX, "f[E + e] = ld_f32(p.rope_cos + (Int64(pos) * half + Int64(fi)) * 4)",
+                 "f[E + e] = ld_f32(p.rope_cos + (Int64(pos + 1) * half + Int64(fi)) * 4)"),
+           Patch(K_SOFTMAX, "f[2 * E + e] = ld_f32(p.rope_sin + (Int64(pos) * half + Int64(fi)) * 4)",
+                 "f[2 * E + e] = ld_f32(p.rope_sin + (Int64(pos + 1) * half + Int64(fi)) * 4)")))
     + _pair("o_proj_residual_dropped",
             "O_PROJ writes h = Wo . attn without adding the residual x",
             (Patch(MATVEC, "b.h[l, :, lo:hi] = b.x[l, :, lo:hi] + y", "b.h[l, :, lo:hi] = y"),),
