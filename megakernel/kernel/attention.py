@@ -3,7 +3,8 @@ input staging uses where the layout folds ATTN_REDUCE into it.
 
 The records, split ranges and torch references are in megakernel.instructions.attention. ATTN_PARTIAL:
   A. the group's query heads and the new token's k, v (QK-norm, RoPE) into shared memory; the last split
-     appends k, v to the paged cache unless that breaks the aliasing rule (`scan_aliasing`, once a step);
+     appends k, v to the paged cache unless that breaks the aliasing rule (`scan_aliasing`, once a step); at
+     batch 1 on one GPU the norm weights and RoPE factors were loaded before the wait (softmax_pass.attn_preload);
   B. an online softmax over the split's cached tokens (the new token last): softmax_pass.py;
   C. the warps' (max, sum, output) merged and the split's partial (output, log-sum-exp) written.
 Past SPLIT_BATCH with one split and more (sequence, kv head) pairs than SMs
