@@ -28,6 +28,13 @@ FRAG_ROWS, FRAG_COLS = 8, 32
 MAX_BATCH = 64
 KERNEL_MAX_BATCH = MAX_BATCH
 SPLIT_BATCH = 8
+# The kernel's consumer warps up to SPLIT_BATCH (megakernel.kernel.interpreter: with the producer warp, 16).
+NARROW_WARPS = 15
+# The attention's tensor-core pass (megakernel.kernel.softmax_pass.stream_tokens_mma): 8-token tiles a warp's step, by
+# head_dim: 4 KiB of K and V a step, its loads in flight together (at head_dim 64, 2 tiles against 1: llama-3.2-1b 4 at
+# 8192 tokens 1.452 against 1.477 ms, batch 1 1.109 against 1.100; profiles/RESULTS.md, 2026-12-06 thirty-third
+# session). A split of up to 8 x MMA_TILES x NARROW_WARPS positions is one step a warp.
+MMA_TILES = {64: 2, 128: 1}
 # The compute capability the kernel is compiled for (sm_90a): Hopper. An sm_90a cubin runs on no other GPU.
 KERNEL_CAPABILITY = (9, 0)
 # The DAG's rule for folding the attention split merge into O_PROJ's input staging (no ATTN_REDUCE
@@ -186,15 +193,19 @@ def require_kernel_batch(batch: int) -> None:
 
 def default_kv_splits(config: ModelConfig, batch: int, num_sms: int, max_seq_len: int = 4096) -> int:
     """KV splits per (sequence, kv head): as many items as fit the SMs one each (more would give some SMs
-    two splits in a row, the attention stage's time twice), and no more than a split per 256 cached
-    positions (at least 4): each split is a serial pass over its positions, each extra split one more
-    partial to merge. (Measured on the H200, llama-3.2-1b shape, batch 1, 512-token cache: 4 splits 1.29
-    ms/step, 2 splits 1.32, 17 splits 1.47.)"""
+    two splits in a row, the attention stage's time twice), and enough (at least 4) that a split of a full cache
+    is one tensor-core step a consumer warp (8 x MMA_TILES x NARROW_WARPS positions: 120 at head_dim 128, 240 at
+    64); a second step a warp is a second round trip in series, each extra split one more partial to merge.
+    (Measured on an H100, qwen3-0.6b batch 1, a 736-position cache, ms a step, 4 splits against 7: 0.703 against
+    0.657 at positions 512-571, 0.606 against 0.581 at 32-91, 0.630 against 0.643 at 200-259, where 4 splits are
+    one step a warp already and the 3 more partials cost; llama-3.2-1b at 512 positions, 4 splits against 8: 0.894
+    against 0.902; profiles/RESULTS.md, 2026-12-07 forty-third session.)"""
     if batch < 1:
         raise ValueError(f"batch={batch} is outside the supported range 1..{MAX_BATCH}")
     items = batch * config.num_kv_heads
     by_sms = max(1, num_sms // items)
-    by_len = max(4, math.ceil(max_seq_len / 256))
+    step = 8 * MMA_TILES.get(config.head_dim, 1) * NARROW_WARPS
+    by_len = max(4, math.ceil(max_seq_len / step))
     return max(1, min(32, by_sms, by_len))
 
 

@@ -48,7 +48,7 @@ import cutlass.cute as cute
 from cutlass import Boolean, Int32, Int64
 
 from ..instructions.flagged import POLLING, UNSIGNALLED, flagged_hops
-from ..instructions.layout import StepLayout, require_kernel_batch
+from ..instructions.layout import NARROW_WARPS, StepLayout, require_kernel_batch
 from ..instructions.matvec_stages import weight_rows
 from ..instructions.opcodes import Opcode
 from ..instructions.attention import warp_attention
@@ -179,7 +179,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
         # there (H100, ms/step, 2026-12-06, profiles/RESULTS.md): qwen3-0.6b 0.908 / 0.941 at 8, llama-3.1-8b
         # 5.887 / 5.968 at 8, llama-3.2-1b 1.035 / 1.056 at 5, level at 8 (1.131 / 1.127). Past SPLIT_BATCH
         # WIDE_WARPS, each owning a row group of every chunk.
-        self.warps = WIDE_WARPS if wide(self.B) else 15
+        self.warps = WIDE_WARPS if wide(self.B) else NARROW_WARPS
         self.cthreads = 32 * self.warps
         self.threads = self.cthreads + 32         # + the producer warp
         # the widths of the K ranges of the stages split over K (split_k.py; none up to SPLIT_BATCH)

@@ -20,6 +20,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
+from ..instructions.layout import MMA_TILES
 from .ptx import (cp_async_shared, cp_async_wait_all, ex2, high_halves, ld_bf16, ld_f32, ld_i32, ld_i64,
                   ld_shared_f32x4, load_global_b32x4, load_shared_b32, load_shared_raw, low_halves, mma_bf16_1688,
                   mma_bf16_16816_rows8, mma_bf16_16816_rows8_zero, pack_bf16x2, round_bf16, st_shared_b32x4,
@@ -29,10 +30,6 @@ STREAM_ELEMS = 8           # streamed pass: elements of a token's k (and v) per 
                            # 16-byte stores of attend_sequences)
 # ... tokens per lane group per iteration past SPLIT_BATCH (8 consumer warps of 168 registers)
 STREAM_UNROLL = 1
-# the tensor-core pass (stream_tokens_mma): 8-token tiles a step, by head_dim: 4 KiB of K and V a warp's step, its
-# loads in flight together (at head_dim 64, 2 tiles against 1: llama-3.2-1b 4 at 8192 tokens 1.452 against 1.477 ms,
-# batch 1 1.109 against 1.100; profiles/RESULTS.md, 2026-12-06 thirty-third session)
-MMA_TILES = {64: 2, 128: 1}
 # ... where a sequence's own warps stream its whole context (warp_attention, past SPLIT_BATCH: 168 registers a thread;
 # llama-3.2-1b at 64, 2 / 4 / 8: 1.803 / 1.770 / 1.757 ms, 8 within the rounds' spread of 4; qwen3-0.6b 2 / 4:
 # 2.246 / 2.129; llama-3.1-8b 2 / 4: 8.263 / 8.248; profiles/RESULTS.md, 2026-12-04)

@@ -31,9 +31,10 @@ from megakernel.testing.perf import load_toml
 
 CONTEXT = 32           # cached positions behind the timed step (BASELINES.md: a 32-token context)
 LONG_CONTEXT = 8192    # ... of the long-context cases
-MID_CONTEXT = 512      # ... of qwen3-0.6b's mid-context case: its 4 attention splits of ~128 tokens take the
-                       # tensor-core pass, where at CONTEXT they take the per-warp one (~2 us a layer apart on an
-                       # H100: profiles/RESULTS.md, 2026-12-07), which CONTEXT alone would not show
+MID_CONTEXT = 512      # ... of qwen3-0.6b's mid-context case: its attention splits (7 of ~75 tokens over the
+                       # case's cache: default_kv_splits) take the tensor-core pass, where at CONTEXT they take the
+                       # per-warp one (~2 us a layer apart on an H100: profiles/RESULTS.md, 2026-12-07), which
+                       # CONTEXT alone would not show
 REPLAYS = 20           # graph replays per timed sample
 SAMPLES = 15           # timed samples; the median is the figure
 WARMUP = 3             # launches before capture, samples before timing

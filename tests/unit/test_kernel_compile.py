@@ -14,12 +14,11 @@ import re
 
 import pytest
 
-from megakernel.instructions.layout import StepLayout, default_kv_splits
+from megakernel.instructions.layout import MMA_TILES, StepLayout, default_kv_splits
 from megakernel.instructions.record import serialize
 from megakernel.kernel.compile import (KernelKey, compile_decode_kernel, nvdisasm_path, resource_usage, sass,
                                        spill_instructions)
 from megakernel.kernel.interpreter import DecodeKernel, KernelOptions
-from megakernel.kernel.softmax_pass import MMA_TILES
 from megakernel.kernel.stream import SLAB_COLS, slot_parts
 from megakernel.model.presets import get_preset
 from megakernel.schedule import assign, build_program
