@@ -193,13 +193,16 @@ def require_kernel_batch(batch: int) -> None:
 
 def default_kv_splits(config: ModelConfig, batch: int, num_sms: int, max_seq_len: int = 4096) -> int:
     """KV splits per (sequence, kv head): as many items as fit the SMs one each (more would give some SMs
-    two splits in a row, the attention stage's time twice), and enough (at least 4) that a split of a full cache
-    is one tensor-core step a consumer warp (8 x MMA_TILES x NARROW_WARPS positions: 120 at head_dim 128, 240 at
-    64); a second step a warp is a second round trip in series, each extra split one more partial to merge.
-    (Measured on an H100, qwen3-0.6b batch 1, a 736-position cache, ms a step, 4 splits against 7: 0.703 against
-    0.657 at positions 512-571, 0.606 against 0.581 at 32-91, 0.630 against 0.643 at 200-259, where 4 splits are
-    one step a warp already and the 3 more partials cost; llama-3.2-1b at 512 positions, 4 splits against 8: 0.894
-    against 0.902; profiles/RESULTS.md, 2026-12-07 forty-third session.)"""
+    two splits in a row, the attention stage's time twice), at least 4 (H200, llama-3.2-1b 1, a 512-position
+    cache: 4 splits 1.29 ms a step, 2 splits 1.32, 17 splits 1.47), and enough that a split of the whole cache is
+    one tensor-core step a consumer warp (8 x MMA_TILES x NARROW_WARPS positions: 120 at head_dim 128, 240 at 64):
+    a warp's second step is a second round trip in series, each extra split one more partial to merge. H100,
+    qwen3-0.6b 1, a 736-position cache, ms a step: 4 splits 0.703 at positions 512-571 against 0.658 and 0.657
+    with 6 and 8 (7 by this rule); 0.606 against 0.581 with 7 at positions 32-91 (7 keep a split on the per-warp
+    pass to 105 positions); 0.630 against 0.643 with 7 at 200-259, where 4 splits are one step a warp already and
+    the 3 more partials cost. llama-3.2-1b 1 at 512 positions: 4 splits 0.894, 8 splits 0.902 (profiles/RESULTS.md,
+    2026-12-07 forty-third session). Past SPLIT_BATCH (long splits streamed on the CUDA cores) the SMs cap the
+    count first wherever there are 4 or more KV heads."""
     if batch < 1:
         raise ValueError(f"batch={batch} is outside the supported range 1..{MAX_BATCH}")
     items = batch * config.num_kv_heads

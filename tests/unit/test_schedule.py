@@ -15,11 +15,14 @@ from collections import Counter, defaultdict
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megakernel.instructions import STAGE_MODULES
-from megakernel.instructions.attention import warp_attention
+from megakernel.instructions.attention import split_range, warp_attention
 from megakernel.instructions.embed import embed_ranges
-from megakernel.instructions.layout import MAX_BATCH, ROW_GROUP, SPLIT_BATCH, StepLayout, default_kv_splits
+from megakernel.instructions.layout import (MAX_BATCH, MMA_TILES, NARROW_WARPS, ROW_GROUP, SPLIT_BATCH, StepLayout,
+                                            default_kv_splits)
 from megakernel.instructions.matvec_stages import MATVEC_OPCODES
 from megakernel.instructions.opcodes import Opcode
 from megakernel.instructions.record import NO_COUNTER, WORDS, Instruction, deserialize, serialize
@@ -702,3 +705,25 @@ def test_attention_takes_several_sequences_only_past_batch_8_with_more_pairs_tha
 
     assert seqs(64, 512) == seqs(64, 8192) == {4} and seqs(32, 256) == seqs(32, 4096) == {2}
     assert seqs(16, 256) == seqs(8, 256) == seqs(64, 512, splits=2) == {1}
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=st.sampled_from(sorted(PRESETS)), batch=st.integers(1, MAX_BATCH), num_sms=st.integers(1, 264),
+       cache=st.integers(1, 20_000))
+def test_default_kv_splits_fit_the_sms_and_keep_a_whole_cache_split_to_one_tensor_core_step(name, batch, num_sms,
+                                                                                             cache):
+    """default_kv_splits: at most one (sequence, kv head, split) item an SM and 32 splits; below that cap, the fewest
+    splits, at least 4, such that every split of the whole cache (the kernel's split_range) is at most one
+    tensor-core step a consumer warp (8 x MMA_TILES[head_dim] x NARROW_WARPS positions)."""
+    config = get_preset(name)
+    splits = default_kv_splits(config, batch, num_sms, cache)
+    cap = max(1, min(32, num_sms // (batch * config.num_kv_heads)))
+    step = 8 * MMA_TILES[config.head_dim] * NARROW_WARPS
+
+    def longest(n: int) -> int:
+        return max(hi - lo for lo, hi in (split_range(cache, s, n) for s in range(n)))
+
+    assert min(4, cap) <= splits <= cap, (splits, cap)
+    if splits < cap:
+        assert longest(splits) <= step, (splits, longest(splits), step)
+        assert splits == 4 or longest(splits - 1) > step, (splits, longest(splits - 1), step)
