@@ -15,8 +15,10 @@ The trace's lines per stage: the mean wait and work, the layer span, "hop" (from
 of the counter an instruction waited on to its ready stamp: the release's travel, the poll and the barrier after
 it), "tail" (a layer's last instruction's end after its median one's; "p90" beside it, the 90th percentile's: a
 tail far past it is a few late tiles), and a matvec's stream and epilogue (thread
-0's epilogue body, then the signal's barrier and release); under a matvec stage's line, "last to end": the same
-for each layer's instruction that ended last (the one the next stage waits for), with its rows."""
+0's epilogue body, then the signal's barrier and release), the weight ring's waits (the producer's for a free slot and
+on its in-flight cap, consumer warp 0's for a slot to land) and consumer thread 0's time in the input's staging, all
+its windows summed (past batch 8: the waits for the windows' bulk copies); under a matvec stage's line, "last to
+end": the same for each layer's instruction that ended last (the one the next stage waits for), with its rows."""
 import collections, os, statistics, sys
 import torch
 from megakernel.instructions.layout import pack_weights
@@ -175,11 +177,14 @@ def stream_breakdown(op, rs):
             stream += ")"
         # the weight ring's waits: the producer's for a free slot (the consumers behind the stream) and on the
         # in-flight cap (the copies' latency), consumer warp 0's for its slots to land (the stream behind)
+        # and consumer thread 0's time in the input's staging, every window of it (past SPLIT_BATCH: the waits for
+        # the windows' bulk copies)
         wr = [r for r in rs if "wait_free" in r and "wait_landed" in r]
         if wr:
-            free, cap, landed = (statistics.mean(r[k] for r in wr) / 1e3
-                                 for k in ("wait_free", "wait_in_flight", "wait_landed"))
-            stream += f"  (ring waits: free slot {free:6.2f}, in flight {cap:6.2f}, landed {landed:6.2f} us)"
+            free, cap, landed, staging = (statistics.mean(r[k] for r in wr) / 1e3
+                                          for k in ("wait_free", "wait_in_flight", "wait_landed", "staging"))
+            stream += (f"  (ring waits: free slot {free:6.2f}, in flight {cap:6.2f}, landed {landed:6.2f} us;"
+                       f" input staging {staging:6.2f} us)")
     return stream
 
 

@@ -34,8 +34,9 @@ copies the error code to mapped host memory (MegakernelEngine.error_flag), for l
 launch is cooperative: every CTA resident at once, or the launch is refused.
 
 Trace mode (KernelOptions.trace) records per instruction (stream.TRACE_WORDS): begin, counter ready, end
-(consumer thread 0); for a matvec when its input was staged, when consumer warp 0 got its first and last
-weight slot and when the consumers were past the last; when the producer started and finished issuing them.
+(consumer thread 0); for a matvec when its input was staged (and how long all its windows took), when consumer
+warp 0 got its first and last weight slot and when the consumers were past the last; when the producer started and
+finished issuing them, and the ring's waits.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ from .stream import (ERR_RING, OP_TP_REDUCE, PEER_COUNTERS, PEER_WORDS, SLOT_BYT
                      HOP_WORD, RELEASE_LANES, WIDE_WARPS, StreamPlan, WeightStream, dense_opcode, is_matvec,
                      max_in_flight, wide, wide_groups)
 from .stream import (TR_BEGIN, TR_CONSUMED, TR_END, TR_EPILOGUE, TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY,
-                     TR_REACHED_LAST, TR_SM, TR_STAGED, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED)
+                     TR_REACHED_LAST, TR_SM, TR_STAGED, TR_STAGING, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT,
+                     TR_WAIT_LANDED)
 from .tensor_parallel import ExchangeStages
 from .tokens import ERR_TOKEN, TokenStages  # noqa: F401
 
@@ -539,7 +541,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                             st_i32(rec + TR_STAGED * 4, Int32(0))
                             st_i32(rec + TR_CONSUMED * 4, Int32(0))
                         for w in (TR_LANDED_FIRST, TR_LANDED_LAST, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED,
-                                  TR_EPILOGUE, TR_REACHED_LAST):
+                                  TR_EPILOGUE, TR_REACHED_LAST, TR_STAGING):
                             st_i32(rec + w * 4, Int32(0))
             i = i + 1
         # no K/V copy is left in flight when the CTA exits: an instruction that aborted after its copies

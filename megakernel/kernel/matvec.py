@@ -34,7 +34,7 @@ from .ptx import (ex2, globaltimer_lo, ld_f32, load_shared_b32, load_shared_raw,
 from .ring_model import reader_warp
 from .stream import (ITEM_ROWS, PEER_LM_IDX, PEER_LM_MAX, PEER_RECV_DOWN, PEER_RECV_O, SLAB_COLS, SLOT_BYTES,
                      TR_CONSUMED, TR_EPILOGUE, TR_LANDED_FIRST, TR_LANDED_LAST, TR_REACHED_LAST, TR_STAGED,
-                     TR_WAIT_LANDED, X_PAD, mark_hop)
+                     TR_STAGING, TR_WAIT_LANDED, X_PAD, mark_hop)
 
 LOAD_KP = 4                # 32-column blocks whose weight loads are in flight at once (8 x 16 bytes per lane)
 
@@ -172,7 +172,10 @@ class MatvecStage:
         ss = cute.make_rmem_tensor((B,), Float32)
         for b in cutlass.range_constexpr(B):
             ss[b] = Float32(0.0)
+        t_staging = Int32(0)              # (trace mode) thread 0's time in the input's staging, ns
         if whole:
+            if cutlass.const_expr(self.options.trace):
+                t_st = globaltimer_lo()
             self.stage(tidx, layer, K, merge, from_embed, has_norm, poll, in_addr, norm_addr, p, s, ss,
                        Int32(0), K, K // 2 + X_PAD)
             if has_norm:
@@ -181,6 +184,7 @@ class MatvecStage:
             if tidx == 0:
                 mark_hop(s, 0)                    # the input is staged: the stream's full cap again
             if cutlass.const_expr(self.options.trace):
+                t_staging = globaltimer_lo() - t_st
                 if tidx == 0:
                     st_i32(rec + TR_STAGED * 4, globaltimer_lo())       # the input staged
         if is_lm:
@@ -217,6 +221,8 @@ class MatvecStage:
                         ww = K - w0 * slab
                         if ww > xsl * slab:
                             ww = xsl * slab
+                        if cutlass.const_expr(self.options.trace):
+                            t_st = globaltimer_lo()
                         self.consumer_sync()      # the previous window is read: this one may overwrite it
                         self.stage(tidx, layer, K, merge, from_embed, has_norm and c0 == 0, poll, in_addr,
                                    norm_addr, p, s, ss, w0 * slab, ww, xw)
@@ -224,6 +230,7 @@ class MatvecStage:
                         if tidx == 0 and c0 == 0 and sl == 0:
                             mark_hop(s, 0)                # the first window is staged
                         if cutlass.const_expr(self.options.trace):
+                            t_staging = t_staging + (globaltimer_lo() - t_st)
                             if tidx == 0 and c0 == 0 and sl == 0:
                                 st_i32(rec + TR_STAGED * 4, globaltimer_lo())     # the first window staged
                 for g0 in range(0, rows, rps):
@@ -286,6 +293,7 @@ class MatvecStage:
                 if tidx == 0:
                     st_i32(rec + TR_CONSUMED * 4, globaltimer_lo())     # every warp past the chunk's last slot
                     st_i32(rec + TR_WAIT_LANDED * 4, t_landed)          # warp 0's waits for its slots (so far)
+                    st_i32(rec + TR_STAGING * 4, t_staging)             # thread 0's staging (so far)
             if cutlass.const_expr(self.flagged):
                 if has_res and not early and c0 == 0 and tidx < n_res0:
                     # DOWN's residual, O_PROJ's output h: written before GATE_UP's outputs, which this tile polled

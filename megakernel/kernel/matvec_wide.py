@@ -45,7 +45,7 @@ from .ptx import (bulk_copy_g2s, globaltimer_lo, ld_bf16, ld_f32, load_f32x4, lo
                   mbarrier_arrive_expect_tx, policy_evict_last, rsqrt, st_bf16, st_f32, st_i32, warp_max_index,
                   wgmma_bf16_rs, wgmma_desc)
 from .stream import (ITEM_ROWS, M_TILE, SLAB_COLS, SLOT_BYTES, TR_CONSUMED, TR_LANDED_FIRST, TR_LANDED_LAST, TR_STAGED,
-                     TR_REACHED_LAST, TR_WAIT_LANDED, WGMMA_LBO, WGMMA_SBO, WIDE_WARPS, m_tiles, mark_hop,
+                     TR_REACHED_LAST, TR_STAGING, TR_WAIT_LANDED, WGMMA_LBO, WGMMA_SBO, WIDE_WARPS, m_tiles, mark_hop,
                      wide_ks_bytes)
 
 OP_QKV, OP_O_PROJ, OP_GATE_UP = int(Opcode.QKV), int(Opcode.O_PROJ), int(Opcode.GATE_UP)
@@ -88,6 +88,7 @@ class WideMatvec:
         g_own = warp * ITEM_ROWS          # the first row group this warp owns in every chunk (then every
         GS = WIDE_WARPS * ITEM_ROWS       # GS rows further: G in all)
         t_landed = Int32(0)               # (trace mode) this warp's waits for its slots to land, ns
+        t_staging = Int32(0)              # (trace mode) thread 0's time in the input windows, ns
         for c0 in range(0, a1, chunk):
             rows = a1 - c0
             if rows > chunk:
@@ -109,9 +110,13 @@ class WideMatvec:
                     ww = K - w0 * slab
                     if ww > xsl * slab:
                         ww = xsl * slab
+                    if cutlass.const_expr(self.options.trace):
+                        t_st = globaltimer_lo()
                     if c0 > 0 or sl > 0:
                         self.consumer_sync()      # the previous window is read: this one may overwrite it
                     self.input_window(tidx, src, ssq, rstd and c0 == 0 and sl == 0, k0 + w0 * slab, ww, p, s)
+                    if cutlass.const_expr(self.options.trace):
+                        t_staging = t_staging + (globaltimer_lo() - t_st)
                     if tidx == 0 and c0 == 0 and sl == 0:
                         mark_hop(s, 0)                # the first window is staged
                     if cutlass.const_expr(self.options.trace):
@@ -160,6 +165,7 @@ class WideMatvec:
                 if tidx == 0:
                     st_i32(rec + TR_CONSUMED * 4, globaltimer_lo())
                     st_i32(rec + TR_WAIT_LANDED * 4, t_landed)
+                    st_i32(rec + TR_STAGING * 4, t_staging)
             self.epilogue_wide(warp, lane, op, layer, a0, c0, rows - g_own, kpart, split, has_norm, has_res,
                                out_addr, out_w, res_addr, acc, p, s)
             if is_lm:

@@ -58,10 +58,12 @@ ERR_RING = 4                # error code: a weight-ring wait timed out
 # when thread 0 was past a matvec's last epilogue (up to SPLIT_BATCH; the signal's barrier and release follow); in a
 # CTA's first record, the physical SM (%smid) it ran on; then when the warp reading the last slot's first part
 # reached its wait (before it passed it: TR_LANDED_LAST), which tells a slot that landed late from a reader that came
-# late
+# late; last, a duration (ns): consumer thread 0's time in the matvec's input staging, every window of it summed
+# (from the barrier before a window to the one after it is staged: up to SPLIT_BATCH the consumers' own staging,
+# past it the wait for the window's bulk copy)
 (TR_OP, TR_STAGED, TR_BEGIN, TR_READY, TR_END, TR_CONSUMED, TR_ISSUED_FIRST, TR_ISSUED_LAST, TR_LANDED_FIRST,
- TR_LANDED_LAST, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED, TR_EPILOGUE, TR_SM, TR_REACHED_LAST,
- TRACE_WORDS) = range(17)
+ TR_LANDED_LAST, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED, TR_EPILOGUE, TR_SM, TR_REACHED_LAST, TR_STAGING,
+ TRACE_WORDS) = range(18)
 
 OP_QKV, OP_O_PROJ, OP_DOWN, OP_LM_HEAD = int(Opcode.QKV), int(Opcode.O_PROJ), int(Opcode.DOWN), int(Opcode.LM_HEAD)
 OP_ATTN_PARTIAL, OP_ATTN_REDUCE = int(Opcode.ATTN_PARTIAL), int(Opcode.ATTN_REDUCE)

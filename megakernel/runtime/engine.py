@@ -47,7 +47,7 @@ from ..instructions.record import serialize
 from ..kernel.interpreter import ARG_NAMES, ERR_ALIAS, ERR_POSITION, ERR_RING, ERR_TIMEOUT, ERR_TOKEN, KernelOptions
 from ..kernel.stream import (PEER_WORDS, TR_BEGIN, TR_CONSUMED, TR_END, TR_EPILOGUE, TR_ISSUED_FIRST, TR_ISSUED_LAST,
                              TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY, TR_REACHED_LAST, TR_SM, TR_STAGED,
-                             TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED, TRACE_WORDS)
+                             TR_STAGING, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED, TRACE_WORDS)
 from ..model.kv_cache import contiguous_block_table
 from ..model.weights import ModelWeights
 from ..schedule import assign, build_program, simulate
@@ -441,7 +441,8 @@ class MegakernelEngine:
         slots began and finished being issued to the copy engine. Nanoseconds from the step's earliest begin.
         Also a matvec's waits for the weight ring, in nanoseconds: `wait_free` and `wait_in_flight` (the
         producer's, for a free slot and for the slot its in-flight cap before to land) and `wait_landed` (consumer
-        warp 0's, for its slots to land)."""
+        warp 0's, for its slots to land), and `staging` (consumer thread 0's time in the input's staging, every
+        window of it: the consumers' staging up to SPLIT_BATCH, the wait for each window's bulk copy past it)."""
         if not self.options.trace:
             raise RuntimeError("trace records need KernelOptions(trace=True)")
         return decode_trace(self.trace_buf.cpu(), self.queue_lengths.cpu().tolist())
@@ -490,7 +491,7 @@ def decode_trace(t: torch.Tensor, lengths: list[int]) -> list[dict]:
             if "stream_end" in rec:
                 rec.update(wait_free=w[TR_WAIT_FREE], wait_in_flight=w[TR_WAIT_IN_FLIGHT])
             if "streamed" in rec and "landed_last" in rec:
-                rec["wait_landed"] = w[TR_WAIT_LANDED]
+                rec.update(wait_landed=w[TR_WAIT_LANDED], staging=w[TR_STAGING])
             out.append(rec)
     return out
 

@@ -149,11 +149,11 @@ def test_stream_breakdown_reports_a_matvecs_phases_as_means(sweep):
           rec(50_000, stream_begin=-7_000, stream_end=-1_000, staged=1_000, streamed=4_000, epilogue_done=4_500,
               end=5_500, landed_first=1_100, reached_last=1_300, landed_last=3_900)]
     for r in rs:
-        r.update(wait_free=2_000, wait_in_flight=400, wait_landed=100)
+        r.update(wait_free=2_000, wait_in_flight=400, wait_landed=100, staging=2_500)
     text = sweep.stream_breakdown("DOWN", rs)
     assert "issued    2.00 us before ready, issuing took   6.00 us" in text
     assert "(ready->staged  0.80 us)" in text
     assert "(ready->last slot   3.00 us, epilogue  1.50 us: body  0.50, barrier + release  1.00 us)" in text
     assert "(ready->slots landed  1.00 ..  2.90 us, the last one's reader at its wait  1.50 us)" in text
-    assert "(ring waits: free slot   2.00, in flight   0.40, landed   0.10 us)" in text
+    assert "(ring waits: free slot   2.00, in flight   0.40, landed   0.10 us; input staging   2.50 us)" in text
     assert sweep.stream_breakdown("EMBED", [{"ready": 0, "end": 5}]) == ""

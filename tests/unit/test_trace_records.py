@@ -12,7 +12,8 @@ import torch
 from megakernel.instructions.opcodes import Opcode
 from megakernel.kernel.stream import (TR_BEGIN, TR_CONSUMED, TR_END, TR_EPILOGUE, TR_ISSUED_FIRST, TR_ISSUED_LAST,
                                       TR_LANDED_FIRST, TR_LANDED_LAST, TR_OP, TR_READY, TR_REACHED_LAST, TR_SM,
-                                      TR_STAGED, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED, TRACE_WORDS)
+                                      TR_STAGED, TR_STAGING, TR_WAIT_FREE, TR_WAIT_IN_FLIGHT, TR_WAIT_LANDED,
+                                      TRACE_WORDS)
 from megakernel.runtime.engine import decode_trace
 
 
@@ -52,11 +53,12 @@ def test_decode_trace_gives_signed_distances_from_the_earliest_begin_across_the_
                     t[sm, i, words[name]] = as_int32(start + ns)
                 want[(sm, i)] = dict(rel, sm=sm, smid=smids[sm], index=10 * sm + i, opcode=op.name)
                 if op == Opcode.GATE_UP:
-                    # the ring waits are durations: read as they are, whatever the stamps' origin
+                    # the ring waits and the staging time are durations: read as they are, whatever the stamps'
+                    # origin
                     waits = {"wait_free": rng.randrange(5_000), "wait_in_flight": rng.randrange(5_000),
-                             "wait_landed": rng.randrange(5_000)}
+                             "wait_landed": rng.randrange(5_000), "staging": rng.randrange(5_000)}
                     for name, word in (("wait_free", TR_WAIT_FREE), ("wait_in_flight", TR_WAIT_IN_FLIGHT),
-                                       ("wait_landed", TR_WAIT_LANDED)):
+                                       ("wait_landed", TR_WAIT_LANDED), ("staging", TR_STAGING)):
                         t[sm, i, word] = waits[name]
                     want[(sm, i)]["durations"] = waits
         # the earliest begin is SM 0's first instruction: distances are from it
