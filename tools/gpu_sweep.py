@@ -6,7 +6,8 @@ counts the KV bytes at --context; --cache sets the positions each sequence's cac
 steps need: a serving engine's caches hold max_model_len positions whatever the context)
 
 Any KernelOptions field is a variant key (`nocopy:diag_no_copy=1` times the step without weight copies: the
-dependency chain and the consumers alone; `nostage:diag_no_stage=1` without the consumers' input staging). Every variant is built first (one packed copy of the weights shared by all), its logits checked
+dependency chain and the consumers alone; `nostage:diag_no_stage=1` without the consumers' input staging, past
+batch 8 without the bulk copies of the pre-staged input's windows). Every variant is built first (one packed copy of the weights shared by all), its logits checked
 against the first variant's, and one step captured in a CUDA graph; then the graphs are timed in
 interleaved rounds (each round replays every variant STEPS times), so that clock or thermal drift
 during the sweep falls on all variants alike. Per variant: the median of all its replays, and the

@@ -103,8 +103,8 @@ class KernelOptions:
     # the weight stream (tools/gpu_sweep.py 'nocopy:diag_no_copy=1'; profiles/RESULTS.md, 2026-12-03)
     diag_no_copy: bool = False
     # a diagnostic (wrong results, for timing only): no matvec stage stages its input (each staging zeroes the
-    # window instead), so a step takes what it takes without the consumers' input staging (up to SPLIT_BATCH: past
-    # it every input is pre-staged by its producer) (tools/gpu_sweep.py 'nostage:diag_no_stage=1';
+    # window instead), so a step takes what it takes without the consumers' input staging (up to SPLIT_BATCH) or
+    # the bulk copies of the pre-staged input's windows (past it) (tools/gpu_sweep.py 'nostage:diag_no_stage=1';
     # docs/batch_path.md)
     diag_no_stage: bool = False
     # row groups each consumer warp owns per chunk past SPLIT_BATCH (0: stream.wide_groups(batch)): for an A/B

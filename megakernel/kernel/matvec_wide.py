@@ -282,6 +282,16 @@ class WideMatvec:
         operand, ready when this returns (it ends with a consumer barrier): one bulk copy of its k-step blocks
         (thread 0 arms the mbarrier s.xbar_addr; the copy of number s_ctrl[4] completes its phase of that parity),
         and where `rstd` the RMS scales from its sums of squares (at ssq) while the copy runs."""
+        if cutlass.const_expr(self.options.diag_no_stage):
+            # (KernelOptions.diag_no_stage, for timing only: the window zeroed instead of copied, wrong results but
+            # finite)
+            s_x = s.x
+            for i in range(tidx, ncols // 16 * wide_ks_bytes(self.B) // 4, self.cthreads):
+                s_x[i] = Float32(0.0)
+            if rstd:
+                self.rstd_from_ssq(tidx, ssq, s)
+            self.consumer_sync()
+            return
         s_ctrl = s.ctrl
         if tidx == 0:
             # the producing stages stored it through the generic proxy (this thread acquired their counter), and

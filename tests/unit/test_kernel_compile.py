@@ -132,6 +132,17 @@ def test_the_no_stage_diagnostic_stages_no_input_and_still_multiplies():
     assert re.findall(r"\bHMMA\.16816\.F32\.BF16\b", art["sass"]), f"{what}: no MMA in the no-stage build"
 
 
+def test_the_no_stage_diagnostic_past_batch_8_copies_no_input_window_and_still_multiplies():
+    """Past SPLIT_BATCH the same diagnostic skips the bulk copies of the pre-staged input's windows (each window
+    zeroed instead): one bulk-copy site fewer (the weight slots' stay), the wgmmas stay."""
+    plain = compiled("llama-3.2-1b", 64)
+    art = compiled("llama-3.2-1b", 64, options=KernelOptions(diag_no_stage=True))
+    what = _what("llama-3.2-1b", 64, art)
+    copies = [len(re.findall(r"\bUBLKCP\b", a["sass"])) for a in (plain, art)]
+    assert 0 < copies[1] < copies[0], f"{what}: bulk-copy sites {copies[1]} against {copies[0]} in the plain build"
+    assert re.findall(r"\bHGMMA\.64x64x16\.F32\.BF16\b", art["sass"]), f"{what}: no wgmma in the no-stage build"
+
+
 @pytest.mark.parametrize("name,batch", [("llama-3.2-1b", 1), ("llama-3.1-8b", 8), ("llama-3.2-1b", 64)])
 def test_the_trace_build_compiles_without_spills_and_the_plain_build_reads_no_timer_for_it(name, batch):
     """KernelOptions(trace=True), the build behind every trace in profiles/ (its stamps and the weight ring's
