@@ -282,12 +282,11 @@ class WideMatvec:
         operand, ready when this returns (it ends with a consumer barrier): one bulk copy of its k-step blocks
         (thread 0 arms the mbarrier s.xbar_addr; the copy of number s_ctrl[4] completes its phase of that parity),
         and where `rstd` the RMS scales from its sums of squares (at ssq) while the copy runs."""
+        nbytes = ncols // 16 * wide_ks_bytes(self.B)
         if cutlass.const_expr(self.options.diag_no_stage):
             # (KernelOptions.diag_no_stage, for timing only: the window zeroed instead of copied, wrong results but
             # finite)
-            s_x = s.x
-            for i in range(tidx, ncols // 16 * wide_ks_bytes(self.B) // 4, self.cthreads):
-                s_x[i] = Float32(0.0)
+            self.zero_x(tidx, nbytes // 4, s)
             if rstd:
                 self.rstd_from_ssq(tidx, ssq, s)
             self.consumer_sync()
@@ -298,7 +297,6 @@ class WideMatvec:
             # the consumers' last accesses to s.x (before the barrier that precedes this) were generic too; the
             # copy engine reads and writes through the async proxy
             cute.arch.fence_proxy("async")
-            nbytes = ncols // 16 * wide_ks_bytes(self.B)
             mbarrier_arrive_expect_tx(s.xbar_addr, nbytes)
             bulk_copy_g2s(s.x_addr, src + Int64(col // 16) * wide_ks_bytes(self.B), nbytes, s.xbar_addr,
                           policy_evict_last())

@@ -53,6 +53,14 @@ class InputStaging:
         st_shared_b32(base + 8, pack_bf16x2(y[2], y[3]))
 
     @cute.jit
+    def zero_x(self, tidx: Int32, words: Int32, s):
+        """The first `words` 32-bit words of s.x zeroed by the consumer threads (KernelOptions.diag_no_stage's input,
+        for timing only: what the staging or the window's copy would have written)."""
+        s_x = s.x
+        for i in range(tidx, words, self.cthreads):
+            s_x[i] = Float32(0.0)
+
+    @cute.jit
     def stage(self, tidx: Int32, layer: Int32, K: Int32, merge: Boolean, from_embed: Boolean, gather: Boolean,
               poll: Boolean, in_addr: Int64, norm_addr: Int64, p, s, ss: cute.Tensor, s0: Int32,
               kw: Int32, stride: Int32):
@@ -61,9 +69,7 @@ class InputStaging:
         row; times the norm weight, with sum(x^2) into ss where `gather`."""
         if cutlass.const_expr(self.options.diag_no_stage):
             # (KernelOptions.diag_no_stage, for timing only: the window zeroed instead, wrong results but finite)
-            s_x = s.x
-            for i in range(tidx, self.plan.x_floats, self.cthreads):
-                s_x[i] = Float32(0.0)
+            self.zero_x(tidx, self.plan.x_floats, s)
             return
         polled = Boolean(False)
         if cutlass.const_expr(self.flagged):
