@@ -451,7 +451,6 @@ class StepBuffers:
     # K-range partials of the stages split over K (split_k.py; [L, 0, B, rows] where a stage is not split)
     part_qkv: torch.Tensor     # f32 [L, E, B, qkv_rows]
     part_o: torch.Tensor       # f32 [L, E, B, H]
-    part_gate_up: torch.Tensor  # f32 [L, E, B, 2F]
     part_down: torch.Tensor    # f32 [L, E, B, H]
     # Past SPLIT_BATCH (empty up to it): the matvec inputs as the stages that produce them write them a second
     # time, for the consumers to bring in with bulk copies (docs/batch_path.md): bf16 in the wgmma B layout

@@ -16,11 +16,11 @@ is then embed[token] (float32), what EMBED writes to x[0], read from the table d
 | DOWN    | down[l]           | act[l]                   | -                   | x[l+1] = h[l] + y               |
 | LM_HEAD | lm_head           | x[L]                     | RMSNorm final_norm  | logits = y; (max, argmax) tile  |
 
-Past KERNEL_SPLIT_BATCH (split_k.py), QKV, O_PROJ, GATE_UP and DOWN may be split over K: a tile of range
-k_part of k_parts multiplies its rows over that range of columns only (the input times the norm weight, without the
+Past KERNEL_SPLIT_BATCH (split_k.py), QKV, O_PROJ and DOWN may be split over K: a tile of range k_part of
+k_parts multiplies its rows over that range of columns only (QKV: the input times the norm weight, without the
 row's RMS scale, which needs all of K) and stores the float32 partial into part_<stage>[l, k_part] instead of
-running the epilogue; MV_REDUCE adds a row range's partials in range order, times the RMS scale of GATE_UP, and
-runs the epilogue (`store_output`); QKV's partials are summed by the attention that reads them
+running the epilogue; MV_REDUCE adds a row range's partials in range order and runs the epilogue
+(`store_output`); QKV's partials are summed, times the RMS scale, by the attention that reads them
 (split_k.qkv_reduce_folded).
 """
 
@@ -50,8 +50,7 @@ def weight_rows(op: Opcode, layout) -> tuple[int, int]:
 
 
 # the partial-sum buffer of each stage that may be split over K: f32 [L, k_parts, B, rows]
-PART_BUFFERS = {Opcode.QKV: "part_qkv", Opcode.O_PROJ: "part_o", Opcode.GATE_UP: "part_gate_up",
-                Opcode.DOWN: "part_down"}
+PART_BUFFERS = {Opcode.QKV: "part_qkv", Opcode.O_PROJ: "part_o", Opcode.DOWN: "part_down"}
 
 
 def k_range(ins: Instruction, layout) -> tuple[int, int]:
@@ -158,8 +157,7 @@ def reference(ins: Instruction, ctx: StageContext) -> None:
             inp, nw = norm_input(op, l, op == Opcode.QKV and ins.a3 == 1, ctx)
             inp = f32(inp) * (f32(nw) if nw is not None else 1.0)
         k0, k1 = k_range(ins, ctx.layout)
-        rows = streamed_rows(w, {Opcode.QKV: w.qkv[l], Opcode.O_PROJ: w.o_proj[l], Opcode.GATE_UP: w.gate_up[l],
-                                 Opcode.DOWN: w.down[l]}[op][lo:hi])
+        rows = streamed_rows(w, {Opcode.QKV: w.qkv[l], Opcode.O_PROJ: w.o_proj[l], Opcode.DOWN: w.down[l]}[op][lo:hi])
         getattr(b, PART_BUFFERS[op])[l, ins.k_part, :, lo:hi] = matvec(rows[:, k0:k1], inp[:, k0:k1])
         return
     if op == Opcode.QKV:

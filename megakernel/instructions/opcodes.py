@@ -56,8 +56,7 @@ class Stage(IntEnum):
     # the K-range partials of a split stage (split_k.py), which the stage's MV_REDUCE instructions wait for
     QKV_PARTS = 6
     O_PROJ_PARTS = 7
-    GATE_UP_PARTS = 8
-    DOWN_PARTS = 9
+    DOWN_PARTS = 8
 
 
 NUM_LAYER_STAGES = len(Stage)

@@ -1,21 +1,22 @@
 """Batch 16-64: matvec stages split over K (docs/batch_path.md), and MV_REDUCE, which closes them.
 
 Past SPLIT_BATCH a tile over the whole of K stages B x K of input for few rows (the
-input bytes grow with the batch, the weight bytes do not), so `k_splits` may split QKV, O_PROJ, GATE_UP and DOWN
-into E ranges of K: each tile multiplies E times the rows of an unsplit one over 1/E of the columns and stores a
+input bytes grow with the batch, the weight bytes do not), so `k_splits` may split QKV, O_PROJ and DOWN into E
+ranges of K: each tile multiplies E times the rows of an unsplit one over 1/E of the columns and stores a
 float32 partial (matvec_stages: part_<stage>[l, e]). The E ranges' tiles of a layer's stage signal the stage's
-*_PARTS counter; for O_PROJ, GATE_UP and DOWN, MV_REDUCE instructions wait for all of them and run the stage's
-epilogue on rows [a0, a0 + a1):
+*_PARTS counter; for O_PROJ and DOWN, MV_REDUCE instructions wait for all of them and run the stage's epilogue
+(the residual add) on rows [a0, a0 + a1):
 
-    y = (partial[0] + partial[1] + ... + partial[E - 1]) * rms_scale      (in range order, whatever order the
-                                                                        tiles ran in; the scale: GATE_UP)
+    y = partial[0] + partial[1] + ... + partial[E - 1]      (in range order, whatever order the tiles ran in)
 
-so the result is the same bits every run. (The RMS scale of a row needs all of its K; on the device it is taken
-from the sums of squares per 8 columns that the input's producing stage wrote beside it, StepBuffers.x_ssq and
-h_ssq, added in column order.) Operands: a0 = first row, a1 = row count, a2 = the split stage's opcode,
-a3 = E. QKV's partials are summed by the attention that reads them (qkv_reduce_folded), with the same additions.
-LM_HEAD is never split (its (max, argmax) per tile needs whole logits), and batches up to SPLIT_BATCH are not
-either.
+so the result is the same bits every run. Operands: a0 = first row, a1 = row count, a2 = the split stage's opcode,
+a3 = E. QKV's partials are summed by the attention that reads them (qkv_reduce_folded), with the same additions,
+times the RMS scale (which needs all of a row's K; on the device it is taken from the sums of squares per 8
+columns that the input's producing stage wrote beside it, StepBuffers.x_ssq, added in column order).
+LM_HEAD is never split (its (max, argmax) per tile needs whole logits), nor GATE_UP (its reduce would be the
+chain's longest: the RMS scale of h, gate and up partials, SiLU; whole, its tiles gave steps 0.9-7.8% shorter at
+the seven batch 16-64 shapes measured where the bytes alone would split it: profiles/RESULTS.md, 2026-12-07,
+forty-sixth session), nor any stage at batches up to SPLIT_BATCH.
 """
 
 from __future__ import annotations
@@ -24,16 +25,14 @@ import math
 
 from .context import StageContext
 from .layout import ROW_GROUP, SPLIT_BATCH, tile_rows
-from .matvec_stages import (PART_BUFFERS, output_regions, part_regions, per_batch, residual_reads, rms_scale,
-                            store_output, weight_rows)
+from .matvec_stages import PART_BUFFERS, output_regions, part_regions, residual_reads, store_output, weight_rows
 from .opcodes import Opcode, Stage
 from .record import Instruction
 
 OPCODE = Opcode.MV_REDUCE
 SPLIT_STAGES = tuple(PART_BUFFERS)
-REDUCED_STAGES = (Opcode.O_PROJ, Opcode.GATE_UP, Opcode.DOWN)   # the split stages MV_REDUCE closes
-PARTS_STAGE = {Opcode.QKV: Stage.QKV_PARTS, Opcode.O_PROJ: Stage.O_PROJ_PARTS, Opcode.GATE_UP: Stage.GATE_UP_PARTS,
-               Opcode.DOWN: Stage.DOWN_PARTS}
+REDUCED_STAGES = (Opcode.O_PROJ, Opcode.DOWN)   # the split stages MV_REDUCE closes
+PARTS_STAGE = {Opcode.QKV: Stage.QKV_PARTS, Opcode.O_PROJ: Stage.O_PROJ_PARTS, Opcode.DOWN: Stage.DOWN_PARTS}
 SPLIT_COLUMNS = 256        # K ranges are whole multiples of the kernel's 256-column unit
 ACCUMULATORS = 64 * 480    # float32 accumulators the consumer warps hold (64 registers x 480 threads): a tile's
                            # rows x B beyond it go in row chunks, each reading the input again
@@ -52,9 +51,10 @@ def split_tile_rows(layout, op: Opcode, e: int) -> int:
 
 
 def k_splits(layout, op: Opcode) -> int:
-    """The number of K ranges E a stage is split into: 1 for LM_HEAD and at the megakernel's batches; else the
-    divisor of K / 256 that minimises a cost model of the stage's time in bytes per SM: ceil(tiles / SMs) x a
-    tile's bytes (weights, input once per row chunk as bf16, its float32 partial) + a reduce tile's partial reads.
+    """The number of K ranges E a stage is split into: 1 for LM_HEAD and GATE_UP and at the megakernel's batches;
+    else the divisor of K / 256 that minimises a cost model of the stage's time in bytes per SM: ceil(tiles / SMs)
+    x a tile's bytes (weights, input once per row chunk as bf16, its float32 partial) + a reduce tile's partial
+    reads.
     (docs/batch_path.md has the table this gives on the presets.)"""
     if op not in PARTS_STAGE or layout.batch <= SPLIT_BATCH:
         return 1
@@ -98,9 +98,6 @@ def reads(ins: Instruction, layout) -> list:
     out = []
     for e in range(ins.a3):
         out += part_regions(op, ins.layer, e, lo, hi, layout)
-    if op == Opcode.GATE_UP:
-        _, k = weight_rows(op, layout)
-        out += per_batch("h", ins.layer, 0, k, layout.batch, k)       # (the RMS scale of h[l])
     return out + residual_reads(op, ins.layer, lo, hi, layout)
 
 
@@ -120,6 +117,4 @@ def sum_ranges(parts, layer: int, num_ranges: int, seqs: slice, rows: slice):
 def reference(ins: Instruction, ctx: StageContext) -> None:
     op, l, lo, hi = _stage(ins), ins.layer, ins.a0, ins.a0 + ins.a1
     y = sum_ranges(getattr(ctx.bufs, PART_BUFFERS[op]), l, ins.a3, slice(None), slice(lo, hi))
-    if op == Opcode.GATE_UP:
-        y = y * rms_scale(ctx.bufs.h[l], ctx.layout.config.rms_norm_eps)
     store_output(op, l, lo, hi, 0, y, ctx)

@@ -87,7 +87,7 @@ ARG_NAMES = (
     "tokens", "positions", "block_table",
     "x", "h", "qkv", "attn_part_o", "attn_part_lse", "attn_out", "act",
     "logits", "lm_max", "lm_idx", "out_tokens",
-    "part_qkv", "part_o", "part_gate_up", "part_down",
+    "part_qkv", "part_o", "part_down",
     "x_wide", "h_wide", "attn_wide", "act_wide", "x_ssq", "h_ssq",
     "counters", "sync", "error", "kv_table", "trace", "host_error", "peers",
 )
@@ -249,14 +249,14 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                  rope_sin: Int64, tokens: Int64, positions: Int64, block_table: Int64, x: Int64, h: Int64,
                  qkv: Int64, attn_part_o: Int64, attn_part_lse: Int64, attn_out: Int64, act: Int64,
                  logits: Int64, lm_max: Int64, lm_idx: Int64, out_tokens: Int64, part_qkv: Int64,
-                 part_o: Int64, part_gate_up: Int64, part_down: Int64, x_wide: Int64, h_wide: Int64,
+                 part_o: Int64, part_down: Int64, x_wide: Int64, h_wide: Int64,
                  attn_wide: Int64, act_wide: Int64, x_ssq: Int64, h_ssq: Int64, counters: Int64,
                  sync: Int64, error: Int64, kv_table: Int64, trace: Int64, host_error: Int64,
                  peers: Int64, stream):
         self.kernel(queue, lengths, w_embed, w_qkv, w_o, w_gate_up, w_down, w_lm_head, attn_norm, mlp_norm,
                     final_norm, ones, q_norm, k_norm, rope_cos, rope_sin, tokens, positions, block_table,
                     x, h, qkv, attn_part_o, attn_part_lse, attn_out, act, logits, lm_max, lm_idx, out_tokens,
-                    part_qkv, part_o, part_gate_up, part_down, x_wide, h_wide, attn_wide, act_wide, x_ssq, h_ssq,
+                    part_qkv, part_o, part_down, x_wide, h_wide, attn_wide, act_wide, x_ssq, h_ssq,
                     counters, sync, error, kv_table, trace, host_error, peers).launch(
             grid=[self.num_sms, 1, 1], block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1,
             # every CTA resident at once, or the launch is refused: the CTAs spin on each other's counters
@@ -314,7 +314,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                rope_sin: Int64, tokens: Int64, positions: Int64, block_table: Int64, x: Int64, h: Int64,
                qkv: Int64, attn_part_o: Int64, attn_part_lse: Int64, attn_out: Int64, act: Int64,
                logits: Int64, lm_max: Int64, lm_idx: Int64, out_tokens: Int64, part_qkv: Int64,
-               part_o: Int64, part_gate_up: Int64, part_down: Int64, x_wide: Int64, h_wide: Int64,
+               part_o: Int64, part_down: Int64, x_wide: Int64, h_wide: Int64,
                attn_wide: Int64, act_wide: Int64, x_ssq: Int64, h_ssq: Int64, counters: Int64,
                sync: Int64, error: Int64, kv_table: Int64, trace: Int64, host_error: Int64, peers: Int64):
         tidx, _, _ = cute.arch.thread_idx()
@@ -327,7 +327,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                    positions=positions, block_table=block_table, x=x, h=h, qkv=qkv, attn_part_o=attn_part_o,
                    attn_part_lse=attn_part_lse, attn_out=attn_out, act=act, logits=logits, lm_max=lm_max,
                    lm_idx=lm_idx, out_tokens=out_tokens, part_qkv=part_qkv, part_o=part_o,
-                   part_gate_up=part_gate_up, part_down=part_down, x_wide=x_wide, h_wide=h_wide,
+                   part_down=part_down, x_wide=x_wide, h_wide=h_wide,
                    attn_wide=attn_wide, act_wide=act_wide, x_ssq=x_ssq, h_ssq=h_ssq, error=error,
                    kv_table=kv_table, peers=peers)
 

@@ -23,8 +23,8 @@ of a few rows, each staging the input again. Here (docs/batch_path.md):
   - at the chunk's end each warp runs the epilogue of its own rows from its registers: the stage's store and its
     pre-staged copy for the next stage, or, for a tile of a K range of a stage split over K (split_k.py), the
     float32 partial into part_<stage>;
-  - MV_REDUCE adds a row range's partials in range order, times the RMS scale, and runs the stage's epilogue
-    (O_PROJ, GATE_UP, DOWN; QKV's partials are summed by the attention that reads them).
+  - MV_REDUCE adds a row range's partials in range order and runs the stage's epilogue (O_PROJ, DOWN; QKV's
+    partials are summed by the attention that reads them; GATE_UP is never split).
 """
 
 from __future__ import annotations
@@ -498,8 +498,7 @@ class WideMatvec:
         addr = Int64(0)
         rows = Int64(1)
         ranges = Int64(1)
-        for code, name in ((OP_QKV, "part_qkv"), (OP_O_PROJ, "part_o"), (OP_GATE_UP, "part_gate_up"),
-                           (OP_DOWN, "part_down")):
+        for code, name in ((OP_QKV, "part_qkv"), (OP_O_PROJ, "part_o"), (OP_DOWN, "part_down")):
             if cutlass.const_expr(code in self.split_widths):
                 if op == code:
                     addr = getattr(p, name)
@@ -509,109 +508,77 @@ class WideMatvec:
 
     @cute.jit
     def mv_reduce(self, tidx: Int32, layer: Int32, a0: Int32, a1: Int32, op: Int32, E: Int32, p, s, rec: Int64):
-        """MV_REDUCE: rows a0 .. a0 + a1 of split stage `op` (O_PROJ, GATE_UP or DOWN), its E ranges' partials
-        added in range order, times the RMS scale (GATE_UP: from the sums of squares of h, rstd_from_ssq), then the
-        stage's epilogue with the pre-staged copy of its output (wide_output) and, for O_PROJ and DOWN, the sums of
-        squares of every 8 rows (a shuffle sum over 8 lanes); one thread per output, consecutive threads on
-        consecutive rows of a sequence. Every load of a round first (up to EM ranges, the most any stage it closes
-        splits into, for U outputs a thread, with the residual rows of O_PROJ and DOWN and the next stage's norm
-        weight), then the sums in range order and the stores: one memory round trip a round, where a load per range
-        and output took one each and a residual loaded after the previous output's stores another (the same bits:
-        the same additions in the same order). A warp's lanes take every round together (the shuffles need the whole
-        warp). With KernelOptions.trace: when the RMS scale is ready (TR_STAGED) and the last round's stores are
-        issued (TR_CONSUMED) in its trace record (rec)."""
+        """MV_REDUCE: rows a0 .. a0 + a1 of split stage `op` (O_PROJ or DOWN), its E ranges' partials added in range
+        order, the residual added, then the stage's epilogue with the pre-staged copy of its output (wide_output)
+        and the sums of squares of every 8 rows (a shuffle sum over 8 lanes); one thread per output, consecutive
+        threads on consecutive rows of a sequence. Every load of a round first (up to EM ranges, the most any stage
+        it closes splits into, for U outputs a thread, with the residual rows and the next stage's norm weight),
+        then the sums in range order and the stores: one memory round trip a round, where a load per range and
+        output took one each and a residual loaded after the previous output's stores another (the same bits: the
+        same additions in the same order). A warp's lanes take every round together (the shuffles need the whole
+        warp). With KernelOptions.trace: when it starts (TR_STAGED) and when the last round's stores are issued
+        (TR_CONSUMED) in its trace record (rec)."""
         B, H = self.B, self.H
         EM = max(k_splits(self.layout, code) for code in REDUCED_STAGES)
         U = max(1, 16 // EM)
         l64 = Int64(layer)
         part_addr, part_rows, _ = self.part_buffer(op, p)
-        is_gate_up = op == OP_GATE_UP
-        res_addr = Int64(0)                               # O_PROJ, DOWN: the residual (x[l], h[l])
-        if op == OP_O_PROJ:
-            res_addr = p.x
+        res_addr = p.x                                    # the residual: O_PROJ x[l], DOWN h[l]
         if op == OP_DOWN:
             res_addr = p.h
-        if is_gate_up:
-            _, ssq = self.wide_source(op, layer, p)
-            self.rstd_from_ssq(tidx, ssq, s)
-            self.consumer_sync()
         if cutlass.const_expr(self.options.trace):
             if tidx == 0:
                 st_i32(rec + TR_STAGED * 4, globaltimer_lo())
-        s_rstd = s.rstd
         wout, gamma, ssq_out = self.wide_output(op, layer, p)
-        has_ssq = ssq_out != Int64(0)
-        n_out = a1
-        if is_gate_up:
-            n_out = a1 // 2
-        n = n_out * B                                     # a multiple of 8: n_out is
+        n = a1 * B                                        # a multiple of 8: a1 is
         step = Int64(B) * part_rows                       # range e of a row is e * B rows of part further on
         for i0 in range(tidx, (n + 31) // 32 * 32, self.cthreads * U):
-            gv = cute.make_rmem_tensor((U * EM,), Float32)   # the partials (GATE_UP: of the gate row)
-            uv = cute.make_rmem_tensor((U * EM,), Float32)   # GATE_UP: of the up row
-            nw = cute.make_rmem_tensor((U,), Float32)        # O_PROJ, DOWN: the next stage's norm weight
-            rv = cute.make_rmem_tensor((U,), Float32)        # O_PROJ, DOWN: the residual
+            pv = cute.make_rmem_tensor((U * EM,), Float32)   # the partials
+            nw = cute.make_rmem_tensor((U,), Float32)        # the next stage's norm weight
+            rv = cute.make_rmem_tensor((U,), Float32)        # the residual
             for u in cutlass.range_constexpr(U):
                 nw[u] = Float32(1.0)
                 rv[u] = Float32(0.0)
                 for e in cutlass.range_constexpr(EM):
-                    gv[u * EM + e] = Float32(0.0)
-                    uv[u * EM + e] = Float32(0.0)
+                    pv[u * EM + e] = Float32(0.0)
                 i = i0 + u * self.cthreads
                 if i < n:
-                    b = i // n_out
-                    j = i - b * n_out
-                    pr = j // ROW_GROUP
-                    row = a0 + j
-                    if is_gate_up:
-                        row = a0 + pr * (2 * ROW_GROUP) + (j - pr * ROW_GROUP)
-                    else:
-                        nw[u] = ld_bf16(gamma + Int64(a0 + j) * 2)
-                        rv[u] = ld_f32(res_addr + ((l64 * B + Int64(b)) * H + Int64(a0 + j)) * 4)
-                    at = part_addr + ((l64 * E * B + Int64(b)) * part_rows + Int64(row)) * 4
+                    b = i // a1
+                    j = i - b * a1
+                    nw[u] = ld_bf16(gamma + Int64(a0 + j) * 2)
+                    rv[u] = ld_f32(res_addr + ((l64 * B + Int64(b)) * H + Int64(a0 + j)) * 4)
+                    at = part_addr + ((l64 * E * B + Int64(b)) * part_rows + Int64(a0 + j)) * 4
                     for e in cutlass.range_constexpr(EM):
                         if e < E:
-                            gv[u * EM + e] = ld_f32(at + Int64(e) * step * 4)
-                            if is_gate_up:
-                                uv[u * EM + e] = ld_f32(at + (Int64(e) * step + ROW_GROUP) * 4)
-            sq = cute.make_rmem_tensor((U,), Float32)        # O_PROJ, DOWN: the outputs' squares
+                            pv[u * EM + e] = ld_f32(at + Int64(e) * step * 4)
+            sq = cute.make_rmem_tensor((U,), Float32)        # the outputs' squares
             for u in cutlass.range_constexpr(U):
                 sq[u] = Float32(0.0)
                 i = i0 + u * self.cthreads
                 if i < n:
-                    b = i // n_out
-                    j = i - b * n_out
+                    b = i // a1
+                    r = a0 + i - b * a1
                     y = Float32(0.0)
-                    up = Float32(0.0)
                     for e in cutlass.range_constexpr(EM):
                         if e < E:
-                            y = y + gv[u * EM + e]
-                            up = up + uv[u * EM + e]
-                    if is_gate_up:
-                        scale = s_rstd[b]
-                        v = silu(y * scale) * (up * scale)
-                        st_f32(p.act + ((l64 * B + Int64(b)) * self.F + Int64(a0 // 2 + j)) * 4, v)
-                        st_bf16(wout + Int64(wide_x_byte(b, a0 // 2 + j, B)), v)
-                    else:
-                        r = a0 + j
-                        hrow = (l64 * B + Int64(b)) * H + Int64(r)
-                        v = rv[u] + y
-                        if op == OP_O_PROJ:
-                            st_f32(p.h + hrow * 4, v)
-                        if op == OP_DOWN:
-                            st_f32(p.x + (hrow + Int64(B * H)) * 4, v)
-                        st_bf16(wout + Int64(wide_x_byte(b, r, B)), v * nw[u])
-                        sq[u] = v * v
-            if has_ssq:
-                # the sums of squares of every 8 rows: 8 consecutive lanes (n_out and a0 are multiples of 8)
-                for u in cutlass.range_constexpr(U):
-                    tot = sq[u]
-                    for off in (1, 2, 4):
-                        tot = tot + cute.arch.shuffle_sync_bfly(tot, offset=off)
-                    i = i0 + u * self.cthreads
-                    if i < n and i % 8 == 0:
-                        b = i // n_out
-                        st_f32(ssq_out + (Int64(b) * (H // 8) + Int64((a0 + i - b * n_out) // 8)) * 4, tot)
+                            y = y + pv[u * EM + e]
+                    hrow = (l64 * B + Int64(b)) * H + Int64(r)
+                    v = rv[u] + y
+                    if op == OP_O_PROJ:
+                        st_f32(p.h + hrow * 4, v)
+                    if op == OP_DOWN:
+                        st_f32(p.x + (hrow + Int64(B * H)) * 4, v)
+                    st_bf16(wout + Int64(wide_x_byte(b, r, B)), v * nw[u])
+                    sq[u] = v * v
+            # the sums of squares of every 8 rows: 8 consecutive lanes (a1 and a0 are multiples of 8)
+            for u in cutlass.range_constexpr(U):
+                tot = sq[u]
+                for off in (1, 2, 4):
+                    tot = tot + cute.arch.shuffle_sync_bfly(tot, offset=off)
+                i = i0 + u * self.cthreads
+                if i < n and i % 8 == 0:
+                    b = i // a1
+                    st_f32(ssq_out + (Int64(b) * (H // 8) + Int64((a0 + i - b * a1) // 8)) * 4, tot)
         if cutlass.const_expr(self.options.trace):
             if tidx == 0:
                 st_i32(rec + TR_CONSUMED * 4, globaltimer_lo())

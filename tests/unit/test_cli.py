@@ -87,7 +87,7 @@ def test_info_names_the_k_ranges_only_past_the_megakernels_batch(capsys):
     want = ", ".join(f"{op.name} {k_splits(layout, op)}" for op in SPLIT_STAGES)
     assert f"K ranges per layer matvec on {sms} SMs: {want}" in out, out
     if sms == 132:      # docs/batch_path.md's table
-        assert want == "QKV 4, O_PROJ 4, GATE_UP 2, DOWN 8", want
+        assert want == "QKV 4, O_PROJ 4, DOWN 8", want
     rc, out, _ = _run(capsys, ["info", "--preset", "llama-3.1-8b", "--batch", "8"])
     assert rc == 0 and "K ranges" not in out, out
 

@@ -28,13 +28,13 @@ def _layout(config, batch: int, num_sms: int = 132, **kw) -> StepLayout:
 
 @pytest.mark.parametrize("name", REAL_PRESETS)
 @pytest.mark.parametrize("batch", (1, 4, SPLIT_BATCH, 16, 32, MAX_BATCH))
-def test_k_splits_divide_k_and_leave_the_megakernel_batches_and_the_lm_head_whole(name, batch):
+def test_k_splits_divide_k_and_leave_the_megakernel_batches_gate_up_and_the_lm_head_whole(name, batch):
     layout = _layout(get_preset(name), batch)
     for op in MATVEC_OPCODES:
         e = k_splits(layout, op)
         _, k = weight_rows(op, layout)
         assert e >= 1 and (k // SPLIT_COLUMNS) % e == 0, f"{name} batch {batch} {op.name}: E={e} for K={k}"
-        if batch <= SPLIT_BATCH or op == Opcode.LM_HEAD:
+        if batch <= SPLIT_BATCH or op in (Opcode.LM_HEAD, Opcode.GATE_UP):
             assert e == 1, f"{name} batch {batch} {op.name}: split into {e} where the megakernel runs it whole"
 
 
