@@ -149,7 +149,7 @@ def stream_breakdown(op, rs):
     ph = [r for r in rs if "staged" in r and "streamed" in r]
     if ph and not st and (op.startswith("MV_REDUCE") or op == "ATTN_PARTIAL"):
         a, b, c = mean_us(ph, "staged", "ready"), mean_us(ph, "streamed", "staged"), mean_us(ph, "end", "streamed")
-        names = (("RMS scale", "loads, sums, stores", "barrier, signal") if op.startswith("MV_REDUCE")
+        names = (("ready to start", "loads, sums, stores", "barrier, signal") if op.startswith("MV_REDUCE")
                  else ("phase A (q, k, v)", "phase B (softmax pass)", "phase C, signal"))
         stream = f"  ({names[0]} {a:5.2f} us, {names[1]} {b:5.2f} us, {names[2]} {c:5.2f} us)"
     else:

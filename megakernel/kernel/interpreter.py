@@ -505,7 +505,7 @@ class DecodeKernel(WeightStream, MatvecStage, WideMatvec, InputStaging, Attentio
                             self.tp_reduce(tidx, layer, a0, a1, a3, p)
                     if cutlass.const_expr(len(self.split_widths) > 0):
                         if op == OP_MV_REDUCE:
-                            self.mv_reduce(tidx, layer, a0, a1, a2, a3, p, s, rec)
+                            self.mv_reduce(tidx, layer, a0, a1, a2, a3, p, rec)
 
             # ---- signal: every consumer's stores precede the barrier; the release orders them
             self.consumer_sync()

@@ -36,7 +36,7 @@ import cutlass.cute as cute
 from cutlass import Boolean, Float32, Int32, Int64
 from cutlass.cute.nvgpu import warpgroup
 
-from ..instructions.layout import ROW_GROUP, wide_x_byte
+from ..instructions.layout import wide_x_byte
 from ..instructions.matvec_stages import weight_rows
 from ..instructions.opcodes import Opcode
 from ..instructions.split_k import REDUCED_STAGES, k_splits
@@ -507,7 +507,7 @@ class WideMatvec:
         return addr, rows, ranges
 
     @cute.jit
-    def mv_reduce(self, tidx: Int32, layer: Int32, a0: Int32, a1: Int32, op: Int32, E: Int32, p, s, rec: Int64):
+    def mv_reduce(self, tidx: Int32, layer: Int32, a0: Int32, a1: Int32, op: Int32, E: Int32, p, rec: Int64):
         """MV_REDUCE: rows a0 .. a0 + a1 of split stage `op` (O_PROJ or DOWN), its E ranges' partials added in range
         order, the residual added, then the stage's epilogue with the pre-staged copy of its output (wide_output)
         and the sums of squares of every 8 rows (a shuffle sum over 8 lanes); one thread per output, consecutive
