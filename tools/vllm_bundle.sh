@@ -7,7 +7,7 @@
 #     /work/shared/gpu/vllm-0.26.0-host-requirements.txt (or $VLLM_REQUIREMENTS) except those the
 #     offline LLM path does not need (EXCLUDE below), unpacks the wheels into one site folder, deletes
 #     the FlashAttention-2 library from it (the H200 runs FA3), and writes one tar.xz of that folder
-#     split into parts of at most PART_MIB MiB (default 56: a part and the checkout stay under the
+#     split into parts of at most PART_MIB MiB (default 53: a part and the ~9 MiB checkout stay under the
 #     64 MiB a call carries), one part per folder:
 #     .gpu/vllm/pNN/vllm-0.26.0-py312.tar.xz.partNN, each folder with a copy of MANIFEST (part count,
 #     sha256 of the joined file, the wheel names). xz packs the unpacked site into fewer parts than
@@ -27,7 +27,7 @@ VLLM_BUNDLE_DIR=.gpu/vllm
 
 _vllm_bundle_build() {
   set -euo pipefail
-  local part=${1:-56}
+  local part=${1:-53}
   local req=${VLLM_REQUIREMENTS:-/work/shared/gpu/vllm-0.26.0-host-requirements.txt}
   # Not needed by the offline vllm.LLM path on the H200 (seen working without them, 2026-11-30).
   local EXCLUDE="tilelang z3-solver tokenspeed-triton tokenspeed-mla humming-kernels cuda-tile sentry-sdk
