@@ -80,7 +80,7 @@ class WideMatvec:
         # the input was pre-staged by the stage that produced it (past SPLIT_BATCH the embedding is never folded
         # into QKV: StepLayout.embed_folded), times this stage's norm weight
         src, ssq = self.wide_source(op, layer, p)
-        rstd = has_norm and not split     # (a K range's partials are scaled by MV_REDUCE)
+        rstd = has_norm and not split     # (QKV's K-range partials are scaled by the attention that sums them)
         if is_lm:
             self.reset_tile_maximum(tidx, s)
         x_base = s.x_addr
@@ -379,7 +379,8 @@ class WideMatvec:
     @cute.jit
     def epilogue_partials(self, warp: Int32, lane: Int32, op: Int32, layer: Int32, a0: Int32, c0: Int32, nr0: Int32,
                           kpart: Int32, acc: cute.Tensor, p):
-        """A K range's tile: its float32 partials into part_<stage>[l, kpart] (MV_REDUCE scales and closes them)."""
+        """A K range's tile: its float32 partials into part_<stage>[l, kpart] (MV_REDUCE closes O_PROJ's and
+        DOWN's; the attention sums QKV's, times the RMS scale)."""
         B, G, NA = self.B, self.wide_groups, self.group_accumulators()
         GS = WIDE_WARPS * ITEM_ROWS
         g = lane // 4
