@@ -41,9 +41,9 @@ from ..instructions.matvec_stages import weight_rows
 from ..instructions.opcodes import Opcode
 from ..instructions.split_k import REDUCED_STAGES, k_splits
 from .matvec import silu
-from .ptx import (bulk_copy_g2s, globaltimer_lo, ld_bf16, ld_f32, load_f32x4, load_shared_raw, mbarrier_arrive,
-                  mbarrier_arrive_expect_tx, policy_evict_last, rsqrt, st_bf16, st_f32, st_i32, warp_max_index,
-                  wgmma_bf16_rs, wgmma_desc)
+from .ptx import (bulk_copy_g2s, globaltimer_lo, ld_bf16, ld_f32, load_f32x4, load_nc_b32x2, load_shared_raw,
+                  mbarrier_arrive, mbarrier_arrive_expect_tx, pack_bf16x2, policy_evict_last, rsqrt, st_b32x2, st_bf16,
+                  st_f32, st_f32x4, st_i32, unpack_bf16x2, warp_max_index, wgmma_bf16_rs, wgmma_desc)
 from .stream import (ITEM_ROWS, M_TILE, SLAB_COLS, SLOT_BYTES, TR_CONSUMED, TR_LANDED_FIRST, TR_LANDED_LAST, TR_STAGED,
                      TR_REACHED_LAST, TR_STAGING, TR_WAIT_LANDED, WGMMA_LBO, WGMMA_SBO, WIDE_WARPS, m_tiles, mark_hop,
                      wide_ks_bytes)
@@ -511,17 +511,22 @@ class WideMatvec:
     def mv_reduce(self, tidx: Int32, layer: Int32, a0: Int32, a1: Int32, op: Int32, E: Int32, p, rec: Int64):
         """MV_REDUCE: rows a0 .. a0 + a1 of split stage `op` (O_PROJ or DOWN), its E ranges' partials added in range
         order, the residual added, then the stage's epilogue with the pre-staged copy of its output (wide_output)
-        and the sums of squares of every 8 rows (a shuffle sum over 8 lanes); one thread per output, consecutive
-        threads on consecutive rows of a sequence. Every load of a round first (up to EM ranges, the most any stage
-        it closes splits into, for U outputs a thread, with the residual rows and the next stage's norm weight),
-        then the sums in range order and the stores: one memory round trip a round, where a load per range and
-        output took one each and a residual loaded after the previous output's stores another (the same bits: the
-        same additions in the same order). A warp's lanes take every round together (the shuffles need the whole
-        warp). With KernelOptions.trace: when it starts (TR_STAGED) and when the last round's stores are issued
-        (TR_CONSUMED) in its trace record (rec)."""
+        and the sums of squares of every 8 rows. A thread takes a quad of consecutive rows of a sequence: each
+        range's partials of the quad are one 16-byte load, issued with the residual's (16 bytes) and the norm
+        weight's (8) before any sum, so a round is one memory round trip for 4 x the threads' outputs whatever E is;
+        the stores are 16 bytes (h or x) and 8 (the pre-staged copy: 4 columns of a sequence are 8 contiguous bytes
+        of its core-matrix row). An 8-row sum of squares is a quad's (s0 + s1) + (s2 + s3) plus the neighbour lane's
+        (a0 and a1 are multiples of 8, so a quad pair starts on an even lane). One row a thread took 16 // E outputs
+        a thread a round: the quads made MV_REDUCE 4.2 -> 2.4 us (O_PROJ) and 4.3 -> 2.9 us (DOWN) a layer at
+        llama-3.2-1b 64, and the step 1.660 -> 1.608 ms there, llama-3.1-8b 64 7.545 -> 7.310, 32 6.600 -> 6.476,
+        llama-3.2-1b 32 1.448 -> 1.419, qwen3-0.6b 64 1.685 -> 1.659, level at qwen3-0.6b 32 (one round either way;
+        H100, profiles/RESULTS.md, 2026-12-08). The same additions in the same order as one row a thread, but not
+        the same bits (logits 2-4e-3 apart, relative): PTX's mul.f32 and add.f32 leave ptxas free to fuse a square
+        into its first addition, which it does in the quad's own sums; the stage tests hold either to float64. A
+        warp's lanes take every round together (the shuffle needs the whole warp). With KernelOptions.trace: when it starts (TR_STAGED) and when the last round's stores are
+        issued (TR_CONSUMED) in its trace record (rec)."""
         B, H = self.B, self.H
         EM = max(k_splits(self.layout, code) for code in REDUCED_STAGES)
-        U = max(1, 16 // EM)
         l64 = Int64(layer)
         part_addr, part_rows, _ = self.part_buffer(op, p)
         res_addr = p.x                                    # the residual: O_PROJ x[l], DOWN h[l]
@@ -531,55 +536,60 @@ class WideMatvec:
             if tidx == 0:
                 st_i32(rec + TR_STAGED * 4, globaltimer_lo())
         wout, gamma, ssq_out = self.wide_output(op, layer, p)
-        n = a1 * B                                        # a multiple of 8: a1 is
+        q1 = a1 // 4                                      # quads of a sequence's rows (even: a1 is a multiple of 8)
+        nq = q1 * B
         step = Int64(B) * part_rows                       # range e of a row is e * B rows of part further on
-        for i0 in range(tidx, (n + 31) // 32 * 32, self.cthreads * U):
-            pv = cute.make_rmem_tensor((U * EM,), Float32)   # the partials
-            nw = cute.make_rmem_tensor((U,), Float32)        # the next stage's norm weight
-            rv = cute.make_rmem_tensor((U,), Float32)        # the residual
-            for u in cutlass.range_constexpr(U):
-                nw[u] = Float32(1.0)
-                rv[u] = Float32(0.0)
+        for q in range(tidx, (nq + 31) // 32 * 32, self.cthreads):
+            pv = cute.make_rmem_tensor((4 * EM,), Float32)   # the partials, range by range
+            rv = cute.make_rmem_tensor((4,), Float32)        # the residual
+            nw = cute.make_rmem_tensor((2,), Int32)          # the next stage's norm weight, 4 packed bf16
+            for c in cutlass.range_constexpr(4):
+                rv[c] = Float32(0.0)
                 for e in cutlass.range_constexpr(EM):
-                    pv[u * EM + e] = Float32(0.0)
-                i = i0 + u * self.cthreads
-                if i < n:
-                    b = i // a1
-                    j = i - b * a1
-                    nw[u] = ld_bf16(gamma + Int64(a0 + j) * 2)
-                    rv[u] = ld_f32(res_addr + ((l64 * B + Int64(b)) * H + Int64(a0 + j)) * 4)
-                    at = part_addr + ((l64 * E * B + Int64(b)) * part_rows + Int64(a0 + j)) * 4
-                    for e in cutlass.range_constexpr(EM):
-                        if e < E:
-                            pv[u * EM + e] = ld_f32(at + Int64(e) * step * 4)
-            sq = cute.make_rmem_tensor((U,), Float32)        # the outputs' squares
-            for u in cutlass.range_constexpr(U):
-                sq[u] = Float32(0.0)
-                i = i0 + u * self.cthreads
-                if i < n:
-                    b = i // a1
-                    r = a0 + i - b * a1
+                    pv[e * 4 + c] = Float32(0.0)
+            nw[0] = Int32(0)
+            nw[1] = Int32(0)
+            b = q // q1
+            r = a0 + 4 * (q - b * q1)
+            if q < nq:
+                w = load_nc_b32x2(gamma + Int64(r) * 2)
+                nw[0] = w[0]
+                nw[1] = w[1]
+                x = load_f32x4(res_addr + ((l64 * B + Int64(b)) * H + Int64(r)) * 4)
+                for c in cutlass.range_constexpr(4):
+                    rv[c] = x[c]
+                at = part_addr + ((l64 * E * B + Int64(b)) * part_rows + Int64(r)) * 4
+                for e in cutlass.range_constexpr(EM):
+                    if e < E:
+                        y4 = load_f32x4(at + Int64(e) * step * 4)
+                        for c in cutlass.range_constexpr(4):
+                            pv[e * 4 + c] = y4[c]
+            sq = cute.make_rmem_tensor((4,), Float32)        # the outputs' squares
+            for c in cutlass.range_constexpr(4):
+                sq[c] = Float32(0.0)
+            if q < nq:
+                g01 = unpack_bf16x2(nw[0])
+                g23 = unpack_bf16x2(nw[1])
+                v = cute.make_rmem_tensor((4,), Float32)
+                for c in cutlass.range_constexpr(4):
                     y = Float32(0.0)
                     for e in cutlass.range_constexpr(EM):
                         if e < E:
-                            y = y + pv[u * EM + e]
-                    hrow = (l64 * B + Int64(b)) * H + Int64(r)
-                    v = rv[u] + y
-                    if op == OP_O_PROJ:
-                        st_f32(p.h + hrow * 4, v)
-                    if op == OP_DOWN:
-                        st_f32(p.x + (hrow + Int64(B * H)) * 4, v)
-                    st_bf16(wout + Int64(wide_x_byte(b, r, B)), v * nw[u])
-                    sq[u] = v * v
-            # the sums of squares of every 8 rows: 8 consecutive lanes (a1 and a0 are multiples of 8)
-            for u in cutlass.range_constexpr(U):
-                tot = sq[u]
-                for off in (1, 2, 4):
-                    tot = tot + cute.arch.shuffle_sync_bfly(tot, offset=off)
-                i = i0 + u * self.cthreads
-                if i < n and i % 8 == 0:
-                    b = i // a1
-                    st_f32(ssq_out + (Int64(b) * (H // 8) + Int64((a0 + i - b * a1) // 8)) * 4, tot)
+                            y = y + pv[e * 4 + c]
+                    v[c] = rv[c] + y
+                    sq[c] = v[c] * v[c]
+                hrow = (l64 * B + Int64(b)) * H + Int64(r)
+                if op == OP_O_PROJ:
+                    st_f32x4(p.h + hrow * 4, v[0], v[1], v[2], v[3])
+                if op == OP_DOWN:
+                    st_f32x4(p.x + (hrow + Int64(B * H)) * 4, v[0], v[1], v[2], v[3])
+                st_b32x2(wout + Int64(wide_x_byte(b, r, B)), pack_bf16x2(v[0] * g01[0], v[1] * g01[1]),
+                         pack_bf16x2(v[2] * g23[0], v[3] * g23[1]))
+            # the sums of squares of every 8 rows: this quad's, then its neighbour lane's
+            tot = (sq[0] + sq[1]) + (sq[2] + sq[3])
+            tot = tot + cute.arch.shuffle_sync_bfly(tot, offset=1)
+            if q < nq and q % 2 == 0:
+                st_f32(ssq_out + (Int64(b) * (H // 8) + Int64(r // 8)) * 4, tot)
         if cutlass.const_expr(self.options.trace):
             if tidx == 0:
                 st_i32(rec + TR_CONSUMED * 4, globaltimer_lo())

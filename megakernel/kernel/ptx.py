@@ -400,6 +400,12 @@ def st_b32x4(addr: Int64, v0: Int32, v1: Int32, v2: Int32, v3: Int32):
 
 
 @cute.jit
+def st_b32x2(addr: Int64, v0: Int32, v1: Int32):
+    """Two raw 32-bit words to global memory (8-byte aligned), e.g. 4 packed bf16."""
+    cute.arch.inline_ptx("st.global.v2.b32 [{$r0}], {{$r1}, {$r2}};", read_only_args=[addr, v0, v1])
+
+
+@cute.jit
 def st_i32(addr: Int64, v: Int32):
     cute.arch.inline_ptx("st.global.b32 [{$r0}], {$r1};", read_only_args=[addr, v])
 
