@@ -523,8 +523,8 @@ class WideMatvec:
         H100, profiles/RESULTS.md, 2026-12-08). The same additions in the same order as one row a thread, but not
         the same bits (logits 2-4e-3 apart, relative): PTX's mul.f32 and add.f32 leave ptxas free to fuse a square
         into its first addition, which it does in the quad's own sums; the stage tests hold either to float64. A
-        warp's lanes take every round together (the shuffle needs the whole warp). With KernelOptions.trace: when it starts (TR_STAGED) and when the last round's stores are
-        issued (TR_CONSUMED) in its trace record (rec)."""
+        warp's lanes take every round together (the shuffle needs the whole warp). With KernelOptions.trace: when
+        it starts (TR_STAGED) and when the last round's stores are issued (TR_CONSUMED) in its trace record (rec)."""
         B, H = self.B, self.H
         EM = max(k_splits(self.layout, code) for code in REDUCED_STAGES)
         l64 = Int64(layer)
